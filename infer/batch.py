@@ -1,0 +1,69 @@
+"""The packed token layout shared by the model and the WKV implementations."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class PackedBatch:
+    """B rows of different lengths packed end to end (no padding).
+
+    Row ``i`` owns tokens ``tokens[starts[i] : starts[i] + lens[i]]`` and reads/writes state
+    slot ``slots[i]``. A decode step is the special case where every length is 1.
+    """
+
+    tokens: torch.Tensor   # [T] int64, on the model's device
+    slots: torch.Tensor    # [B] int64
+    lens: list[int]        # host copy of the row lengths
+    starts: torch.Tensor   # [B] index of each row's first token
+    last: torch.Tensor     # [B] index of each row's last token
+    _steps: list[torch.Tensor] | None = field(default=None, repr=False)
+    _order: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[int]], slots: Sequence[int], device: torch.device | str) -> "PackedBatch":
+        if len(rows) != len(slots):
+            raise ValueError(f"{len(rows)} rows but {len(slots)} slots")
+        if len(set(slots)) != len(slots):
+            raise ValueError("a slot may appear only once in a batch")
+        lens = [len(r) for r in rows]
+        if not lens or min(lens) < 1:
+            raise ValueError("every row needs at least one token")
+        flat = [t for r in rows for t in r]
+        starts, total = [], 0
+        for n in lens:
+            starts.append(total)
+            total += n
+        return cls(
+            tokens=torch.tensor(flat, dtype=torch.long, device=device),
+            slots=torch.tensor(list(slots), dtype=torch.long, device=device),
+            lens=lens,
+            starts=torch.tensor(starts, dtype=torch.long, device=device),
+            last=torch.tensor([s + n - 1 for s, n in zip(starts, lens)], dtype=torch.long, device=device),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def time_steps(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """For step-by-step recurrences: rows ordered longest first, and for each time step
+        the packed indices of that step's tokens for the rows still running (a prefix of
+        the order)."""
+        if self._steps is None:
+            order = sorted(range(self.num_rows), key=lambda i: -self.lens[i])
+            starts = self.starts.tolist()
+            steps = []
+            for t in range(max(self.lens)):
+                steps.append([starts[i] + t for i in order if self.lens[i] > t])
+            device = self.tokens.device
+            self._order = torch.tensor(order, dtype=torch.long, device=device)
+            self._steps = [torch.tensor(s, dtype=torch.long, device=device) for s in steps]
+        return self._order, self._steps

@@ -1,0 +1,46 @@
+"""Linear layers of the runtime. Quantized formats plug in by providing another class with
+the same call signature; the model code never changes.
+
+All weights are kept in ``nn.Linear`` layout ``[out, in]`` and applied as ``x @ W.T``.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+# CPU BLAS picks different kernels (and summation orders) for very small row counts, so a
+# row's result would depend on how many other rows share the call. Padding small calls to
+# this many rows makes every row's result independent of the batch (measured on oneDNN/MKL:
+# row counts 1-3, 5-7 and 9-11 disagree with larger calls; 16 and above agree).
+CPU_MIN_ROWS = 16
+
+
+class Linear(Protocol):
+    """``y = x @ W.T`` for x of shape [M, in]; implementations may store W in any format."""
+
+    in_features: int
+    out_features: int
+    kind: str  # shown in the startup log
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseLinear:
+    """Plain weights in the activation dtype (fp32 on CPU, fp16/bf16 on GPU)."""
+
+    kind = "dense"
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.contiguous()
+        self.out_features, self.in_features = weight.shape
+        self.kind = f"dense {str(weight.dtype).removeprefix('torch.')}"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if x.device.type == "cpu" and rows < CPU_MIN_ROWS:
+            padded = x.new_zeros((CPU_MIN_ROWS, x.shape[1]))
+            padded[:rows] = x
+            return F.linear(padded, self.weight)[:rows]
+        return F.linear(x, self.weight)
