@@ -186,22 +186,30 @@ class Engine:
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         while not self._stop:
-            self._take_inbox()
-            self._drop_cancelled()
-            self._admit()
-            if not self._running:
+            if not self.run_once():
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
-                continue
-            started = time.monotonic()
-            try:
-                self._step()
-            except Exception:
-                log.exception("engine step failed; failing the rows of this step")
-                for row in list(self._running):
-                    self._finish(row, "error", replay=False)
-            self.steps += 1
-            self.metrics.step_seconds.observe(time.monotonic() - started)
+
+    def run_once(self) -> bool:
+        """One scheduling round and, if any row is running, one model step. Returns False when idle.
+
+        Called by the worker thread; tests call it directly (without ``start``) to control timing.
+        """
+        self._take_inbox()
+        self._drop_cancelled()
+        self._admit()
+        if not self._running:
+            return False
+        started = time.monotonic()
+        try:
+            self._step()
+        except Exception:
+            log.exception("engine step failed; failing every running row")
+            for row in list(self._running):
+                self._finish(row, "error", replay=False)
+        self.steps += 1
+        self.metrics.step_seconds.observe(time.monotonic() - started)
+        return True
 
     def _take_inbox(self) -> None:
         while True:

@@ -1,0 +1,120 @@
+"""RWKV-7 inference server: parse options, load the model, start the engine, serve HTTP.
+
+    python app.py                                  # built-in demo model (random, untrained)
+    python app.py --model-path /models/rwkv7-g1-1.5b.pth --port 8000 --password secret
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("rwkv7-server")
+
+INFERENCE_ENGINES = ("fp16", "cutlass", "gemlite")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="RWKV-7 batch inference server (OpenAI and rwkv_lightning compatible)",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model-path", help="RWKV-7 x070 checkpoint (.pth or .safetensors, extension optional); "
+                                         "omitted: a small built-in demo model with random weights")
+    ap.add_argument("--inference-engine", "--backend", dest="inference_engine", choices=INFERENCE_ENGINES,
+                    default="fp16", help="linear-layer implementation: fp16 (dense half precision), cutlass (W8A16), "
+                                         "gemlite (A16W8/A16W4)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--password", default=os.environ.get("RWKV_PASSWORD"),
+                    help="require this password (Bearer header or body 'password'); defaults to $RWKV_PASSWORD so "
+                         "it need not appear in the process list")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when present")
+    ap.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None,
+                    help="weights/activations; default fp32 on CPU, fp16 on CUDA")
+    ap.add_argument("--state-dtype", choices=("fp32", "fp16"), default="fp32", help="storage of the WKV state")
+    ap.add_argument("--wkv", choices=("auto", "cuda", "torch"), default="auto",
+                    help="WKV recurrence implementation: auto picks the CUDA kernel on GPUs when it builds")
+    ap.add_argument("--max-batch-size", type=int, default=None,
+                    help="state slots = rows running at once; default: 16 on CPU, from free memory on GPU")
+    ap.add_argument("--prefill-chunk-size", type=int, default=512,
+                    help="prompt tokens per engine step (running streams wait at most one chunk)")
+    ap.add_argument("--max-queued-requests", type=int, default=1024, help="beyond this, requests get HTTP 429")
+    ap.add_argument("--max-tokens", type=int, default=8192, help="upper limit for a request's max_tokens")
+    ap.add_argument("--max-prompt-tokens", type=int, default=131072, help="upper limit for one prompt")
+    ap.add_argument("--max-rows-per-request", type=int, default=256, help="upper limit for prompts in one request")
+    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return ap
+
+
+def default_slots(model, device: str, wkv_dtype) -> int:
+    """Slots that fit in half of the free GPU memory (capped at 1024); 16 on CPU."""
+    import torch
+    if torch.device(device).type != "cuda":
+        return 16
+    free, _ = torch.cuda.mem_get_info()
+    per_slot = model.new_state_pool(1, wkv_dtype).bytes_per_slot + 4 * model.config.vocab_size * 2
+    return max(1, min(1024, int(free * 0.5) // per_slot))
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch
+    import uvicorn
+
+    from infer.api.server import ServerContext, ServerLimits, create_app
+    from infer.checkpoint import CheckpointError
+    from infer.engine import Engine
+    from infer.model import RWKV7, default_device
+    from infer.ops.wkv_cuda import select_wkv
+    from infer.random_model import ensure_demo_model
+    from infer.runner import ModelRunner
+    from infer.tokenizer import load_world_tokenizer
+
+    if args.inference_engine != "fp16":
+        sys.exit(f"--inference-engine {args.inference_engine} is not available in this build yet; use fp16")
+    device = default_device() if args.device == "auto" else args.device
+    if args.model_path:
+        model_path, model_name = args.model_path, Path(args.model_path).name.removesuffix(".pth").removesuffix(
+            ".safetensors")
+    else:
+        model_path, model_name = str(ensure_demo_model()), "rwkv7-demo-untrained"
+        log.warning("no --model-path given: serving the built-in DEMO model with RANDOM, UNTRAINED weights; "
+                    "its output is gibberish. Pass --model-path for a real model.")
+    try:
+        model = RWKV7.load(model_path, device=device, dtype=args.dtype)
+    except (CheckpointError, RuntimeError, ValueError) as e:
+        sys.exit(f"cannot load model: {e}")
+    model.wkv = select_wkv(model.device, args.wkv)
+    wkv_dtype = torch.float16 if args.state_dtype == "fp16" else torch.float32
+    slots = args.max_batch_size or default_slots(model, device, wkv_dtype)
+    runner = ModelRunner(model, slots, wkv_dtype)
+    for part, impl in runner.implementations().items():
+        log.info("%-8s %s", part, impl)
+    engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=args.prefill_chunk_size,
+                    max_queued_requests=args.max_queued_requests)
+    if args.password is None and not is_loopback(args.host):
+        log.warning("listening on %s without a password: anyone who can reach this port can use the server",
+                    args.host)
+    limits = ServerLimits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                          max_rows=args.max_rows_per_request)
+    app = create_app(ServerContext(engine, load_world_tokenizer(), model_name, args.password, limits))
+    engine.start()
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

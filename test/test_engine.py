@@ -1,0 +1,299 @@
+"""The engine on CPU with a tiny random model: continuous batching, stops, cancellation, backpressure.
+
+Most tests drive the engine with ``run_once`` (no thread) so joins happen at known steps.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from infer.engine import Engine, GenerationOptions, QueueFullError, Request, RowFinished, RowText
+from infer.model import RWKV7
+from infer.random_model import make_config, random_state_dict
+from infer.runner import ModelRunner
+from infer.sampler import SamplingParams
+from infer.tokenizer import load_world_tokenizer
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    sd = random_state_dict(make_config(2, 128, 65536), seed=21, dtype=torch.float32)
+    return RWKV7.from_state_dict(sd, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_world_tokenizer()
+
+
+def make_engine(model, tokenizer, slots=8, chunk=16, queue=64) -> Engine:
+    return Engine(ModelRunner(model, slots), tokenizer, prefill_chunk_size=chunk, max_queued_requests=queue)
+
+
+class Collector:
+    def __init__(self):
+        self.events = []
+        self.done = threading.Event()
+        self.request: Request | None = None
+
+    def __call__(self, event):
+        self.events.append(event)
+        if isinstance(event, RowFinished) and self.request.unfinished == 0:
+            self.done.set()
+
+    def text(self, index=0) -> str:
+        return "".join(e.text for e in self.events if e.index == index)
+
+    def tokens(self, index=0) -> list[int]:
+        return [e.token_id for e in self.events if isinstance(e, RowText) and e.index == index]
+
+    def finished(self, index=0) -> RowFinished:
+        return next(e for e in self.events if isinstance(e, RowFinished) and e.index == index)
+
+
+def submit(engine, prompts, **options) -> Collector:
+    c = Collector()
+    c.request = Request(prompts, GenerationOptions(**options), c)
+    engine.submit(c.request)
+    return c
+
+
+def drain(engine, *collectors, limit=2000):
+    for _ in range(limit):
+        if all(c.done.is_set() for c in collectors):
+            return
+        engine.run_once()
+    raise AssertionError("engine did not finish")
+
+
+def run_alone(model, tokenizer, prompt, **options) -> Collector:
+    engine = make_engine(model, tokenizer)
+    c = submit(engine, [prompt], **options)
+    drain(engine, c)
+    return c
+
+
+PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived",
+           "def main():\n    print(", "你好，世界", "1, 2, 3, 4, 5,"]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7,
+                                                             alpha_presence=0.5, alpha_frequency=0.2,
+                                                             alpha_decay=0.99)])
+def test_batch_invariance_with_staggered_joins(model, tokenizer, sampling):
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    alone = [run_alone(model, tokenizer, p, max_tokens=12, sampling=sampling).tokens() for p in prompts]
+    engine = make_engine(model, tokenizer, slots=4, chunk=5)
+    collectors = []
+    for i, p in enumerate(prompts):  # join one by one, at different steps, some while others decode
+        collectors.append(submit(engine, [p], max_tokens=12, sampling=sampling))
+        for _ in range(i + 1):
+            engine.run_once()
+    drain(engine, *collectors)
+    assert [c.tokens() for c in collectors] == alone
+    assert all(len(t) == 12 for t in alone)
+
+
+def test_one_request_many_rows_equals_separate_requests(model, tokenizer):
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    engine = make_engine(model, tokenizer)
+    c = submit(engine, prompts, max_tokens=8, sampling=GREEDY)
+    drain(engine, c)
+    for i, p in enumerate(prompts):
+        assert c.tokens(i) == run_alone(model, tokenizer, p, max_tokens=8, sampling=GREEDY).tokens()
+
+
+def test_long_prompt_is_chunked_and_streams_keep_flowing(model, tokenizer):
+    engine = make_engine(model, tokenizer, chunk=8)
+    streaming = submit(engine, [tokenizer.encode("Hello")], max_tokens=40, sampling=GREEDY)
+    engine.run_once()
+    engine.run_once()
+    long_prompt = tokenizer.encode("A long document. " * 30)
+    assert len(long_prompt) > 60
+    late = submit(engine, [long_prompt], max_tokens=5, sampling=GREEDY)
+    before = len(streaming.tokens())
+    steps = 0
+    while not late.tokens():
+        engine.run_once()
+        steps += 1
+        assert len(streaming.tokens()) == before + steps, "a running stream missed a step"
+    assert steps == -(-len(long_prompt) // 8)  # ceil: one chunk of 8 prompt tokens per step
+    drain(engine, streaming, late)
+    assert late.tokens() == run_alone(model, tokenizer, long_prompt, max_tokens=5, sampling=GREEDY).tokens()
+
+
+def reference_output(model, tokenizer, prompt, n=40):
+    c = run_alone(model, tokenizer, prompt, max_tokens=n, sampling=GREEDY)
+    return c.tokens(), c.text()
+
+
+def test_finish_length_and_counts(model, tokenizer):
+    prompt = tokenizer.encode("Count:")
+    c = run_alone(model, tokenizer, prompt, max_tokens=9, sampling=GREEDY)
+    done = c.finished()
+    assert (done.finish_reason, done.completion_tokens, done.prompt_tokens) == ("length", 9, len(prompt))
+    assert c.text() == tokenizer.decode(c.tokens())
+
+
+def test_long_stop_string_across_many_tokens(model, tokenizer):
+    prompt = tokenizer.encode("Stop test")
+    tokens, text = reference_output(model, tokenizer, prompt)
+    pieces = [tokenizer.decode([t]) for t in tokens]
+    start = len("".join(pieces[:5]))
+    stop = "".join(pieces[5:17])  # 12 tokens long
+    assert len(tokenizer.encode(stop)) > 10
+    c = run_alone(model, tokenizer, prompt, max_tokens=40, sampling=GREEDY, stop=[stop])
+    assert c.text() == text[:start]
+    assert c.finished().finish_reason == "stop" and c.finished().matched_stop == stop
+    assert c.finished().completion_tokens == 17
+
+
+def test_stop_string_ending_mid_token(model, tokenizer):
+    prompt = tokenizer.encode("Mid token")
+    tokens, text = reference_output(model, tokenizer, prompt)
+    pieces = [tokenizer.decode([t]) for t in tokens]
+    k = next(i for i in range(3, len(pieces)) if len(pieces[i]) >= 3)  # a multi-character token
+    begin = len("".join(pieces[:k - 1]))
+    stop = text[begin: len("".join(pieces[:k])) + 1]  # from token k-1 into the first char of token k
+    c = run_alone(model, tokenizer, prompt, max_tokens=40, sampling=GREEDY, stop=[stop])
+    assert c.text() == text[:begin]
+    assert c.finished().completion_tokens == k + 1
+
+
+def test_stop_string_not_generated_never_truncates(model, tokenizer):
+    prompt = tokenizer.encode("No stop")
+    tokens, text = reference_output(model, tokenizer, prompt, n=20)
+    c = run_alone(model, tokenizer, prompt, max_tokens=20, sampling=GREEDY, stop=["\u2603never-appears\u2603"])
+    assert c.text() == text and c.finished().finish_reason == "length"
+
+
+def test_stop_token_ids_and_end_of_document(model, tokenizer):
+    prompt = tokenizer.encode("Token stops")
+    tokens, text = reference_output(model, tokenizer, prompt, n=20)
+    c = run_alone(model, tokenizer, prompt, max_tokens=20, sampling=GREEDY, stop_token_ids=[tokens[6]])
+    assert c.tokens() == tokens[:6] and c.finished().matched_stop == tokens[6]
+    assert c.finished().completion_tokens == 7
+    eod = run_alone(model, tokenizer, prompt, max_tokens=20,
+                    sampling=SamplingParams(temperature=0, logit_bias={0: 1000.0}))
+    assert eod.tokens() == [] and eod.finished().finish_reason == "stop" and eod.finished().matched_stop == 0
+
+
+def test_seeded_sampling_is_reproducible(model, tokenizer):
+    prompt = tokenizer.encode("Random words:")
+    sampling = lambda seed: SamplingParams(temperature=1.0, seed=seed)  # noqa: E731
+    a = run_alone(model, tokenizer, prompt, max_tokens=16, sampling=sampling(1)).tokens()
+    b = run_alone(model, tokenizer, prompt, max_tokens=16, sampling=sampling(1)).tokens()
+    c = run_alone(model, tokenizer, prompt, max_tokens=16, sampling=sampling(2)).tokens()
+    assert a == b and a != c
+
+
+def test_cancel_while_queued(model, tokenizer):
+    engine = make_engine(model, tokenizer, slots=1)
+    running = submit(engine, [tokenizer.encode("first")], max_tokens=50, sampling=GREEDY)
+    engine.run_once()
+    queued = submit(engine, [tokenizer.encode("second")], max_tokens=5)
+    engine.run_once()
+    assert engine.queued_requests == 1
+    engine.cancel(queued.request)
+    engine.run_once()
+    assert queued.finished().finish_reason == "cancelled" and engine.queued_requests == 0
+    assert not running.done.is_set()
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_cancel_frees_the_slot_within_one_step(model, tokenizer, phase):
+    engine = make_engine(model, tokenizer, slots=2, chunk=4)
+    c = submit(engine, [tokenizer.encode("x " * 40)], max_tokens=100, sampling=GREEDY)
+    engine.run_once()
+    if phase == "decode":
+        while not c.tokens():
+            engine.run_once()
+    assert engine.free_slots == 1
+    steps = engine.steps
+    engine.cancel(c.request)
+    engine.run_once()
+    assert engine.free_slots == 2 and engine.running_rows == 0
+    assert engine.steps == steps, "no model work may run for a cancelled row"
+    assert c.finished().finish_reason == "cancelled"
+
+
+def test_queue_full_is_rejected(model, tokenizer):
+    engine = make_engine(model, tokenizer, slots=1, queue=2)
+    submit(engine, [[1]], max_tokens=5)
+    submit(engine, [[2]], max_tokens=5)
+    with pytest.raises(QueueFullError):
+        submit(engine, [[3]], max_tokens=5)
+    engine.run_once()  # one admitted: room again
+    submit(engine, [[4]], max_tokens=5)
+
+
+def test_small_request_not_blocked_behind_large_one(model, tokenizer):
+    engine = make_engine(model, tokenizer, slots=2)
+    big = submit(engine, [[5, 6]] * 6, max_tokens=30, sampling=GREEDY)
+    small = submit(engine, [[7, 8]], max_tokens=2, sampling=GREEDY)
+    for _ in range(40):
+        engine.run_once()
+        if small.done.is_set():
+            break
+    assert small.done.is_set() and not big.done.is_set()
+
+
+def state_after(model, tokens):
+    pool = model.new_state_pool(1)
+    model.prefill([tokens], [0], pool)
+    return pool.export_slot(0)
+
+
+def assert_same_state(a, b, tol=1e-5):
+    assert all((x - y).abs().max().item() <= tol for x, y in zip(a.to_official(), b.to_official()))
+
+
+def test_kept_state_ends_where_visible_text_ends(model, tokenizer):
+    prompt = tokenizer.encode("State test")
+    tokens, text = reference_output(model, tokenizer, prompt)
+    pieces = [tokenizer.decode([t]) for t in tokens]
+    # length finish: state includes every generated token
+    c = run_alone(model, tokenizer, prompt, max_tokens=6, sampling=GREEDY, keep_state=True)
+    assert_same_state(c.finished().state, state_after(model, prompt + tokens[:6]))
+    # stop string on a token boundary: state excludes the stop string's tokens
+    stop = "".join(pieces[8:11])
+    c = run_alone(model, tokenizer, prompt, max_tokens=40, sampling=GREEDY, stop=[stop], keep_state=True)
+    assert c.text() == "".join(pieces[:8])
+    assert_same_state(c.finished().state, state_after(model, prompt + tokens[:8]))
+    # stop token: not part of the state
+    c = run_alone(model, tokenizer, prompt, max_tokens=40, sampling=GREEDY, stop_token_ids=[tokens[4]],
+                  keep_state=True)
+    assert_same_state(c.finished().state, state_after(model, prompt + tokens[:4]))
+
+
+def test_kept_state_with_stop_inside_a_token(model, tokenizer):
+    prompt = tokenizer.encode("State test two")
+    tokens, text = reference_output(model, tokenizer, prompt)
+    pieces = [tokenizer.decode([t]) for t in tokens]
+    k = next(i for i in range(3, len(pieces)) if len(pieces[i]) >= 3)
+    visible = "".join(pieces[:k]) + pieces[k][:1]     # stop begins after the first char of token k
+    stop = pieces[k][1:] + "".join(pieces[k + 1:k + 3])
+    c = run_alone(model, tokenizer, prompt, max_tokens=40, sampling=GREEDY, stop=[stop], keep_state=True)
+    assert c.text() == visible
+    want = state_after(model, prompt + tokens[:k] + tokenizer.encode(pieces[k][:1]))
+    assert_same_state(c.finished().state, want)
+
+
+def test_worker_thread_serves_concurrent_requests(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    engine.start()
+    try:
+        collectors = [submit(engine, [tokenizer.encode(p)], max_tokens=10, sampling=GREEDY) for p in PROMPTS]
+        for c in collectors:
+            assert c.done.wait(30)
+        assert [c.tokens() for c in collectors] == [run_alone(model, tokenizer, tokenizer.encode(p), max_tokens=10,
+                                                              sampling=GREEDY).tokens() for p in PROMPTS]
+    finally:
+        engine.shutdown()
+    text = engine.metrics.registry.get_sample_value("rwkv_generated_tokens_total")
+    assert text == 50
+    assert engine.metrics.registry.get_sample_value("rwkv_time_to_first_token_seconds_count") == 5
