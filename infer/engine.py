@@ -62,7 +62,15 @@ class RowFinished:
     matched_stop: str | int | None = None
 
 
-Event = RowText | RowFinished
+@dataclass
+class PromptLogprobs:
+    """Log-probabilities of a row's prompt tokens (``entries[0]`` is None: nothing predicts the first)."""
+
+    index: int
+    entries: list[TokenLogprob | None]
+
+
+Event = RowText | RowFinished | PromptLogprobs
 
 
 @dataclass
@@ -73,6 +81,7 @@ class GenerationOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logprobs: bool = False       # report the chosen token's logprob (and sampling.logprobs alternatives)
     keep_state: bool = False     # hand back the final state (sessions); it ends where the visible text ends
+    prompt_logprobs: int | None = None  # score the prompt: None = off, N = also the top N alternatives
 
 
 class Request:
@@ -120,6 +129,7 @@ class _Row:
         self.initial: SlotState | None = None           # kept for REPLAY
         self.last_token_at = 0.0
         self.pending_finish: RowFinished | None = None
+        self.prompt_scores: list[TokenLogprob | None] = [None]
 
 
 class Engine:
@@ -262,24 +272,35 @@ class Engine:
                 samples.append(True)
                 rows.append(row)
         budget = self.prefill_chunk_size
+        score: dict[int, tuple[list[int], int]] = {}
         for row in self._running:
             if row.phase is Phase.DECODE or budget <= 0:
                 continue
             n = min(budget, len(row.feed) - row.pos)
             feeds.append(row.feed[row.pos:row.pos + n])
             slots.append(row.slot)
+            top_n = row.request.options.prompt_logprobs
+            if row.phase is Phase.PREFILL and top_n is not None:
+                score[len(rows)] = (row.feed[row.pos + 1:row.pos + n + 1], top_n)
             row.pos += n
             budget -= n
-            samples.append(row.phase is Phase.PREFILL and row.pos == len(row.feed))
+            done = row.pos == len(row.feed)
+            samples.append(row.phase is Phase.PREFILL and done and row.request.options.max_tokens > 0)
             rows.append(row)
             if row.phase is Phase.PREFILL:
                 self.metrics.prompt_tokens.inc(n)
         want_logprobs = any(r.request.options.logprobs for r, s in zip(rows, samples) if s)
-        out = self.runner.step(feeds, slots, samples, want_logprobs=want_logprobs)
+        out = self.runner.step(feeds, slots, samples, want_logprobs=want_logprobs, score=score)
         self.metrics.step_rows.observe(len(rows))
         now = time.monotonic()
         sampled = iter(range(len(out.tokens)))
-        for row, sample in zip(rows, samples):
+        for position, (row, sample) in enumerate(zip(rows, samples)):
+            if position in out.scores:
+                row.prompt_scores += [TokenLogprob(t, lp, top) for t, (lp, top) in
+                                      zip(score[position][0], out.scores[position])]
+            prompt_done = row.phase is Phase.PREFILL and row.pos == len(row.feed)
+            if prompt_done and row.request.options.prompt_logprobs is not None:
+                self._emit(row.request, PromptLogprobs(row.index, row.prompt_scores))
             if sample:
                 i = next(sampled)
                 lp = None
@@ -287,6 +308,8 @@ class Engine:
                     top = list(zip(out.top_ids[i], out.top_logprobs[i])) if out.top_ids is not None else []
                     lp = TokenLogprob(out.tokens[i], out.logprobs[i], top[: row.request.options.sampling.logprobs])
                 self._on_token(row, out.tokens[i], lp, now)
+            elif prompt_done:  # max_tokens == 0: scoring only
+                self._finish(row, "length")
             elif row.phase is Phase.REPLAY and row.pos == len(row.feed):
                 finished = row.pending_finish
                 finished.state = self.runner.export_state(row.slot)
@@ -345,6 +368,8 @@ class Engine:
         token must stay out; a length finish needs the last token in; after a stop string the
         state is rebuilt from the row's initial state with the visible text only.
         """
+        if not row.generated:
+            return False, []
         if reason == "length":
             return False, [row.generated[-1]]
         if isinstance(matched_stop, int):

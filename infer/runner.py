@@ -1,7 +1,7 @@
 """The model runner: one forward + sample over a batch of state slots. Knows tensors, not requests."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -20,6 +20,8 @@ class StepOutput:
     logprobs: list[float] | None
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
+    # row position -> per scored token: (logprob, [(alternative id, logprob), ...])
+    scores: dict[int, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -52,13 +54,25 @@ class ModelRunner:
         self.model.forward(PackedBatch.from_rows(rows, slots, self.model.device), self.state)
 
     def step(self, rows: Sequence[Sequence[int]], slots: Sequence[int], sample: Sequence[bool],
-             want_logprobs: bool = False) -> StepOutput:
-        """Feed each row its tokens; sample the next token for rows with ``sample[i]``."""
+             want_logprobs: bool = False, score: dict[int, tuple[Sequence[int], int]] | None = None) -> StepOutput:
+        """Feed each row its tokens; sample the next token for rows with ``sample[i]``.
+
+        ``score`` maps a row position to (targets, top_n): the log-probability of ``targets[j]``
+        given the row's tokens up to position j (raw model distribution), for prompt logprobs.
+        """
         batch = PackedBatch.from_rows(rows, slots, self.model.device)
-        logits = self.model.forward(batch, self.state)
+        logits = self.model.forward(batch, self.state, all_logits=bool(score))
+        scores = {}
+        if score:
+            all_logits, logits = logits, logits[batch.last]
+            starts = [0]
+            for n in batch.lens[:-1]:
+                starts.append(starts[-1] + n)
+            for i, (targets, top_n) in score.items():
+                scores[i] = self._score(all_logits[starts[i]:starts[i] + len(targets)], targets, top_n)
         picked = [i for i, s in enumerate(sample) if s]
         if not picked:
-            return StepOutput([], None, None, None)
+            return StepOutput([], None, None, None, scores)
         if len(picked) < len(rows):
             index = torch.tensor(picked, dtype=torch.long, device=logits.device)
             logits, sample_slots = logits[index], batch.slots[index]
@@ -70,5 +84,16 @@ class ModelRunner:
             logprobs=out.logprobs.tolist() if out.logprobs is not None else None,
             top_ids=out.top_ids.tolist() if out.top_ids is not None else None,
             top_logprobs=out.top_logprobs.tolist() if out.top_logprobs is not None else None,
+            scores=scores,
         )
 
+    @staticmethod
+    def _score(logits: torch.Tensor, targets: Sequence[int], top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        if not targets:
+            return []
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logp.gather(1, torch.tensor(targets, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+        if top_n <= 0:
+            return [(c, []) for c in chosen]
+        values, ids = logp.topk(top_n, dim=-1)
+        return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]

@@ -297,3 +297,21 @@ def test_worker_thread_serves_concurrent_requests(model, tokenizer):
     text = engine.metrics.registry.get_sample_value("rwkv_generated_tokens_total")
     assert text == 50
     assert engine.metrics.registry.get_sample_value("rwkv_time_to_first_token_seconds_count") == 5
+
+
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_prompt_logprobs_match_log_softmax(model, tokenizer, chunk):
+    from infer.engine import PromptLogprobs
+    prompt = tokenizer.encode("Scoring a prompt with logprobs, chunked or not.")
+    engine = make_engine(model, tokenizer, chunk=chunk)
+    c = submit(engine, [prompt], max_tokens=0, prompt_logprobs=3)
+    drain(engine, c)
+    (scored,) = [e for e in c.events if isinstance(e, PromptLogprobs)]
+    assert c.finished().finish_reason == "length" and c.finished().completion_tokens == 0
+    assert scored.entries[0] is None and len(scored.entries) == len(prompt)
+    logp = torch.log_softmax(model.prefill([prompt], [0], model.new_state_pool(1), all_logits=True), -1)
+    for j in range(1, len(prompt)):
+        entry = scored.entries[j]
+        assert entry.token_id == prompt[j]
+        assert abs(entry.logprob - logp[j - 1, prompt[j]].item()) < 1e-4
+        assert [t for t, _ in entry.top] == logp[j - 1].topk(3).indices.tolist()
