@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Compile-check the kernel sources without a GPU:
+#   cuda/*.cu        nvcc -c for sm_90 and sm_80 (with torch's no-implicit-half-conversion flags)
+#   cuda/*_op.cpp    g++ -fsyntax-only against torch's headers (a CPU build of torch is enough)
+#   hip/*.hip        hipcc -c for two AMD targets (HIP_PLATFORM=amd)
+# Each tool that is missing is skipped with a note. Exits non-zero if anything fails to compile.
+# Usage: bash cuda/check_compile.sh   (PYTHON=... to pick the interpreter that has torch)
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+failures=0
+checked=0
+
+run() {  # run LABEL CMD...: print the label, run the command quietly, show its output on failure
+    local label=$1; shift
+    printf '  %-58s ' "$label"
+    if "$@" >"$TMP/log" 2>&1; then
+        echo ok
+    else
+        echo FAILED
+        sed 's/^/      /' "$TMP/log" | tail -40
+        failures=$((failures + 1))
+    fi
+    checked=$((checked + 1))
+}
+
+# the flags torch.utils.cpp_extension adds to every nvcc/hipcc compile
+TORCH_NVCC_DEFINES=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
+                    -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__)
+TORCH_HIP_DEFINES=(-D__HIP_NO_HALF_OPERATORS__=1 -D__HIP_NO_HALF_CONVERSIONS__=1)
+
+echo "CUDA kernels (cuda/*.cu):"
+if command -v nvcc >/dev/null 2>&1; then
+    for src in cuda/*.cu; do
+        [ -e "$src" ] || continue
+        base=$(basename "$src" .cu)
+        run "$src  sm_90" nvcc -std=c++17 -O3 --use_fast_math -arch=sm_90 "${TORCH_NVCC_DEFINES[@]}" \
+            -Xptxas -warn-spills,-warn-lmem-usage,--warning-as-error -Werror all-warnings -c "$src" -o "$TMP/$base.sm90.o"
+        run "$src  sm_80" nvcc -std=c++17 -O3 --use_fast_math -arch=sm_80 "${TORCH_NVCC_DEFINES[@]}" \
+            -c "$src" -o "$TMP/$base.sm80.o"
+    done
+else
+    echo "  nvcc not found, skipping"
+fi
+
+echo "torch bindings (cuda/*_op.cpp):"
+if TORCH_FLAGS=$("$PYTHON" - 2>/dev/null <<'EOF'
+import sysconfig
+import torch
+from torch.utils.cpp_extension import include_paths
+major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+std = "-std=c++20" if (major, minor) >= (2, 10) else "-std=c++17"   # what cpp_extension builds with
+print(std, " ".join("-I" + p for p in include_paths()), "-I" + sysconfig.get_paths()["include"])
+EOF
+); then
+    CXX=${CXX:-g++}
+    if command -v "$CXX" >/dev/null 2>&1; then
+        for src in cuda/*_op.cpp; do
+            [ -e "$src" ] || continue
+            # shellcheck disable=SC2086
+            run "$src  $CXX -fsyntax-only" "$CXX" -fsyntax-only $TORCH_FLAGS -DTORCH_EXTENSION_NAME=check_ext \
+                -Wall -Wno-unused-function "$src"
+        done
+    else
+        echo "  $CXX not found, skipping"
+    fi
+else
+    echo "  torch is not importable by $PYTHON, skipping"
+fi
+
+echo "HIP kernels (hip/*.hip):"
+if command -v hipcc >/dev/null 2>&1; then
+    for src in hip/*.hip; do
+        [ -e "$src" ] || continue
+        base=$(basename "$src" .hip)
+        run "$src  gfx90a,gfx1030" env HIP_PLATFORM=amd hipcc -std=c++17 -O3 --offload-arch=gfx90a \
+            --offload-arch=gfx1030 "${TORCH_HIP_DEFINES[@]}" -Wall -c "$src" -o "$TMP/$base.hip.o"
+    done
+else
+    echo "  hipcc not found, skipping"
+fi
+
+if [ "$failures" -gt 0 ]; then
+    echo "$failures of $checked compile checks FAILED"
+    exit 1
+fi
+echo "all $checked compile checks passed"

@@ -1,0 +1,282 @@
+// WKV-7 recurrence over a pool of state slots, updated in place (RWKV-7 "x070").
+//
+// Plain CUDA C++ (no torch headers): the torch binding is cuda/wkv7_slots_op.cpp, the HIP port
+// hip/wkv7_slots.hip. Math: ../shared/spec/rwkv7-math.md §2-§3; reference: infer/ops/wkv.py.
+//
+// Layout
+//   state  [S, H, 64, 64]  one layer's pool, fp32 or fp16, contiguous; state[slot][h][i][j] with
+//                          i = VALUE index (row), j = KEY index (column)
+//   slots  [B] int64       state slot of each row; distinct within a call (two rows on one slot
+//                          would race), as PackedBatch guarantees. An out-of-range slot is skipped
+//                          and its row's y set to NaN
+//   starts [B] int64       packed index of each row's first token
+//   lasts  [B] int64       packed index of each row's last token (row b owns starts[b]..lasts[b];
+//                          lasts < starts means an empty row, which is left alone)
+//   r,k,v,a,b [T, C]       activations (fp16 / bf16 / fp32), C = H*64, head h = columns h*64..h*64+63
+//   w      [T, C] fp32     multiplicative decay in (0, 1)
+//   y      [T, C] fp32     output
+//
+// Work split: one thread block per (row, head), 64 threads. Thread i keeps row i of the head's
+// 64x64 state in 64 fp32 registers for the whole row, so the state is read from its slot once and
+// written back once per call, whatever the row's length. Per token t (kernel convention a = -kk,
+// b = kk*a_gate), with everything in fp32:
+//
+//   sa      = sum_j S[i][j] * a[j]                      (uses the OLD state)
+//   S[i][j] = S[i][j] * w[j] + sa * b[j] + v[i] * k[j]
+//   y[i]    = sum_j S[i][j] * r[j]                      (uses the NEW state)
+//
+// Every thread needs all 64 values of r, w, k, a, b of the token (the key axis) and only v[i], so
+// thread i loads element i of each into shared memory, converted to fp32. The shared buffers are
+// double-buffered by token parity, so one __syncthreads per token suffices: a thread writes the
+// buffer of token t+1 only after the barrier of token t, which every thread passes after it has
+// finished reading that buffer for token t-1. The next token's inputs are fetched into registers
+// while the current token is computed, to hide global-memory latency.
+//
+// The launcher takes raw pointers, a device index and the stream (so that the caller's current
+// stream is used and the launch can be captured in a CUDA graph) and returns the cudaError_t as int.
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstring>
+
+namespace wkv7 {
+
+constexpr int N = 64;  // head size; also the block size
+
+// dtype codes shared with the binding (cuda/wkv7_slots_op.cpp)
+enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// torch builds extensions with __CUDA_NO_HALF_CONVERSIONS__ & co: convert explicitly.
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// One thread's 64-element state row, moved with 16-byte vector accesses (the row is 256 bytes
+// for fp32, 128 for fp16; the pool base is checked to be 16-byte aligned by the binding).
+__device__ __forceinline__ void load_row(const float* __restrict__ p, float (&s)[N]) {
+    const float4* q = reinterpret_cast<const float4*>(p);
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c) {
+        const float4 f = q[c];
+        s[4 * c + 0] = f.x;
+        s[4 * c + 1] = f.y;
+        s[4 * c + 2] = f.z;
+        s[4 * c + 3] = f.w;
+    }
+}
+
+__device__ __forceinline__ void store_row(float* __restrict__ p, const float (&s)[N]) {
+    float4* q = reinterpret_cast<float4*>(p);
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c) q[c] = make_float4(s[4 * c + 0], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3]);
+}
+
+__device__ __forceinline__ void load_row(const __half* __restrict__ p, float (&s)[N]) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int c = 0; c < N / 8; ++c) {
+        const uint4 u = q[c];
+        __half h[8];
+        memcpy(h, &u, sizeof(u));
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s[8 * c + e] = __half2float(h[e]);
+    }
+}
+
+__device__ __forceinline__ void store_row(__half* __restrict__ p, const float (&s)[N]) {
+    uint4* q = reinterpret_cast<uint4*>(p);
+#pragma unroll
+    for (int c = 0; c < N / 8; ++c) {
+        __half h[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) h[e] = __float2half_rn(s[8 * c + e]);
+        uint4 u;
+        memcpy(&u, h, sizeof(u));
+        q[c] = u;
+    }
+}
+
+// Shared staging of one token's key-axis vectors (fp32).
+struct __align__(16) TokenBuf {
+    float r[N];
+    float w[N];
+    float k[N];
+    float a[N];
+    float b[N];
+};
+
+template <typename T, typename S>
+__global__ void __launch_bounds__(N)
+wkv7_slots_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
+                  const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
+                  const int64_t* __restrict__ lasts, const T* __restrict__ r, const float* __restrict__ w,
+                  const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ a,
+                  const T* __restrict__ b, float* __restrict__ y) {
+    const int64_t row = blockIdx.x / H;
+    const int h = blockIdx.x % H;
+    const int i = threadIdx.x;
+    const int64_t C = int64_t(H) * N;
+    const int64_t col = int64_t(h) * N + i;  // this thread's column in the [T, C] tensors
+
+    // The same values for every thread of the block, so these early exits are block-uniform
+    // (no thread is left waiting at a barrier).
+    const int64_t first = starts[row];
+    const int64_t last = lasts[row];
+    if (last < first) return;                                   // empty row
+    if (first < 0 || last >= num_tokens) return;                // bad token range: touch nothing
+    const int64_t slot = slots[row];
+    if (slot < 0 || slot >= num_slots) {                        // bad slot: make it visible in y
+        for (int64_t t = first; t <= last; ++t) y[t * C + col] = __int_as_float(0x7fc00000);  // NaN
+        return;
+    }
+
+    __shared__ TokenBuf buf[2];
+
+    S* srow = state + ((slot * H + h) * N + i) * N;  // state[slot][h][i][:]
+    float s[N];
+    load_row(srow, s);
+
+    // inputs of the next token, fetched one token ahead
+    float nr = to_f32(r[first * C + col]);
+    float nw = w[first * C + col];
+    float nk = to_f32(k[first * C + col]);
+    float nv = to_f32(v[first * C + col]);
+    float na = to_f32(a[first * C + col]);
+    float nb = to_f32(b[first * C + col]);
+
+    int p = 0;  // buffer parity
+    for (int64_t t = first; t <= last; ++t) {
+        TokenBuf& cur = buf[p];
+        cur.r[i] = nr;
+        cur.w[i] = nw;
+        cur.k[i] = nk;
+        cur.a[i] = na;
+        cur.b[i] = nb;
+        const float vi = nv;
+        __syncthreads();  // buf[p] is complete; buf[p^1] is no longer read by anyone
+
+        if (t < last) {
+            const int64_t o = (t + 1) * C + col;
+            nr = to_f32(r[o]);
+            nw = w[o];
+            nk = to_f32(k[o]);
+            nv = to_f32(v[o]);
+            na = to_f32(a[o]);
+            nb = to_f32(b[o]);
+        }
+
+        const float4* a4 = reinterpret_cast<const float4*>(cur.a);
+        const float4* b4 = reinterpret_cast<const float4*>(cur.b);
+        const float4* w4 = reinterpret_cast<const float4*>(cur.w);
+        const float4* k4 = reinterpret_cast<const float4*>(cur.k);
+        const float4* r4 = reinterpret_cast<const float4*>(cur.r);
+
+        // sa = S_old[i] . a   (four partial sums for instruction-level parallelism)
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int c = 0; c < N / 4; ++c) {
+            const float4 av = a4[c];
+            acc.x = fmaf(s[4 * c + 0], av.x, acc.x);
+            acc.y = fmaf(s[4 * c + 1], av.y, acc.y);
+            acc.z = fmaf(s[4 * c + 2], av.z, acc.z);
+            acc.w = fmaf(s[4 * c + 3], av.w, acc.w);
+        }
+        const float sa = (acc.x + acc.y) + (acc.z + acc.w);
+
+        // S[i][j] = S[i][j]*w[j] + sa*b[j] + v[i]*k[j];  y[i] = S_new[i] . r
+        float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int c = 0; c < N / 4; ++c) {
+            const float4 wv = w4[c], bv = b4[c], kv = k4[c], rv = r4[c];
+            s[4 * c + 0] = fmaf(s[4 * c + 0], wv.x, fmaf(sa, bv.x, vi * kv.x));
+            s[4 * c + 1] = fmaf(s[4 * c + 1], wv.y, fmaf(sa, bv.y, vi * kv.y));
+            s[4 * c + 2] = fmaf(s[4 * c + 2], wv.z, fmaf(sa, bv.z, vi * kv.z));
+            s[4 * c + 3] = fmaf(s[4 * c + 3], wv.w, fmaf(sa, bv.w, vi * kv.w));
+            out.x = fmaf(s[4 * c + 0], rv.x, out.x);
+            out.y = fmaf(s[4 * c + 1], rv.y, out.y);
+            out.z = fmaf(s[4 * c + 2], rv.z, out.z);
+            out.w = fmaf(s[4 * c + 3], rv.w, out.w);
+        }
+        y[t * C + col] = (out.x + out.y) + (out.z + out.w);
+        p ^= 1;
+    }
+
+    store_row(srow, s);
+}
+
+template <typename T, typename S>
+cudaError_t launch_typed(int64_t B, int H, int64_t num_slots, int64_t T_, void* state, const int64_t* slots,
+                         const int64_t* starts, const int64_t* lasts, const void* r, const float* w, const void* k,
+                         const void* v, const void* a, const void* b, float* y, cudaStream_t stream) {
+    const dim3 grid(static_cast<unsigned>(B * H));
+    const dim3 block(N);
+    wkv7_slots_kernel<T, S><<<grid, block, 0, stream>>>(
+        H, num_slots, T_, static_cast<S*>(state), slots, starts, lasts, static_cast<const T*>(r), w,
+        static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(a), static_cast<const T*>(b), y);
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_act(int state_dtype, int64_t B, int H, int64_t num_slots, int64_t T_, void* state,
+                       const int64_t* slots, const int64_t* starts, const int64_t* lasts, const void* r,
+                       const float* w, const void* k, const void* v, const void* a, const void* b, float* y,
+                       cudaStream_t stream) {
+    switch (state_dtype) {
+        case kFloat32:
+            return launch_typed<T, float>(B, H, num_slots, T_, state, slots, starts, lasts, r, w, k, v, a, b, y, stream);
+        case kFloat16:
+            return launch_typed<T, __half>(B, H, num_slots, T_, state, slots, starts, lasts, r, w, k, v, a, b, y, stream);
+        default:
+            return cudaErrorInvalidValue;
+    }
+}
+
+}  // namespace wkv7
+
+// Launch the recurrence for B rows on `stream` (a cudaStream_t passed as an integer) on CUDA device
+// `device`. act_dtype: 0 fp32, 1 fp16, 2 bf16 (r, k, v, a, b); state_dtype: 0 fp32, 1 fp16.
+// H heads of 64; the state pool has num_slots slots; the packed tensors have num_tokens rows.
+// Returns the cudaError_t of the launch (0 = success). Nothing is launched when B == 0.
+extern "C" int wkv7_slots_launch(int device, int64_t stream, int act_dtype, int state_dtype, int64_t B, int64_t H,
+                                 int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
+                                 const int64_t* starts, const int64_t* lasts, const void* r, const float* w,
+                                 const void* k, const void* v, const void* a, const void* b, float* y) {
+    using namespace wkv7;
+    if (B == 0) return cudaSuccess;
+    if (B < 0 || H <= 0 || H > INT_MAX || B * H > INT_MAX) return cudaErrorInvalidConfiguration;
+
+    int previous = -1;
+    cudaError_t err = cudaGetDevice(&previous);
+    if (err != cudaSuccess) return err;
+    if (previous != device && (err = cudaSetDevice(device)) != cudaSuccess) return err;
+
+    const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    const int h = static_cast<int>(H);
+    switch (act_dtype) {
+        case kFloat32:
+            err = launch_act<float>(state_dtype, B, h, num_slots, num_tokens, state, slots, starts, lasts, r, w, k, v,
+                                    a, b, y, s);
+            break;
+        case kFloat16:
+            err = launch_act<__half>(state_dtype, B, h, num_slots, num_tokens, state, slots, starts, lasts, r, w, k,
+                                     v, a, b, y, s);
+            break;
+        case kBFloat16:
+            err = launch_act<__nv_bfloat16>(state_dtype, B, h, num_slots, num_tokens, state, slots, starts, lasts, r,
+                                            w, k, v, a, b, y, s);
+            break;
+        default:
+            err = cudaErrorInvalidValue;
+    }
+
+    if (previous != device) (void)cudaSetDevice(previous);
+    return err;
+}
+
+extern "C" const char* wkv7_slots_error_string(int code) {
+    return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
