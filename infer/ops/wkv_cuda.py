@@ -1,0 +1,187 @@
+"""The WKV-7 recurrence as a CUDA kernel (``cuda/wkv7_slots.cu``) that updates the slot pool in place.
+
+Same contract as :class:`infer.ops.wkv.TorchWKV`, but no state is gathered or scattered: the
+kernel reads ``state[slot]`` once per row, runs the row's tokens in registers and writes the
+final state back to the slot. It is both the prefill and the decode kernel (decode = all rows
+of length 1), launched on the current stream, so it can be captured in a CUDA graph.
+
+The extension is JIT-compiled on first use with ``torch.utils.cpp_extension.load`` and cached
+under ``$RWKV_SERVER_HOME/torch_extensions/<torch>-<cuda>`` (else ``~/.cache/rwkv7-server/...``),
+so later starts reuse the build. On a ROCm build of torch the HIP port (``hip/wkv7_slots.hip``)
+is compiled instead. :func:`load_cuda_wkv` never raises: it logs why and returns None when the
+kernel cannot be had; :func:`select_wkv` picks the implementation for a device.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from infer.batch import PackedBatch
+from infer.ops.wkv import WKV, TorchWKV
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+CUDA_SOURCES = [ROOT / "cuda" / "wkv7_slots_op.cpp", ROOT / "cuda" / "wkv7_slots.cu"]
+HIP_SOURCES = [ROOT / "cuda" / "wkv7_slots_op.cpp", ROOT / "hip" / "wkv7_slots.hip"]
+EXTENSION_NAME = "rwkv7_wkv7_slots"
+HEAD_SIZE = 64
+ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+STATE_DTYPES = (torch.float32, torch.float16)
+PREFERENCES = ("auto", "cuda", "torch")
+
+
+class CudaWKV:
+    """WKV over the slot pool with the compiled kernel; see the module docstring."""
+
+    name = "cuda kernel (wkv7_slots)"
+
+    def __init__(self, module) -> None:
+        self._op = module.wkv7_slots
+
+    def __call__(self, state: torch.Tensor, batch: PackedBatch, r: torch.Tensor, w: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        T, C = r.shape
+        acts = (r, k, v, a, b)
+        if r.dtype not in ACT_DTYPES or any(t.dtype != r.dtype for t in acts):
+            acts = tuple(t.float() for t in acts)     # exact widening; the usual path has one dtype
+        r, k, v, a, b = (t.contiguous() for t in acts)  # no-ops for the model's tensors
+        w = w.float().contiguous()
+        y = torch.empty(T, C, dtype=torch.float32, device=r.device)
+        stream = torch.cuda.current_stream(state.device).cuda_stream
+        # Row i owns tokens starts[i]..last[i]: both already live on the device in PackedBatch.
+        self._op(state, batch.slots, batch.starts, batch.last, r, w, k, v, a, b, y, stream)
+        return y
+
+
+# --------------------------------------------------------------------------- loading
+_lock = threading.Lock()
+_loaded: CudaWKV | None = None
+_load_error: str | None = None   # why the kernel is unavailable, once a load was tried
+
+
+def build_directory() -> Path:
+    """Where the compiled extension is cached: one folder per torch and CUDA/HIP version."""
+    base = os.environ.get("RWKV_SERVER_HOME")
+    if base:
+        root = Path(base) / "torch_extensions"
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        root = Path(cache) / "rwkv7-server" / "torch_extensions"
+    accel = f"hip{torch.version.hip}" if torch.version.hip else f"cu{torch.version.cuda}"
+    return root / f"{torch.__version__}-{accel}".replace("+", "_")
+
+
+def _why_unavailable() -> str | None:
+    """A reason the extension cannot be built here, without trying to build it."""
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    if torch.version.cuda is None and torch.version.hip is None:
+        return "this torch build has no CUDA or HIP support"
+    from torch.utils import cpp_extension
+    if torch.version.hip is None and cpp_extension.CUDA_HOME is None:
+        return "the CUDA toolkit (nvcc) was not found; set CUDA_HOME or put nvcc on PATH"
+    if torch.version.hip is not None and getattr(cpp_extension, "ROCM_HOME", None) is None:
+        return "the ROCm toolkit (hipcc) was not found; set ROCM_HOME"
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def _compile():
+    from torch.utils.cpp_extension import load
+    hip = torch.version.hip is not None
+    sources = HIP_SOURCES if hip else CUDA_SOURCES
+    for src in sources:
+        if not src.is_file():
+            raise FileNotFoundError(f"kernel source {src} is missing")
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3"] if hip else ["-O3", "--use_fast_math", "-lineinfo"]
+    log.info("compiling the WKV kernel (%s) in %s; the first time takes a minute", "HIP" if hip else "CUDA",
+             directory)
+    return load(name=EXTENSION_NAME + ("_hip" if hip else ""), sources=[str(s) for s in sources],
+                extra_cflags=["-O3"], extra_cuda_cflags=flags, build_directory=str(directory), verbose=False)
+
+
+def _self_test(kernel: CudaWKV) -> str | None:
+    """Compare one small batch with the torch reference; a reason string if they disagree."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device).manual_seed(0)
+    H, lens, slots = 2, [3, 1], [2, 0]
+    T, C = sum(lens), H * HEAD_SIZE
+    batch = PackedBatch.from_rows([[0] * n for n in lens], slots, device)
+    r, k, v = (torch.randn(T, C, generator=gen, device=device).half() for _ in range(3))
+    w = torch.rand(T, C, generator=gen, device=device) * 0.45 + 0.55
+    kk = torch.nn.functional.normalize(torch.randn(T, H, HEAD_SIZE, generator=gen, device=device), dim=-1)
+    kk = kk.view(T, C).half()
+    gate = torch.rand(T, C, generator=gen, device=device).half()
+    pool = torch.randn(3, H, HEAD_SIZE, HEAD_SIZE, generator=gen, device=device) * 0.1
+    expect_pool = pool.clone()
+    expect = TorchWKV()(expect_pool, batch, r, w, k, v, -kk, kk * gate)
+    got = kernel(pool, batch, r, w, k, v, -kk, kk * gate)
+    torch.cuda.synchronize(device)
+    err = max((got - expect).abs().max().item(), (pool - expect_pool).abs().max().item())
+    if not err <= 1e-3:
+        return f"self-test against the torch reference failed (max |diff| {err:.3g})"
+    return None
+
+
+def load_cuda_wkv(verify: bool = True) -> CudaWKV | None:
+    """The compiled kernel, building it on the first call; None (with a logged warning) if it
+    cannot be had: no CUDA device, no nvcc/ninja, a failed build, or a failed self-test."""
+    global _loaded, _load_error
+    with _lock:
+        if _loaded is not None or _load_error is not None:
+            return _loaded
+        reason = _why_unavailable()
+        if reason is None:
+            try:
+                kernel = CudaWKV(_compile())
+                reason = _self_test(kernel) if verify else None
+                if reason is None:
+                    _loaded = kernel
+            except Exception as exc:  # noqa: BLE001 - any build/load problem means "use the fallback"
+                reason = f"building the extension failed: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
+        if _loaded is None:
+            _load_error = reason
+            log.warning("CUDA WKV kernel unavailable: %s", reason)
+        return _loaded
+
+
+def cuda_wkv_error() -> str | None:
+    """Why :func:`load_cuda_wkv` returned None (None if it was not tried or succeeded)."""
+    return _load_error
+
+
+def select_wkv(device: torch.device | str, prefer: str = "auto") -> WKV:
+    """The WKV implementation for ``device``: ``auto`` takes the CUDA kernel on CUDA devices when it
+    loads and the torch reference otherwise; ``cuda`` insists on the kernel (RuntimeError if it
+    cannot be had); ``torch`` always takes the reference."""
+    if prefer not in PREFERENCES:
+        raise ValueError(f"unknown WKV implementation {prefer!r}; choose one of {', '.join(PREFERENCES)}")
+    device = torch.device(device)
+    chosen: WKV
+    if prefer == "torch":
+        chosen = TorchWKV()
+    elif device.type != "cuda":
+        if prefer == "cuda":
+            raise RuntimeError(f"the CUDA WKV kernel was asked for, but the model runs on {device}; "
+                               "it needs a CUDA device (prefer 'auto' or 'torch' instead)")
+        chosen = TorchWKV()
+    else:
+        kernel = load_cuda_wkv()
+        if kernel is None:
+            if prefer == "cuda":
+                raise RuntimeError(f"the CUDA WKV kernel was asked for but is unavailable: {cuda_wkv_error()}")
+            chosen = TorchWKV()
+        else:
+            chosen = kernel
+    log.info("WKV implementation on %s: %s", device, chosen.name)
+    return chosen
