@@ -10,11 +10,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-# CPU BLAS picks different kernels (and summation orders) for very small row counts, so a
-# row's result would depend on how many other rows share the call. Padding small calls to
-# this many rows makes every row's result independent of the batch (measured on oneDNN/MKL:
-# row counts 1-3, 5-7 and 9-11 disagree with larger calls; 16 and above agree).
-CPU_MIN_ROWS = 16
+# CPU BLAS picks different kernels (and summation orders) for small row counts, so a row's
+# result would depend on how many other rows share the call. Measured on oneDNN/MKL sgemm
+# (torch 2.13, x86-64): calls of 4, 8 and >= 12 rows give every row the same bits; 1-3, 5-7
+# and 9-11 rows do not. Padding small calls up to a multiple of 4 makes every row's result
+# independent of the batch; test_runtime_oracle.py checks this bit-exactly.
+CPU_EXACT_ROWS = 12
+CPU_ROW_MULTIPLE = 4
 
 
 class Linear(Protocol):
@@ -39,8 +41,8 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if x.device.type == "cpu" and rows < CPU_MIN_ROWS:
-            padded = x.new_zeros((CPU_MIN_ROWS, x.shape[1]))
+        if x.device.type == "cpu" and rows < CPU_EXACT_ROWS and rows % CPU_ROW_MULTIPLE:
+            padded = x.new_zeros((rows + CPU_ROW_MULTIPLE - rows % CPU_ROW_MULTIPLE, x.shape[1]))
             padded[:rows] = x
             return F.linear(padded, self.weight)[:rows]
         return F.linear(x, self.weight)

@@ -1,0 +1,153 @@
+"""Engine throughput and latency on the CPU with a small random model (no HTTP).
+
+1. Aggregate output tokens/s for N concurrent requests (continuous batching) versus the same
+   N requests run one after another.
+2. Inter-token latency of running streams while a long prompt is admitted (chunked prefill
+   interleaved with decode), versus the same streams alone.
+
+    python bench/bench_engine.py [--n-layer 4 --n-embd 256] [--out bench/results/engine_cpu.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from infer.engine import Engine, GenerationOptions, Request, RowFinished, RowText  # noqa: E402
+from infer.model import RWKV7  # noqa: E402
+from infer.random_model import make_config, random_state_dict  # noqa: E402
+from infer.runner import ModelRunner  # noqa: E402
+from infer.sampler import SamplingParams  # noqa: E402
+from infer.tokenizer import load_world_tokenizer  # noqa: E402
+
+
+class Tracker:
+    """Records token arrival times of one request (called on the engine thread)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.done = threading.Event()
+
+    def __call__(self, event):
+        if isinstance(event, RowText):
+            self.times.append(time.perf_counter())
+        elif isinstance(event, RowFinished):
+            self.done.set()
+
+
+def submit(engine: Engine, prompt: list[int], max_tokens: int) -> Tracker:
+    tracker = Tracker()
+    # The random model may sample the end-of-document token; bias it away so every request runs full length.
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=1, logit_bias={0: -100.0})
+    options = GenerationOptions(max_tokens=max_tokens, sampling=sampling)
+    engine.submit(Request([prompt], options, tracker))
+    return tracker
+
+
+def throughput(engine: Engine, prompts: list[list[int]], max_tokens: int, concurrent: bool) -> float:
+    started = time.perf_counter()
+    if concurrent:
+        trackers = [submit(engine, p, max_tokens) for p in prompts]
+        for t in trackers:
+            t.done.wait()
+    else:
+        trackers = []
+        for p in prompts:
+            trackers.append(submit(engine, p, max_tokens))
+            trackers[-1].done.wait()
+    return sum(len(t.times) for t in trackers) / (time.perf_counter() - started)
+
+
+def gaps_ms(trackers: list[Tracker], start: float, end: float) -> list[float]:
+    out = []
+    for t in trackers:
+        times = [x for x in t.times if start <= x <= end]
+        out += [(b - a) * 1000 for a, b in zip(times, times[1:])]
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--long-prompt", type=int, default=4096)
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--out", default="bench/results/engine_cpu.json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    config = make_config(args.n_layer, args.n_embd, 65536)
+    model = RWKV7.from_state_dict(random_state_dict(config, seed=1, dtype=torch.float32), device="cpu")
+    tokenizer = load_world_tokenizer()
+    engine = Engine(ModelRunner(model, 64), tokenizer, prefill_chunk_size=args.chunk)
+    engine.start()
+    prompt = tokenizer.encode("User: write a short story about a lighthouse keeper.\n\nAssistant:")
+    throughput(engine, [prompt] * 2, 4, concurrent=True)  # warm-up
+
+    rows = []
+    for n in (1, 8, 32):
+        prompts = [prompt] * n
+        seq = throughput(engine, prompts, args.max_tokens, concurrent=False)
+        conc = throughput(engine, prompts, args.max_tokens, concurrent=True)
+        rows.append({"requests": n, "sequential_tok_s": round(seq, 1), "concurrent_tok_s": round(conc, 1),
+                     "speedup": round(conc / seq, 2)})
+
+    # Streams running while a long prompt arrives.
+    streams = [submit(engine, prompt, 10_000) for _ in range(8)]
+    time.sleep(1.0)
+    quiet_start = time.perf_counter()
+    time.sleep(2.0)
+    quiet_end = time.perf_counter()
+    long_prompt = [int(x) for x in torch.randint(1, 65530, (args.long_prompt,))]
+    long_tracker = submit(engine, long_prompt, 1)
+    long_submit = time.perf_counter()
+    long_tracker.done.wait()
+    long_done = time.perf_counter()
+    quiet = gaps_ms(streams, quiet_start, quiet_end)
+    loaded = gaps_ms(streams, long_submit, long_done)
+    engine.shutdown()
+
+    latency = {
+        "streams": 8, "long_prompt_tokens": args.long_prompt, "prefill_chunk_size": args.chunk,
+        "long_prompt_ttft_s": round(long_done - long_submit, 3),
+        "itl_ms_without_long_prompt": {"p50": round(percentile(quiet, 0.5), 2), "p99": round(percentile(quiet, 0.99), 2),
+                                       "max": round(max(quiet), 2)},
+        "itl_ms_during_long_prefill": {"p50": round(percentile(loaded, 0.5), 2),
+                                       "p99": round(percentile(loaded, 0.99), 2), "max": round(max(loaded), 2),
+                                       "tokens_delivered": len(loaded)},
+    }
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__},
+        "model": config.describe(), "max_tokens": args.max_tokens, "throughput": rows, "latency": latency,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"model {config.describe()} on CPU ({torch.get_num_threads()} threads), {args.max_tokens} tokens/request")
+    print(f"{'requests':>8} {'sequential tok/s':>17} {'concurrent tok/s':>17} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['requests']:>8} {r['sequential_tok_s']:>17} {r['concurrent_tok_s']:>17} {r['speedup']:>8}")
+    q, l = latency["itl_ms_without_long_prompt"], latency["itl_ms_during_long_prefill"]
+    print(f"8 streams, inter-token ms p50/p99/max: alone {q['p50']}/{q['p99']}/{q['max']}; while a "
+          f"{args.long_prompt}-token prompt prefills in chunks of {args.chunk}: {l['p50']}/{l['p99']}/{l['max']} "
+          f"(prompt TTFT {latency['long_prompt_ttft_s']} s)")
+
+
+if __name__ == "__main__":
+    main()
