@@ -1,7 +1,7 @@
 """RWKV-7 inference server: parse options, load the model, start the engine, serve HTTP.
 
     python app.py                                  # built-in demo model (random, untrained)
-    python app.py --model-path /models/rwkv7-g1-1.5b.pth --port 8000 --password secret
+    RWKV_PASSWORD=secret python app.py --model-path /models/rwkv7-g1-1.5b.pth --port 8000
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 log = logging.getLogger("rwkv7-server")
 
 INFERENCE_ENGINES = ("fp16", "cutlass", "gemlite")
+SHUTDOWN_GRACE_SECONDS = 10
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,10 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
                     default="fp16", help="linear-layer implementation: fp16 (dense half precision), cutlass (W8A16), "
                                          "gemlite (A16W8/A16W4)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--password", default=os.environ.get("RWKV_PASSWORD"),
-                    help="require this password (Bearer header or body 'password'); defaults to $RWKV_PASSWORD so "
-                         "it need not appear in the process list")
+    ap.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    # No argparse default from the environment: --help prints defaults, and must not print the password.
+    ap.add_argument("--password", default=None,
+                    help="require this password (Authorization: Bearer, or body 'password' on POST routes); "
+                         "prefer the RWKV_PASSWORD environment variable, which is used when this is not given "
+                         "and does not show in the process list")
+    ap.add_argument("--translate-no-auth", action="store_true",
+                    help="serve /translate/v1/batch-translate without the password (for browser extensions "
+                         "that cannot send one)")
+    ap.add_argument("--cors-origins", default="",
+                    help="comma-separated origins allowed to call the API from a browser (e.g. "
+                         "https://app.example.com, or * for any); empty: no CORS headers")
+    ap.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
+                    help="larger request bodies get HTTP 413")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when present")
     ap.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None,
                     help="weights/activations; default fp32 on CPU, fp16 on CUDA")
@@ -43,8 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-queued-requests", type=int, default=1024, help="beyond this, requests get HTTP 429")
     ap.add_argument("--max-tokens", type=int, default=8192, help="upper limit for a request's max_tokens")
     ap.add_argument("--max-prompt-tokens", type=int, default=131072, help="upper limit for one prompt")
-    ap.add_argument("--max-rows-per-request", type=int, default=256, help="upper limit for prompts in one request")
-    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    ap.add_argument("--max-rows-per-request", type=int, default=256,
+                    help="upper limit for rows in one request (prompts x choices)")
+    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                    help="server and access log verbosity (no log line ever contains a password or a prompt)")
     return ap
 
 
@@ -66,7 +79,12 @@ def is_loopback(host: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("max_tokens", "max_prompt_tokens", "max_rows_per_request", "max_body_bytes", "max_queued_requests",
+                 "prefill_chunk_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
@@ -103,15 +121,22 @@ def main(argv: list[str] | None = None) -> None:
         log.info("%-8s %s", part, impl)
     engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=args.prefill_chunk_size,
                     max_queued_requests=args.max_queued_requests)
-    if args.password is None and not is_loopback(args.host):
+    if args.password:
+        log.warning("--password is visible in the process list; prefer the RWKV_PASSWORD environment variable")
+    password = args.password or os.environ.get("RWKV_PASSWORD") or None
+    if password is None and not is_loopback(args.host):
         log.warning("listening on %s without a password: anyone who can reach this port can use the server",
                     args.host)
     limits = ServerLimits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                          max_rows=args.max_rows_per_request)
-    app = create_app(ServerContext(engine, load_world_tokenizer(), model_name, args.password, limits))
+                          max_rows=args.max_rows_per_request, max_body_bytes=args.max_body_bytes)
+    origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
+    app = create_app(ServerContext(engine, load_world_tokenizer(), model_name, password, limits,
+                                   translate_no_auth=args.translate_no_auth, cors_origins=origins))
     engine.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        # Open streams must not hold up a shutdown forever.
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
     finally:
         engine.shutdown()
 

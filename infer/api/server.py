@@ -1,170 +1,123 @@
-"""HTTP routes: parse and validate, submit to the engine, turn events into JSON or SSE.
+"""The HTTP app: routes from ``lightning`` and ``openai``, the shared ``/v1/chat/completions``
+dispatcher, health and metrics, admission (body limit, password), CORS and error handling.
 
-Routes never touch tensors; the engine thread does all model work.
+Routes parse, validate and authenticate, submit rows to the engine and turn its events into
+JSON or SSE; they never touch tensors, and the event loop never runs model code.
 """
 from __future__ import annotations
 
-import hmac
 import json
-import time
-import uuid
-from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 
-from infer.api.bridge import EventStream
-from infer.engine import Engine, GenerationOptions, QueueFullError, RowFinished, RowText
-from infer.sampler import SamplingParams
-from infer.tokenizer import WorldTokenizer
+from infer.api import lightning, openai
+from infer.api.context import ServerContext
+from infer.api.errors import OPENAI_STYLE_KEY, ApiError, install_error_handlers, is_openai_chat_body
+from infer.api.guard import PUBLIC_PATHS, TRANSLATE_PATH, Guard
+from infer.api.schemas import (BatchChatRequest, BatchChunk, BatchCompletion, ChatCompletion, ChatCompletionChunk,
+                               ChatCompletionRequest, Health)
+from infer.engine import Engine
 
+DESCRIPTION = """RWKV-7 batch inference: rwkv_lightning-compatible routes and an OpenAI-compatible API.
 
-@dataclass
-class ServerLimits:
-    max_tokens: int = 8192          # per row
-    max_prompt_tokens: int = 131072  # per row
-    max_rows: int = 256             # prompts per request
+When the server has a password, send `Authorization: Bearer <password>` (or, on POST routes, a
+body field `password`). `/health`, `/docs` and `/openapi.json` are public. Streams are
+server-sent events ending with `data: [DONE]`. See docs/API.md."""
 
-
-@dataclass
-class ServerContext:
-    engine: Engine
-    tokenizer: WorldTokenizer
-    model_name: str
-    password: str | None
-    limits: ServerLimits
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, **extra: object):
-        self.status, self.message, self.extra = status, message, extra
+# Models referenced from hand-written parts of the OpenAPI document (the dispatcher's body,
+# SSE chunk schemas) that no route declares directly.
+EXTRA_SCHEMAS: tuple[type[BaseModel], ...] = (BatchChatRequest, BatchChunk, ChatCompletionChunk)
 
 
-class BatchChatRequest(BaseModel):
-    """rwkv_lightning "V1" raw-prompt batch: one row per entry of ``contents``."""
-
-    model: str = "rwkv7"
-    contents: list[str] = Field(min_length=1)
-    max_tokens: int = Field(8192, ge=1)
-    stop_tokens: list[str] = ["\nUser:"]
-    temperature: float = Field(1.0, ge=0.0, le=1000.0)
-    top_k: int = Field(50, ge=0)
-    top_p: float = Field(0.6, ge=0.0, le=1.0)
-    alpha_presence: float = Field(2.0, ge=-10.0, le=10.0)
-    alpha_frequency: float = Field(0.2, ge=-10.0, le=10.0)
-    alpha_decay: float = Field(0.996, ge=0.0, le=1.0)
-    stream: bool = False
-    chunk_size: int = Field(4, ge=1, le=4096)
-    seed: int | None = None
-    password: str | None = None
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+def engine_running(engine: Engine) -> bool:
+    # The engine has no public liveness flag yet; its worker thread is the truth.
+    thread = engine._thread
+    return thread is not None and thread.is_alive()
 
 
-def sse(payload: object) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _validated(model: type[BaseModel], body: Any) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_input=False, include_context=False)) from None
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
-    app = FastAPI(title="RWKV-7 inference server", version="0.1")
+    app = FastAPI(title="RWKV-7 inference server", version="1.0", description=DESCRIPTION,
+                  separate_input_output_schemas=False)
     app.state.ctx = ctx
+    install_error_handlers(app)
+    app.include_router(lightning.router)
+    app.include_router(openai.router)
 
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"error": exc.message, **exc.extra}, status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = [f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in exc.errors()]
-        return JSONResponse({"error": "invalid request: " + "; ".join(problems)}, status_code=422)
-
-    def check_password(request: Request, body_password: str | None = None) -> None:
-        if ctx.password is None:
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else (body_password or "")
-        if not hmac.compare_digest(given.encode(), ctx.password.encode()):
-            raise ApiError(401, "Unauthorized: invalid or missing password")
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": ctx.model_name, "running_rows": ctx.engine.running_rows,
-                "queued_requests": ctx.engine.queued_requests, "free_slots": ctx.engine.free_slots}
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "owned_by": "rwkv7-server"}]}
-
-    @app.post("/v1/chat/completions")
-    async def batch_chat(body: BatchChatRequest, request: Request) -> Response:
-        check_password(request, body.password)
-        limits = ctx.limits
-        if len(body.contents) > limits.max_rows:
-            raise ApiError(400, f"contents: at most {limits.max_rows} prompts per request")
-        if body.max_tokens > limits.max_tokens:
-            raise ApiError(400, f"max_tokens: at most {limits.max_tokens}")
-        prompts = [ctx.tokenizer.encode(text) for text in body.contents]
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ApiError(400, f"contents[{i}]: empty prompt")
-            if len(p) > limits.max_prompt_tokens:
-                raise ApiError(400, f"contents[{i}]: {len(p)} tokens, at most {limits.max_prompt_tokens}")
-        options = GenerationOptions(
-            max_tokens=body.max_tokens, stop=body.stop_tokens,
-            sampling=SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                    alpha_presence=body.alpha_presence, alpha_frequency=body.alpha_frequency,
-                                    alpha_decay=body.alpha_decay, seed=body.seed))
-        stream = EventStream(ctx.engine, prompts, options)
+    @app.post("/v1/chat/completions", response_model=None, tags=["rwkv_lightning", "OpenAI"],
+              summary="rwkv_lightning batch (body with contents) or OpenAI chat (body with messages)",
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {
+                  "oneOf": [_ref(BatchChatRequest), _ref(ChatCompletionRequest)]}}}}},
+              responses={200: {"content": {
+                  "application/json": {"schema": {"oneOf": [_ref(BatchCompletion), _ref(ChatCompletion)]}},
+                  "text/event-stream": {"schema": {"oneOf": [_ref(BatchChunk), _ref(ChatCompletionChunk)]}}}},
+                  **lightning.ERRORS})
+    async def chat_completions(request: Request) -> Response:
         try:
-            stream.submit()
-        except QueueFullError as e:
-            raise ApiError(429, str(e))
-        if body.stream:
-            return StreamingResponse(_batch_sse(stream, body.chunk_size), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        texts = [[] for _ in prompts]
-        reasons = ["stop"] * len(prompts)
-        usage = {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": 0}
-        async for event in stream:
-            texts[event.index].append(event.text)
-            if isinstance(event, RowFinished):
-                reasons[event.index] = event.finish_reason
-                usage["completion_tokens"] += event.completion_tokens
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return JSONResponse({
-            "id": f"rwkv7-batch-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
-            "model": ctx.model_name,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(t)},
-                         "finish_reason": reasons[i]} for i, t in enumerate(texts)],
-            "usage": usage,
-        })
+            body = json.loads(await request.body())
+        except (ValueError, RecursionError):
+            raise ApiError(400, "invalid JSON body", param="body") from None
+        if is_openai_chat_body(body):
+            request.scope[OPENAI_STYLE_KEY] = True
+            return await openai.chat_completions(ctx, _validated(ChatCompletionRequest, body), request)
+        if isinstance(body, dict) and "contents" not in body:
+            raise ApiError(422, "contents (rwkv_lightning batch) or messages (OpenAI chat) is required",
+                           param="contents")
+        return await lightning.batch_chat(ctx, _validated(BatchChatRequest, body), request)
 
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}}, tags=["server"],
+             summary="200 when the engine is running, 503 otherwise")
+    async def health() -> JSONResponse:
+        ready = engine_running(ctx.engine)
+        body = Health(status="ok" if ready else "unavailable", model=ctx.model_name,
+                      running_rows=ctx.engine.running_rows, queued_requests=ctx.engine.queued_requests,
+                      free_slots=ctx.engine.free_slots)
+        return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
+
+    @app.get("/metrics", response_class=Response, tags=["server"], summary="Prometheus metrics of the engine",
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
+    async def metrics() -> Response:
+        return Response(generate_latest(ctx.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    public = PUBLIC_PATHS | ({TRANSLATE_PATH} if ctx.translate_no_auth else set())
+    app.add_middleware(Guard, password=ctx.password, max_body_bytes=ctx.limits.max_body_bytes,
+                       public_paths=frozenset(public))
+    if ctx.cors_origins:  # added last = outermost, so preflights never meet the password check
+        app.add_middleware(CORSMiddleware, allow_origins=list(ctx.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes, separate_input_output_schemas=False)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in EXTRA_SCHEMAS:
+                definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                for name, sub in definition.pop("$defs", {}).items():
+                    components.setdefault(name, sub)
+                components.setdefault(model.__name__, definition)
+            if ctx.password:
+                schema["components"]["securitySchemes"] = {"password": {"type": "http", "scheme": "bearer"}}
+                schema["security"] = [{"password": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
-
-
-async def _batch_sse(stream: EventStream, chunk_size: int) -> AsyncIterator[str]:
-    """V1 stream framing: per-row deltas flushed every ``chunk_size`` tokens, a final chunk per row
-    with its finish_reason (old clients ignore it), then ``[DONE]``."""
-    buffers: dict[int, list[str]] = {}
-    counts: dict[int, int] = {}
-    async for event in stream:
-        buffers.setdefault(event.index, []).append(event.text)
-        if isinstance(event, RowText):
-            counts[event.index] = counts.get(event.index, 0) + 1
-            if counts[event.index] < chunk_size:
-                continue
-        text = "".join(buffers.pop(event.index))
-        counts[event.index] = 0
-        choices = []
-        if text:
-            choices.append({"index": event.index, "delta": {"content": text}})
-        if choices:
-            yield sse({"object": "chat.completion.chunk", "choices": choices})
-        if isinstance(event, RowFinished):
-            yield sse({"object": "chat.completion.chunk",
-                       "choices": [{"index": event.index, "delta": {}, "finish_reason": event.finish_reason}]})
-    yield "data: [DONE]\n\n"

@@ -1,0 +1,88 @@
+"""What every route needs from the server: the engine, the tokenizer, the configuration and the
+limits, plus the few steps all routes share (tokenize within limits, resolve max_tokens, submit)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from infer.api.bridge import EventStream, RowGroup
+from infer.api.errors import ApiError
+from infer.engine import Engine, QueueFullError
+from infer.tokenizer import WorldTokenizer
+
+# Tokenizing is pure Python: beyond this many characters it runs in a worker thread so the
+# event loop keeps serving other streams.
+INLINE_TOKENIZE_CHARS = 32_768
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass
+class ServerLimits:
+    max_tokens: int = 8192            # per row
+    max_prompt_tokens: int = 131072   # per row
+    max_rows: int = 256               # rows (prompts x choices) per request
+    max_body_bytes: int = 16 * 2**20  # request body (413 beyond)
+
+
+@dataclass
+class ServerContext:
+    engine: Engine
+    tokenizer: WorldTokenizer
+    model_name: str
+    password: str | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    translate_no_auth: bool = False         # Immersive Translate cannot always send a key
+    cors_origins: Sequence[str] = ()        # empty: no CORS headers at all
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def max_tokens(self, requested: int | None, default: int, name: str = "max_tokens") -> int:
+        """The request's value within the server limit; an omitted value becomes ``default`` capped."""
+        if requested is None:
+            return min(default, self.limits.max_tokens)
+        if requested > self.limits.max_tokens:
+            raise ApiError(400, f"{name}: {requested} is above this server's limit of {self.limits.max_tokens}",
+                           param=name)
+        return requested
+
+    def check_rows(self, rows: int, name: str) -> None:
+        if rows > self.limits.max_rows:
+            raise ApiError(400, f"{name}: {rows} rows in one request, this server allows {self.limits.max_rows}",
+                           param=name)
+
+    def check_prompt(self, tokens: Sequence[int], name: str) -> None:
+        if not tokens:
+            raise ApiError(400, f"{name}: the prompt is empty", param=name)
+        if len(tokens) > self.limits.max_prompt_tokens:
+            raise ApiError(400, f"{name}: {len(tokens)} prompt tokens, this server allows "
+                                f"{self.limits.max_prompt_tokens}", param=name)
+
+    async def encode(self, texts: Sequence[str], name: str, indexed: bool = True) -> list[list[int]]:
+        """Tokenize prompts and check them; ``name`` is the request field (a list of texts when
+        ``indexed``, so errors name ``field[i]``)."""
+        self.check_rows(len(texts), name)
+        if sum(len(t) for t in texts) > INLINE_TOKENIZE_CHARS:
+            prompts = await run_in_threadpool(lambda: [self.tokenizer.encode(t) for t in texts])
+        else:
+            prompts = [self.tokenizer.encode(t) for t in texts]
+        for i, tokens in enumerate(prompts):
+            self.check_prompt(tokens, f"{name}[{i}]" if indexed else name)
+        return prompts
+
+    def start(self, groups: Sequence[RowGroup]) -> EventStream:
+        """Submit the rows to the engine; a full queue is a 429 the client may retry."""
+        stream = EventStream(self.engine, groups)
+        try:
+            stream.submit()
+        except QueueFullError as e:
+            raise ApiError(429, f"server busy: {e}; retry later", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        return stream
+
+
+def get_ctx(request: Request) -> ServerContext:
+    """FastAPI dependency: the context ``create_app`` stored on the app."""
+    return request.app.state.ctx

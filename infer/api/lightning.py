@@ -1,0 +1,192 @@
+"""rwkv_lightning-compatible routes: raw-prompt batch, FIM, big batch, translate (spec §2.3–2.8).
+
+Wire formats follow the peer server; the fixes of spec §10 apply: real ``finish_reason``s
+(``stop``/``length``/``error``) in responses and as a final per-row chunk in streams, ``usage``,
+``temperature: 0`` = greedy, client stop tokens honoured on FIM, 4xx for bad input.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator, Sequence
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from infer.api.bridge import EventStream
+from infer.api.context import ServerContext, get_ctx
+from infer.api.errors import ApiError
+from infer.api.schemas import (BatchChatRequest, BatchChunk, BatchCompletion, BigBatchRequest, FimRequest,
+                               LightningError, LightningRequest, LightningSampling, TranslateRequest,
+                               TranslateResponse)
+from infer.api.streaming import DONE, EventSourceResponse, sse, unless_disconnected
+from infer.api.translate import (Placeholders, detect_language, keep_spacing, stop_strings,
+                                 translate_prompt)
+from infer.engine import GenerationOptions, RowFinished, RowText
+from infer.sampler import SamplingParams
+
+DEFAULT_MAX_TOKENS = 8192
+TRANSLATE_MAX_TOKENS = 2048
+FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "✿prefix✿", "✿suffix✿", "✿middle✿"
+
+ERRORS = {400: {"model": LightningError}, 401: {"model": LightningError}, 413: {"model": LightningError},
+          422: {"model": LightningError}, 429: {"model": LightningError}}
+STREAM_DOC = {"text/event-stream": {"schema": {"$ref": "#/components/schemas/BatchChunk"}}}
+
+router = APIRouter(tags=["rwkv_lightning"])
+
+
+def split_stops(stops: Sequence[str | int]) -> tuple[list[str], list[int]]:
+    """Strings are stop strings, integers stop token ids."""
+    return [s for s in stops if isinstance(s, str)], [s for s in stops if isinstance(s, int)]
+
+
+def sampling(body: LightningSampling) -> SamplingParams:
+    return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                          alpha_presence=body.alpha_presence, alpha_frequency=body.alpha_frequency,
+                          alpha_decay=body.alpha_decay, seed=body.seed)
+
+
+def options(ctx: ServerContext, body: LightningRequest | BigBatchRequest, params: SamplingParams) -> GenerationOptions:
+    stop, stop_ids = split_stops(body.stop_tokens)
+    return GenerationOptions(max_tokens=ctx.max_tokens(body.max_tokens, DEFAULT_MAX_TOKENS), stop=stop,
+                             stop_token_ids=stop_ids, sampling=params)
+
+
+async def collect(stream: EventStream) -> tuple[list[str], list[RowFinished]]:
+    """Whole texts and finish events of every row."""
+    texts: list[list[str]] = [[] for _ in range(stream.rows)]
+    finished: list[RowFinished | None] = [None] * stream.rows
+    async for events in stream.batches():
+        for event in events:
+            if isinstance(event, (RowText, RowFinished)):
+                texts[event.index].append(event.text)
+            if isinstance(event, RowFinished):
+                finished[event.index] = event
+    return ["".join(t) for t in texts], finished  # type: ignore[return-value]
+
+
+async def batch_sse(stream: EventStream, chunk_size: int, head: dict) -> AsyncIterator[str]:
+    """Per-row deltas flushed every ``chunk_size`` tokens (rows of one step share an event), a final
+    chunk per row with its finish_reason (old clients ignore it), then ``[DONE]``."""
+    buffers = [""] * stream.rows
+    counts = [0] * stream.rows
+    async for events in stream.batches():
+        flushed: dict[int, str] = {}
+        finished = []
+        for event in events:
+            if not isinstance(event, (RowText, RowFinished)):
+                continue
+            i = event.index
+            buffers[i] += event.text
+            if isinstance(event, RowFinished):
+                finished.append(event)
+            else:
+                counts[i] += 1
+            if buffers[i] and (isinstance(event, RowFinished) or counts[i] >= chunk_size):
+                flushed[i] = flushed.get(i, "") + buffers[i]
+                buffers[i], counts[i] = "", 0
+        if flushed:
+            yield sse({**head, "choices": [{"index": i, "delta": {"content": t}} for i, t in flushed.items()]})
+        for event in finished:
+            yield sse({**head, "choices": [{"index": event.index, "delta": {}, "finish_reason": event.finish_reason}]})
+    yield DONE
+
+
+async def respond(request: Request, stream: EventStream, body: LightningRequest, obj: str) -> Response:
+    """The batch response: SSE when asked, else one JSON object with every row."""
+    head = {"id": f"rwkv7-batch-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": body.model}
+    if body.stream:
+        return EventSourceResponse(batch_sse(stream, body.chunk_size, head))
+    texts, finished = await unless_disconnected(request, collect(stream))
+    prompt_tokens = sum(f.prompt_tokens for f in finished)
+    completion_tokens = sum(f.completion_tokens for f in finished)
+    result = BatchCompletion(
+        id=head["id"], object=obj, created=head["created"], model=body.model,
+        choices=[{"index": i, "message": {"content": t}, "finish_reason": f.finish_reason}
+                 for i, (t, f) in enumerate(zip(texts, finished))],
+        usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+               "total_tokens": prompt_tokens + completion_tokens})
+    return JSONResponse(result.model_dump())
+
+
+async def batch_chat(ctx: ServerContext, body: BatchChatRequest, request: Request) -> Response:
+    """``/v1/chat/completions`` with ``contents`` (the dispatcher in server.py routes here)."""
+    prompts = await ctx.encode(body.contents, "contents")
+    stream = ctx.start([(prompts, options(ctx, body, sampling(body)))])
+    return await respond(request, stream, body, "chat.completion")
+
+
+@router.post("/FIM/v1/batch-FIM", response_model=None, responses={
+    200: {"model": BatchCompletion, "content": STREAM_DOC}, **ERRORS},
+    summary="Fill in the middle, one row per prefix/suffix pair")
+async def batch_fim(body: FimRequest, request: Request, ctx: ServerContext = Depends(get_ctx)) -> Response:
+    if len(body.prefix) != len(body.suffix):
+        raise ApiError(400, f"prefix and suffix must have the same length ({len(body.prefix)} != "
+                            f"{len(body.suffix)})", param="suffix")
+    texts = [f"{FIM_PREFIX}{FIM_SUFFIX}{s}{FIM_MIDDLE}{p}" for p, s in zip(body.prefix, body.suffix)]
+    prompts = await ctx.encode(texts, "prefix")
+    stream = ctx.start([(prompts, options(ctx, body, sampling(body)))])
+    return await respond(request, stream, body, "FIM.completion")
+
+
+@router.post("/big_batch/completions", response_model=None, responses={
+    200: {"content": STREAM_DOC, "description": "always an SSE stream"}, **ERRORS},
+    summary="Raw-prompt batch with temperature-only sampling (always streamed)")
+async def big_batch(body: BigBatchRequest, ctx: ServerContext = Depends(get_ctx)) -> Response:
+    prompts = await ctx.encode(body.contents, "contents")
+    params = SamplingParams(temperature=body.temperature, seed=body.seed)
+    stream = ctx.start([(prompts, options(ctx, body, params))])
+    head = {"id": f"rwkv7-big-batch-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": body.model}
+    return EventSourceResponse(batch_sse(stream, body.chunk_size, head))
+
+
+@router.post("/translate/v1/batch-translate", response_model=TranslateResponse, responses=ERRORS,
+             summary="Immersive Translate custom API: translate each text (greedy)")
+async def batch_translate(body: TranslateRequest, request: Request,
+                          ctx: ServerContext = Depends(get_ctx)) -> TranslateResponse:
+    ctx.check_rows(len(body.text_list), "text_list")
+    marks = Placeholders(body.placeholders or ())
+    sources = [detect_language(t) if body.source_lang == "auto" else body.source_lang for t in body.text_list]
+    todo = [i for i, t in enumerate(body.text_list) if t.strip()]
+    out = list(body.text_list)  # blank texts come back as they are
+    done = await _translate(ctx, request, [body.text_list[i] for i in todo], [sources[i] for i in todo],
+                            body.target_lang)
+    retry: list[tuple[int, list[tuple[str, bool]]]] = []
+    for i, text in zip(todo, done):
+        out[i] = text
+        if not marks.intact(body.text_list[i], text):
+            retry.append((i, marks.split(body.text_list[i])))
+    pieces = [(i, piece) for i, parts in retry for piece, is_mark in parts if not is_mark and piece.strip()]
+    if retry and len(pieces) <= ctx.limits.max_rows:
+        # The model lost or invented a marker: translate the text between markers piece by piece.
+        again = iter(await _translate(ctx, request, [p for _, p in pieces], [sources[i] for i, _ in pieces],
+                                      body.target_lang))
+        for i, parts in retry:
+            out[i] = "".join(piece if is_mark or not piece.strip() else keep_spacing(piece, next(again))
+                             for piece, is_mark in parts)
+    return TranslateResponse(translations=[{"detected_source_lang": s, "text": t} for s, t in zip(sources, out)])
+
+
+async def _translate(ctx: ServerContext, request: Request, texts: list[str], sources: list[str],
+                     target: str) -> list[str]:
+    if not texts:
+        return []
+    prompts = await ctx.encode([translate_prompt(t, s, target) for t, s in zip(texts, sources)], "text_list",
+                               indexed=False)
+    by_source: dict[str, list[int]] = {}  # one engine request per source language (its stop strings)
+    for i, source in enumerate(sources):
+        by_source.setdefault(source, []).append(i)
+    max_tokens = ctx.max_tokens(None, TRANSLATE_MAX_TOKENS)
+    groups = [([prompts[i] for i in rows], GenerationOptions(max_tokens=max_tokens, stop=stop_strings(source, target),
+                                                             sampling=SamplingParams(temperature=0)))
+              for source, rows in by_source.items()]
+    results, finished = await unless_disconnected(request, collect(ctx.start(groups)))
+    if any(f.finish_reason == "error" for f in finished):
+        raise ApiError(500, "translation failed")
+    translated = [""] * len(texts)
+    for i, text in zip((i for rows in by_source.values() for i in rows), results):
+        translated[i] = text.strip()
+    return translated

@@ -1,0 +1,341 @@
+"""OpenAI-compatible routes: chat completions (messages), legacy completions, models.
+
+Sampling: ``temperature`` 0 is greedy; ``top_k`` is an extension. ``presence_penalty`` and
+``frequency_penalty`` map to the RWKV penalties ``alpha_presence`` / ``alpha_frequency`` with
+``alpha_decay`` 1.0 (no decay): a token's penalty is ``presence + frequency * (uses - 1)``, so
+the frequency part starts at the second use. Without them, chat uses the peer server's
+defaults (top_p 0.6, top_k 20, alpha_presence 1.0, alpha_frequency 0.1, alpha_decay 0.996)
+and completions use OpenAI's (top_p 1, no penalties). ``alpha_*`` fields override either.
+With ``seed``, choice ``j`` samples with ``seed + j`` so the ``n`` choices differ yet repeat.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from infer.api.bridge import EventStream, RowGroup
+from infer.api.chat_template import TURN_STOPS, ThinkSplitter, render_chat
+from infer.api.context import ServerContext, get_ctx
+from infer.api.errors import ApiError
+from infer.api.logprobs import LegacyLogprobs, TokenNames, VisibleTokens, char_offsets, chat_entry
+from infer.api.schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
+                               CompletionRequest, ModelList, OpenAIError, OpenAIRequest)
+from infer.api.streaming import DONE, EventSourceResponse, sse, unless_disconnected
+from infer.engine import GenerationOptions, PromptLogprobs, RowFinished, RowText, TokenLogprob
+from infer.sampler import SamplingParams
+
+CHAT_MAX_TOKENS = 4096
+# (temperature, top_p, top_k, alpha_presence, alpha_frequency, alpha_decay)
+CHAT_DEFAULTS = (1.0, 0.6, 20, 1.0, 0.1, 0.996)        # the peer server's /openai route
+COMPLETION_DEFAULTS = (1.0, 1.0, 0, 0.0, 0.0, 1.0)     # OpenAI's
+
+ERRORS = {status: {"model": OpenAIError} for status in (400, 401, 413, 422, 429)}
+
+router = APIRouter(tags=["OpenAI"])
+
+
+def sampling_params(body: OpenAIRequest, defaults: tuple, top_logprobs: int, seed: int | None) -> SamplingParams:
+    temperature, top_p, top_k, presence, frequency, decay = defaults
+    if body.presence_penalty is not None or body.frequency_penalty is not None:
+        presence, frequency, decay = body.presence_penalty or 0.0, body.frequency_penalty or 0.0, 1.0
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+    return SamplingParams(
+        temperature=pick(body.temperature, temperature), top_p=pick(body.top_p, top_p), top_k=pick(body.top_k, top_k),
+        alpha_presence=pick(body.alpha_presence, presence), alpha_frequency=pick(body.alpha_frequency, frequency),
+        alpha_decay=pick(body.alpha_decay, decay), seed=seed,
+        logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
+        logprobs=top_logprobs)
+
+
+def row_groups(body: OpenAIRequest, prompts: Sequence[Sequence[int]], options: GenerationOptions) -> list[RowGroup]:
+    """Rows ``i * n + j`` = prompt i, choice j. Seeded choices get their own seed, hence their own request."""
+    n = body.n
+    if body.seed is None or n == 1:
+        return [([p for p in prompts for _ in range(n)], options)]
+    return [([p], dataclasses.replace(options, sampling=dataclasses.replace(options.sampling,
+                                                                             seed=(body.seed + j) % 2**64)))
+            for p in prompts for j in range(n)]
+
+
+def user_stops(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def include_usage(body: OpenAIRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+@router.get("/v1/models", response_model=ModelList, responses=ERRORS, summary="The served model")
+@router.get("/openai/v1/models", response_model=ModelList, responses=ERRORS, summary="The served model")
+async def list_models(ctx: ServerContext = Depends(get_ctx)) -> ModelList:
+    return ModelList(data=[{"id": ctx.model_name, "created": ctx.created, "owned_by": "rwkv7-server"}])
+
+
+# ---------------------------------------------------------------------------- chat
+@dataclass
+class ChatDelta:
+    reasoning: str = ""
+    content: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    def choice(self, index: int) -> dict[str, Any] | None:
+        delta = {k: v for k, v in (("reasoning_content", self.reasoning), ("content", self.content)) if v}
+        if not delta and not self.logprobs:
+            return None
+        return {"index": index, "delta": delta, "logprobs": {"content": self.logprobs} if self.logprobs else None,
+                "finish_reason": None}
+
+
+class ChatRow:
+    """Turns one row's events into visible deltas; the same code serves streamed and whole responses."""
+
+    def __init__(self, ctx: ServerContext, names: TokenNames, think: bool, logprobs: bool):
+        self._names = names
+        self._splitter = ThinkSplitter() if think else None
+        self._visible: VisibleTokens[TokenLogprob] | None = VisibleTokens(ctx.tokenizer) if logprobs else None
+
+    def on_text(self, event: RowText) -> ChatDelta:
+        visible = self._visible.push(event.token_id, event.logprob, event.text) \
+            if self._visible is not None and event.logprob is not None else []
+        return self._delta(event.text, visible, final=False)
+
+    def on_finish(self, event: RowFinished) -> ChatDelta:
+        visible = self._visible.release(event.text) if self._visible is not None else []
+        return self._delta(event.text, visible, final=True)
+
+    def _delta(self, text: str, visible: list[tuple[int, TokenLogprob]], final: bool) -> ChatDelta:
+        entries = [chat_entry(self._names, lp) for _, lp in visible]
+        if self._splitter is None:
+            return ChatDelta("", text, entries)
+        reasoning, content = self._splitter.push(text)
+        if final:
+            more_reasoning, more_content = self._splitter.flush()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return ChatDelta(reasoning, content, entries)
+
+
+@router.post("/openai/v1/chat/completions", response_model=None, responses={
+    200: {"model": ChatCompletion, "content": {"text/event-stream": {
+        "schema": {"$ref": "#/components/schemas/ChatCompletionChunk"}}}}, **ERRORS},
+    summary="OpenAI chat completion (also served at /v1/chat/completions for bodies with messages)")
+async def openai_chat(body: ChatCompletionRequest, request: Request, ctx: ServerContext = Depends(get_ctx)) -> Response:
+    return await chat_completions(ctx, body, request)
+
+
+async def chat_completions(ctx: ServerContext, body: ChatCompletionRequest, request: Request) -> Response:
+    text = render_chat(body.messages, body.system, body.contents[0] if body.contents else None, body.enable_think)
+    if not text:
+        raise ApiError(400, "messages: no message has text content", param="messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs: requires logprobs: true", param="top_logprobs")
+    ctx.check_rows(body.n, "n")
+    (prompt,) = await ctx.encode([text], "messages", indexed=False)
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    options = GenerationOptions(
+        max_tokens=ctx.max_tokens(body.max_completion_tokens or body.max_tokens, CHAT_MAX_TOKENS, name),
+        stop=[*TURN_STOPS, *user_stops(body.stop)],
+        sampling=sampling_params(body, CHAT_DEFAULTS, body.top_logprobs or 0, body.seed),
+        logprobs=bool(body.logprobs))
+    stream = ctx.start(row_groups(body, [prompt], options))
+    names = TokenNames(ctx.tokenizer)
+    rows = [ChatRow(ctx, names, body.enable_think, bool(body.logprobs)) for _ in range(stream.rows)]
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": body.model or ctx.model_name}
+    if body.stream:
+        return EventSourceResponse(_chat_sse(stream, rows, head, include_usage(body), len(prompt)))
+    deltas, finished = await unless_disconnected(request, _collect_chat(stream, rows))
+    result = ChatCompletion(
+        id=head["id"], created=head["created"], model=head["model"],
+        choices=[{"index": i, "finish_reason": f.finish_reason,
+                  "message": {"content": d.content, "reasoning_content": d.reasoning if body.enable_think else None},
+                  "logprobs": {"content": d.logprobs} if body.logprobs else None}
+                 for i, (d, f) in enumerate(zip(deltas, finished))],
+        usage=usage(len(prompt), sum(f.completion_tokens for f in finished)))
+    return JSONResponse(result.model_dump(exclude_none=True))
+
+
+async def _collect_chat(stream: EventStream, rows: list[ChatRow]) -> tuple[list[ChatDelta], list[RowFinished]]:
+    totals = [ChatDelta() for _ in rows]
+    finished: list[RowFinished] = [None] * len(rows)  # type: ignore[list-item]
+    async for events in stream.batches():
+        for event in events:
+            if isinstance(event, RowText):
+                delta = rows[event.index].on_text(event)
+            elif isinstance(event, RowFinished):
+                delta = rows[event.index].on_finish(event)
+                finished[event.index] = event
+            else:
+                continue
+            total = totals[event.index]
+            total.reasoning += delta.reasoning
+            total.content += delta.content
+            total.logprobs += delta.logprobs
+    return totals, finished
+
+
+async def _chat_sse(stream: EventStream, rows: list[ChatRow], head: dict, with_usage: bool,
+                    prompt_tokens: int) -> AsyncIterator[str]:
+    """Role chunk per choice, content chunks, a finish chunk per choice, optional usage chunk, [DONE]."""
+    extra = {"usage": None} if with_usage else {}
+    for i in range(len(rows)):
+        yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], **extra})
+    completion_tokens = 0
+    async for events in stream.batches():
+        merged: dict[int, ChatDelta] = {}
+        finished = []
+        for event in events:
+            if isinstance(event, RowText):
+                delta = rows[event.index].on_text(event)
+            elif isinstance(event, RowFinished):
+                delta = rows[event.index].on_finish(event)
+                finished.append(event)
+                completion_tokens += event.completion_tokens
+            else:
+                continue
+            into = merged.setdefault(event.index, ChatDelta())
+            into.reasoning += delta.reasoning
+            into.content += delta.content
+            into.logprobs += delta.logprobs
+        choices = [c for i, d in merged.items() if (c := d.choice(i))]
+        if choices:
+            yield sse({**head, "choices": choices, **extra})
+        for event in finished:
+            yield sse({**head, "choices": [{"index": event.index, "delta": {}, "logprobs": None,
+                                            "finish_reason": event.finish_reason}], **extra})
+    if with_usage:
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    yield DONE
+
+
+# ---------------------------------------------------------------------------- legacy completions
+class CompletionRow:
+    """One choice of ``/v1/completions``: echo, text, and the legacy logprobs lists."""
+
+    def __init__(self, ctx: ServerContext, names: TokenNames, prompt: Sequence[int], prompt_text: str,
+                 echo: bool, logprobs: bool):
+        self._tokenizer = ctx.tokenizer
+        self._prompt = prompt
+        self._echo = prompt_text if echo else ""       # sent with the row's first output
+        self._base = len(prompt_text) if echo else 0   # text_offset of the completion's first character
+        self.legacy = LegacyLogprobs(names) if logprobs else None
+        self._visible: VisibleTokens[tuple[int, TokenLogprob]] | None = \
+            VisibleTokens(ctx.tokenizer) if logprobs else None
+        self._chars = 0  # completion characters shown so far
+
+    def on_event(self, event: RowText | RowFinished | PromptLogprobs) -> str:
+        """The text this event adds; logprob entries accumulate in ``self.legacy``."""
+        text, self._echo = self._echo, ""
+        if isinstance(event, PromptLogprobs):
+            starts, _ = char_offsets(self._tokenizer, self._prompt)
+            for token, start, entry in zip(self._prompt, starts, event.entries):
+                self.legacy.add(token, start, entry)
+            return text
+        if self._visible is not None:
+            if isinstance(event, RowText):
+                visible = self._visible.push(event.token_id, (event.token_id, event.logprob), event.text)
+            else:
+                visible = self._visible.release(event.text)
+            for start, (token, lp) in visible:
+                self.legacy.add(token, self._base + start, lp)
+        self._chars += len(event.text)
+        if isinstance(event, RowFinished) and self.legacy is not None and isinstance(event.matched_stop, int):
+            # The end-of-document token that stopped the row: listed (one entry per sampled token, as
+            # lm-evaluation-harness slices them) but its logprob is not reported by the engine.
+            self.legacy.add(event.matched_stop, self._base + self._chars, None)
+        return text + event.text
+
+
+@router.post("/v1/completions", response_model=None, responses={
+    200: {"model": Completion, "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/Completion"}}}},
+    **ERRORS}, summary="OpenAI legacy text completion (echo + logprobs scores prompts, e.g. for lm-eval)")
+async def completions(body: CompletionRequest, request: Request, ctx: ServerContext = Depends(get_ctx)) -> Response:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        texts: list[str] | None = [prompt]
+    elif prompt and isinstance(prompt[0], str):
+        texts = list(prompt)
+    else:
+        texts = None
+    if texts is not None:
+        prompts = await ctx.encode(texts, "prompt", indexed=not isinstance(prompt, str))
+    else:
+        prompts = [prompt] if prompt and isinstance(prompt[0], int) else list(prompt)
+        if not prompts:
+            raise ApiError(400, "prompt: empty", param="prompt")
+        for i, tokens in enumerate(prompts):
+            ctx.check_prompt(tokens, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
+        texts = [ctx.tokenizer.decode(p) for p in prompts]
+    ctx.check_rows(len(prompts) * body.n, "n")
+    echo = bool(body.echo)
+    scored = body.logprobs is not None
+    options = GenerationOptions(
+        max_tokens=ctx.max_tokens(body.max_tokens, 16), stop=user_stops(body.stop),
+        sampling=sampling_params(body, COMPLETION_DEFAULTS, body.logprobs or 0, body.seed),
+        logprobs=scored, prompt_logprobs=body.logprobs if scored and echo else None)
+    stream = ctx.start(row_groups(body, prompts, options))
+    names = TokenNames(ctx.tokenizer)
+    rows = [CompletionRow(ctx, names, prompts[i // body.n], texts[i // body.n], echo, scored)
+            for i in range(stream.rows)]
+    head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+            "model": body.model or ctx.model_name}
+    prompt_tokens = sum(len(p) for p in prompts)
+    if body.stream:
+        return EventSourceResponse(_completion_sse(stream, rows, head, include_usage(body), prompt_tokens))
+    texts_out, finished = await unless_disconnected(request, _collect_completion(stream, rows))
+    result = Completion(
+        id=head["id"], created=head["created"], model=head["model"],
+        choices=[{"index": i, "text": t, "finish_reason": f.finish_reason,
+                  "logprobs": row.legacy.take() if row.legacy is not None else None}
+                 for i, (t, f, row) in enumerate(zip(texts_out, finished, rows))],
+        usage=usage(prompt_tokens, sum(f.completion_tokens for f in finished)))
+    return JSONResponse(result.model_dump(exclude_none=True))
+
+
+async def _collect_completion(stream: EventStream, rows: list[CompletionRow]) -> tuple[list[str], list[RowFinished]]:
+    texts = [""] * len(rows)
+    finished: list[RowFinished] = [None] * len(rows)  # type: ignore[list-item]
+    async for events in stream.batches():
+        for event in events:
+            texts[event.index] += rows[event.index].on_event(event)
+            if isinstance(event, RowFinished):
+                finished[event.index] = event
+    return texts, finished
+
+
+async def _completion_sse(stream: EventStream, rows: list[CompletionRow], head: dict, with_usage: bool,
+                          prompt_tokens: int) -> AsyncIterator[str]:
+    """One chunk per engine step with every row that has news; a row's last choice carries its finish_reason."""
+    extra = {"usage": None} if with_usage else {}
+    completion_tokens = 0
+    async for events in stream.batches():
+        texts: dict[int, str] = {}
+        reasons: dict[int, str] = {}
+        for event in events:
+            texts[event.index] = texts.get(event.index, "") + rows[event.index].on_event(event)
+            if isinstance(event, RowFinished):
+                reasons[event.index] = event.finish_reason
+                completion_tokens += event.completion_tokens
+        choices = []
+        for i, text in texts.items():
+            legacy = rows[i].legacy.take() if rows[i].legacy is not None else None
+            if text or reasons.get(i) or (legacy and legacy["tokens"]):
+                choices.append({"index": i, "text": text, "logprobs": legacy, "finish_reason": reasons.get(i)})
+        if choices:
+            yield sse({**head, "choices": choices, **extra})
+    if with_usage:
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    yield DONE

@@ -1,0 +1,75 @@
+"""Server-sent events and client-disconnect handling shared by the routes.
+
+Both response kinds stop the engine's work when the client goes away: an SSE body is closed
+(its EventStream cancels the rows) and a non-stream request is abandoned with status 499.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = "data: [DONE]\n\n"
+CLIENT_CLOSED_REQUEST = 499  # nginx's code for "client went away"; nobody reads it
+
+
+def sse(payload: Any) -> str:
+    """One SSE event; raw UTF-8 (not \\u escapes) like the peer server."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventSourceResponse(StreamingResponse):
+    """``text/event-stream`` that always watches for the client leaving, whatever the ASGI server's
+    spec version, and always closes the body generator (which cancels the engine request)."""
+
+    def __init__(self, content: AsyncIterator[str]):
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({streaming, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, watcher):
+                task.cancel()
+            await asyncio.gather(streaming, watcher, return_exceptions=True)
+            await self.body_iterator.aclose()
+        if streaming.done() and not streaming.cancelled() and streaming.exception() is not None:
+            raise streaming.exception()
+
+
+class ClientDisconnected(Exception):
+    """Raised by :func:`unless_disconnected`; the app answers it with an empty 499."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` (collecting a non-stream result) but give up as soon as the client disconnects;
+    cancelling ``work`` closes its event stream, which cancels the engine request."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ClientDisconnected
+        return task.result()
+    finally:
+        for t in (task, watcher):
+            t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+def client_gone() -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
