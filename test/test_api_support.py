@@ -1,0 +1,98 @@
+"""Shared helpers for the API tests (no tests here): a tiny model, a live uvicorn server on loopback
+in a background thread, and an SSE parser."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+import torch
+import uvicorn
+
+from infer.api.context import ServerContext, ServerLimits
+from infer.api.server import create_app
+from infer.engine import Engine, GenerationOptions, Request, RowFinished, RowText
+from infer.model import RWKV7
+from infer.random_model import make_config, random_state_dict
+from infer.runner import ModelRunner
+from infer.sampler import SamplingParams
+from infer.tokenizer import load_world_tokenizer
+
+MODEL_NAME = "tiny-test-model"
+
+
+def tiny_model() -> RWKV7:
+    sd = random_state_dict(make_config(2, 128, 65536), seed=21, dtype=torch.float32)
+    return RWKV7.from_state_dict(sd, device="cpu")
+
+
+class LiveServer:
+    """uvicorn serving ``create_app`` on 127.0.0.1 (free port) with its own engine."""
+
+    def __init__(self, model: RWKV7, *, slots: int = 8, queue: int = 256, start_engine: bool = True,
+                 limits: ServerLimits | None = None, **ctx_options: Any):
+        self.tokenizer = load_world_tokenizer()
+        self.engine = Engine(ModelRunner(model, slots), self.tokenizer, prefill_chunk_size=64,
+                             max_queued_requests=queue)
+        self.ctx = ServerContext(self.engine, self.tokenizer, MODEL_NAME, limits=limits or ServerLimits(),
+                                 **ctx_options)
+        self.app = create_app(self.ctx)
+        self._start_engine = start_engine
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=1))
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        if self._start_engine:
+            self.engine.start()
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+        self.engine.shutdown()
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kwargs)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until no row holds a slot (cancellation frees slots within an engine step)."""
+        deadline = time.monotonic() + timeout
+        while self.engine.running_rows or self.engine.queued_requests:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine still busy: {self.engine.running_rows} rows, "
+                                     f"{self.engine.queued_requests} queued")
+            time.sleep(0.02)
+
+
+def parse_sse(text: str) -> list[Any]:
+    """Events of an SSE body: JSON payloads, and the string "[DONE]". Every event must be ``data: …``."""
+    events = []
+    for block in text.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: ") and "\n" not in block, f"bad SSE event {block!r}"
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def reference_tokens(model: RWKV7, prompt: list[int], n: int, **sampling: Any) -> list[int]:
+    """Greedy (or seeded) tokens straight from an engine, without HTTP."""
+    engine = Engine(ModelRunner(model, 2), load_world_tokenizer(), prefill_chunk_size=64)
+    events: list[Any] = []
+    engine.submit(Request([prompt], GenerationOptions(max_tokens=n, sampling=SamplingParams(**sampling)),
+                          events.append))
+    while not any(isinstance(e, RowFinished) for e in events):
+        engine.run_once()
+    return [e.token_id for e in events if isinstance(e, RowText)]
