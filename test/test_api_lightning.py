@@ -8,7 +8,7 @@ import pytest
 
 from infer.api.context import ServerLimits
 from infer.api.schemas import BatchChunk, BatchCompletion, TranslateResponse
-from test_api_support import LiveServer, parse_sse, reference_tokens, tiny_model
+from test_api_support import LiveServer, parse_sse, reference, tiny_model
 
 NO_PENALTY = {"alpha_presence": 0, "alpha_frequency": 0, "alpha_decay": 1.0}
 GREEDY = {"temperature": 0, **NO_PENALTY}
@@ -75,8 +75,8 @@ def test_batch_non_stream_readme_body(client, server):
 def test_greedy_rows_match_the_engine_and_finish_by_length(client, server, model):
     out = batch(client, contents=CHAT_PROMPTS, max_tokens=10, stop_tokens=[], **GREEDY)
     for prompt, choice in zip(CHAT_PROMPTS, out["choices"]):
-        tokens = reference_tokens(model, server.tokenizer.encode(prompt), 10, temperature=0)
-        assert choice["message"]["content"] == server.tokenizer.decode(tokens)
+        _, text, _ = reference(model, server.tokenizer.encode(prompt), 10, temperature=0)
+        assert choice["message"]["content"] == text
         assert choice["finish_reason"] == "length"
     assert out["usage"]["completion_tokens"] == 20
 
@@ -104,8 +104,7 @@ def test_chunk_size_groups_tokens(client):
 
 def test_stop_string_and_stop_token_id(client, server, model):
     prompt = CHAT_PROMPTS[0]
-    tokens = reference_tokens(model, server.tokenizer.encode(prompt), 16, temperature=0)
-    text = server.tokenizer.decode(tokens)
+    tokens, text, _ = reference(model, server.tokenizer.encode(prompt), 16, temperature=0)
     stop = text[6:10]
     out = batch(client, contents=[prompt], max_tokens=16, stop_tokens=[stop], **GREEDY)["choices"][0]
     assert out["message"]["content"] == text[:text.index(stop)] and out["finish_reason"] == "stop"
@@ -128,8 +127,7 @@ def test_fim_readme_body_honours_stop_tokens(client, server, model):
     BatchCompletion.model_validate(out)
     assert out["object"] == "FIM.completion" and len(out["choices"]) == 3
     fim_prompt = f"✿prefix✿✿suffix✿{suffix[1]}✿middle✿{prefix[1]}"
-    tokens = reference_tokens(model, server.tokenizer.encode(fim_prompt), 10, temperature=0)
-    text = server.tokenizer.decode(tokens)
+    _, text, _ = reference(model, server.tokenizer.encode(fim_prompt), 10, temperature=0)
     assert out["choices"][1]["message"]["content"] == text
     stop = text[3:6]
     cut = client.post("/FIM/v1/batch-FIM", json={"prefix": prefix[1:2], "suffix": suffix[1:2], "max_tokens": 10,
@@ -154,8 +152,8 @@ def test_big_batch_is_always_sse(client, server, model):
     texts, reasons = stream_rows(parse_sse(r.text), 2)
     for prompt, text in zip(CHAT_PROMPTS, texts):
         # temperature only: no penalties, so greedy equals the engine's plain greedy output
-        expected = server.tokenizer.decode(reference_tokens(model, server.tokenizer.encode(prompt), 8, temperature=0))
-        assert text == expected.split("\nUser:")[0]
+        _, expected, _ = reference(model, server.tokenizer.encode(prompt), 8, stop=("\nUser:",), temperature=0)
+        assert text == expected
     assert all(reason in ("stop", "length") for reason in reasons)
 
 

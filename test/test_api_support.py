@@ -87,12 +87,14 @@ def parse_sse(text: str) -> list[Any]:
     return events
 
 
-def reference_tokens(model: RWKV7, prompt: list[int], n: int, **sampling: Any) -> list[int]:
-    """Greedy (or seeded) tokens straight from an engine, without HTTP."""
+def reference(model: RWKV7, prompt: list[int], n: int, stop: tuple[str, ...] = (),
+              **sampling: Any) -> tuple[list[int], str, str]:
+    """(tokens, visible text, finish reason) straight from an engine, without HTTP."""
     engine = Engine(ModelRunner(model, 2), load_world_tokenizer(), prefill_chunk_size=64)
     events: list[Any] = []
-    engine.submit(Request([prompt], GenerationOptions(max_tokens=n, sampling=SamplingParams(**sampling)),
+    engine.submit(Request([prompt], GenerationOptions(max_tokens=n, stop=stop, sampling=SamplingParams(**sampling)),
                           events.append))
     while not any(isinstance(e, RowFinished) for e in events):
         engine.run_once()
-    return [e.token_id for e in events if isinstance(e, RowText)]
+    text = "".join(e.text for e in events if isinstance(e, (RowText, RowFinished)))
+    return [e.token_id for e in events if isinstance(e, RowText)], text, events[-1].finish_reason
