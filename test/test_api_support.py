@@ -3,9 +3,10 @@ in a background thread, and an SSE parser."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import torch
@@ -65,14 +66,28 @@ class LiveServer:
     def client(self, **kwargs: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kwargs)
 
-    def wait_idle(self, timeout: float = 30.0) -> None:
-        """Until no row holds a slot (cancellation frees slots within an engine step)."""
-        deadline = time.monotonic() + timeout
-        while self.engine.running_rows or self.engine.queued_requests:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"engine still busy: {self.engine.running_rows} rows, "
-                                     f"{self.engine.queued_requests} queued")
-            time.sleep(0.02)
+    def wait_idle(self) -> None:
+        """Until no row holds a slot and nothing is queued (cancellation frees slots within an engine step)."""
+        wait_until(lambda: not self.engine.running_rows and not self.engine.queued_requests,
+                   lambda: f"engine busy: {self.engine.running_rows} rows, {self.engine.queued_requests} queued")
+
+    def open_request(self, path: str, body: dict) -> socket.socket:
+        """Send a POST on a raw connection and leave it open; closing the socket is a client disconnect."""
+        payload = json.dumps(body).encode()
+        host, port = self.url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        return sock
+
+
+def wait_until(condition: Callable[[], bool], describe: Callable[[], str], timeout: float = 60.0) -> None:
+    """Poll for a state the server reaches asynchronously; the deadline only guards against hangs."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(describe())
+        time.sleep(0.01)
 
 
 def parse_sse(text: str) -> list[Any]:

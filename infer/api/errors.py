@@ -97,7 +97,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(request.scope, exc.status_code, str(exc.detail), headers=exc.headers)
+        # Our routes raise ApiError; a 400 HTTPException comes from FastAPI failing to read the body
+        # (e.g. JSON nested too deeply to parse).
+        param = "body" if exc.status_code == 400 else None
+        return error_response(request.scope, exc.status_code, str(exc.detail), param, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -63,9 +63,8 @@ class Guard:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        parsed = _parse_json(body) if body and scope["method"] == "POST" else None
-        if not self._authorized(scope, parsed):
-            await error_response(self._style(scope, parsed), 401, "Unauthorized: invalid or missing password",
+        if not self._authorized(scope, body):
+            await error_response(self._style(scope, body), 401, "Unauthorized: invalid or missing password",
                                  code="invalid_api_key")(scope, receive, send)
             return
         if scope["method"] == "POST":
@@ -73,20 +72,21 @@ class Guard:
                      + [(b"content-type", b"application/json")]}
         await self.app(scope, _replay(body, receive), send)
 
-    def _authorized(self, scope: Scope, body: Any) -> bool:
+    def _authorized(self, scope: Scope, body: bytes) -> bool:
         if self._digest is None or scope["path"] in self.public_paths:
             return True
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = header.partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(_digest(token.strip()), self._digest):
             return True
-        given = body.get("password") if isinstance(body, dict) else None
+        parsed = _parse_json(body) if scope["method"] == "POST" else None
+        given = parsed.get("password") if isinstance(parsed, dict) else None
         return isinstance(given, str) and hmac.compare_digest(_digest(given), self._digest)
 
     @staticmethod
-    def _style(scope: Scope, body: Any) -> Scope:
+    def _style(scope: Scope, body: bytes) -> Scope:
         """Scope to pick the error dialect from: the shared chat path answers in the body's dialect."""
-        if scope["path"] == SHARED_CHAT_PATH and is_openai_chat_body(body):
+        if scope["path"] == SHARED_CHAT_PATH and is_openai_chat_body(_parse_json(body)):
             return {**scope, OPENAI_STYLE_KEY: True}
         return scope
 
