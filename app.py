@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import uvicorn
 
-    from infer.api.server import ServerContext, ServerLimits, create_app
+    from infer.api.context import ServerContext, ServerLimits
+    from infer.api.server import create_app
     from infer.checkpoint import CheckpointError
     from infer.engine import Engine
     from infer.model import RWKV7, default_device
