@@ -18,7 +18,8 @@
 //
 // Work split: one thread block per (row, head), 64 threads. Thread i keeps row i of the head's
 // 64x64 state in 64 fp32 registers for the whole row, so the state is read from its slot once and
-// written back once per call, whatever the row's length. Per token t (kernel convention a = -kk,
+// written back once per call, whatever the row's length (coalesced, through shared memory: see
+// block_to_tile). Per token t (kernel convention a = -kk,
 // b = kk*a_gate), with everything in fp32:
 //
 //   sa      = sum_j S[i][j] * a[j]                      (uses the OLD state)
@@ -55,13 +56,95 @@ __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// One thread's 64-element state row, moved with 16-byte vector accesses (the row is 256 bytes
-// for fp32, 128 for fp16; the pool base is checked to be 16-byte aligned by the binding).
-__device__ __forceinline__ void load_row(const float* __restrict__ p, float (&s)[N]) {
-    const float4* q = reinterpret_cast<const float4*>(p);
+// The state moves between global memory and registers through a padded fp32 staging tile in
+// shared memory. A head's 64x64 state block is contiguous in the pool (16 KB fp32, 8 KB fp16),
+// so the block reads and writes it in 16-byte vectors with consecutive threads on consecutive
+// vectors (fully coalesced); each thread then takes its row out of the tile. The row stride
+// LD = 68 floats keeps both the vector accesses and the row reads free of bank conflicts.
+constexpr int LD = N + 4;
+
+// 16 bytes of state storage <-> fp32
+template <typename S>
+struct Vec16;
+
+template <>
+struct Vec16<float> {
+    static constexpr int E = 4;  // elements per vector
+    static __device__ __forceinline__ void to_f32(const uint4& u, float (&out)[E]) {
+        memcpy(out, &u, sizeof(u));
+    }
+    static __device__ __forceinline__ uint4 from_f32(const float (&in)[E]) {
+        uint4 u;
+        memcpy(&u, in, sizeof(u));
+        return u;
+    }
+};
+
+template <>
+struct Vec16<__half> {
+    static constexpr int E = 8;
+    static __device__ __forceinline__ void to_f32(const uint4& u, float (&out)[E]) {
+        __half h[E];
+        memcpy(h, &u, sizeof(u));
+#pragma unroll
+        for (int e = 0; e < E; ++e) out[e] = __half2float(h[e]);
+    }
+    static __device__ __forceinline__ uint4 from_f32(const float (&in)[E]) {
+        __half h[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) h[e] = __float2half_rn(in[e]);
+        uint4 u;
+        memcpy(&u, h, sizeof(u));
+        return u;
+    }
+};
+
+// Global state block -> tile (fp32). Every thread of the block must call it.
+template <typename S>
+__device__ __forceinline__ void block_to_tile(const S* __restrict__ src, float (*tile)[LD]) {
+    constexpr int E = Vec16<S>::E;
+    constexpr int PER_ROW = N / E;  // vectors per state row; the block holds N * PER_ROW vectors
+    const uint4* q = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+    for (int c = 0; c < PER_ROW; ++c) {
+        const int f = threadIdx.x + N * c;  // vector index within the block
+        float vals[E];
+        Vec16<S>::to_f32(q[f], vals);
+        float* dst = &tile[f / PER_ROW][(f % PER_ROW) * E];
+#pragma unroll
+        for (int e = 0; e < E; e += 4)
+            *reinterpret_cast<float4*>(dst + e) = make_float4(vals[e], vals[e + 1], vals[e + 2], vals[e + 3]);
+    }
+}
+
+// Tile (fp32) -> global state block, rounding to the storage type. Every thread must call it.
+template <typename S>
+__device__ __forceinline__ void tile_to_block(const float (*tile)[LD], S* __restrict__ dst) {
+    constexpr int E = Vec16<S>::E;
+    constexpr int PER_ROW = N / E;
+    uint4* q = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+    for (int c = 0; c < PER_ROW; ++c) {
+        const int f = threadIdx.x + N * c;
+        const float* src = &tile[f / PER_ROW][(f % PER_ROW) * E];
+        float vals[E];
+#pragma unroll
+        for (int e = 0; e < E; e += 4) {
+            const float4 v4 = *reinterpret_cast<const float4*>(src + e);
+            vals[e] = v4.x;
+            vals[e + 1] = v4.y;
+            vals[e + 2] = v4.z;
+            vals[e + 3] = v4.w;
+        }
+        q[f] = Vec16<S>::from_f32(vals);
+    }
+}
+
+// One thread's row of the tile <-> registers.
+__device__ __forceinline__ void tile_row_to_regs(const float* __restrict__ row, float (&s)[N]) {
 #pragma unroll
     for (int c = 0; c < N / 4; ++c) {
-        const float4 f = q[c];
+        const float4 f = reinterpret_cast<const float4*>(row)[c];
         s[4 * c + 0] = f.x;
         s[4 * c + 1] = f.y;
         s[4 * c + 2] = f.z;
@@ -69,35 +152,10 @@ __device__ __forceinline__ void load_row(const float* __restrict__ p, float (&s)
     }
 }
 
-__device__ __forceinline__ void store_row(float* __restrict__ p, const float (&s)[N]) {
-    float4* q = reinterpret_cast<float4*>(p);
+__device__ __forceinline__ void regs_to_tile_row(const float (&s)[N], float* __restrict__ row) {
 #pragma unroll
-    for (int c = 0; c < N / 4; ++c) q[c] = make_float4(s[4 * c + 0], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3]);
-}
-
-__device__ __forceinline__ void load_row(const __half* __restrict__ p, float (&s)[N]) {
-    const uint4* q = reinterpret_cast<const uint4*>(p);
-#pragma unroll
-    for (int c = 0; c < N / 8; ++c) {
-        const uint4 u = q[c];
-        __half h[8];
-        memcpy(h, &u, sizeof(u));
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s[8 * c + e] = __half2float(h[e]);
-    }
-}
-
-__device__ __forceinline__ void store_row(__half* __restrict__ p, const float (&s)[N]) {
-    uint4* q = reinterpret_cast<uint4*>(p);
-#pragma unroll
-    for (int c = 0; c < N / 8; ++c) {
-        __half h[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) h[e] = __float2half_rn(s[8 * c + e]);
-        uint4 u;
-        memcpy(&u, h, sizeof(u));
-        q[c] = u;
-    }
+    for (int c = 0; c < N / 4; ++c)
+        reinterpret_cast<float4*>(row)[c] = make_float4(s[4 * c + 0], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3]);
 }
 
 // Shared staging of one token's key-axis vectors (fp32).
@@ -134,19 +192,22 @@ wkv7_slots_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ 
         return;
     }
 
+    __shared__ __align__(16) float tile[N][LD];  // state staging, used before and after the token loop
     __shared__ TokenBuf buf[2];
 
-    S* srow = state + ((slot * H + h) * N + i) * N;  // state[slot][h][i][:]
-    float s[N];
-    load_row(srow, s);
-
-    // inputs of the next token, fetched one token ahead
+    // inputs of the next token, fetched one token ahead (the first ones while the state loads)
     float nr = to_f32(r[first * C + col]);
     float nw = w[first * C + col];
     float nk = to_f32(k[first * C + col]);
     float nv = to_f32(v[first * C + col]);
     float na = to_f32(a[first * C + col]);
     float nb = to_f32(b[first * C + col]);
+
+    S* block = state + (slot * H + h) * N * N;  // state[slot][h], a contiguous 64x64 block
+    float s[N];                                  // s[j] = S[i][j], this thread's row
+    block_to_tile(block, tile);
+    __syncthreads();
+    tile_row_to_regs(tile[i], s);
 
     int p = 0;  // buffer parity
     for (int64_t t = first; t <= last; ++t) {
@@ -205,7 +266,10 @@ wkv7_slots_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ 
         p ^= 1;
     }
 
-    store_row(srow, s);
+    __syncthreads();  // (every thread is long done reading its row out of the tile)
+    regs_to_tile_row(s, tile[i]);
+    __syncthreads();
+    tile_to_block(tile, block);
 }
 
 template <typename T, typename S>
