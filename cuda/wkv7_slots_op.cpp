@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
 
 extern "C" int wkv7_slots_launch(int device, int64_t stream, int act_dtype, int state_dtype, int64_t B, int64_t H,
                                  int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
@@ -18,13 +19,25 @@ namespace {
 
 constexpr int64_t kHeadSize = 64;
 
+// Numbers in error messages are formatted with std::to_string, not streamed: on one CUDA image
+// (torch 2.11) streaming an integer into the message from an extension crashed with SIGSEGV
+// inside std::ostream::_M_insert<long>, turning a bad argument into a dead server.
+std::string num(int64_t x) { return std::to_string(x); }
+
+std::string shape(const torch::Tensor& t) {
+    std::string out = "[";
+    for (int64_t d = 0; d < t.dim(); ++d) out += (d ? ", " : "") + num(t.size(d));
+    return out + "]";
+}
+
 // dtype codes of the launcher
 int act_code(const torch::Tensor& t) {
     switch (t.scalar_type()) {
         case torch::kFloat32: return 0;
         case torch::kFloat16: return 1;
         case torch::kBFloat16: return 2;
-        default: TORCH_CHECK(false, "wkv7_slots: activations must be float32, float16 or bfloat16, got ", t.scalar_type());
+        default:
+            TORCH_CHECK(false, "wkv7_slots: activations must be float32, float16 or bfloat16, got ", t.scalar_type());
     }
     return -1;
 }
@@ -33,26 +46,29 @@ int state_code(const torch::Tensor& t) {
     switch (t.scalar_type()) {
         case torch::kFloat32: return 0;
         case torch::kFloat16: return 1;
-        default: TORCH_CHECK(false, "wkv7_slots: the state pool must be float32 or float16, got ", t.scalar_type());
+        default:
+            TORCH_CHECK(false, "wkv7_slots: the state pool must be float32 or float16, got ", t.scalar_type());
     }
     return -1;
 }
 
 void check_on(const torch::Tensor& t, const torch::Device& device, const char* name) {
-    TORCH_CHECK(t.device() == device, "wkv7_slots: ", name, " is on ", t.device(), ", the state pool on ", device);
+    TORCH_CHECK(t.device() == device, "wkv7_slots: ", name, " is on ", t.device().str(), ", the state pool on ",
+                device.str());
     TORCH_CHECK(t.is_contiguous(), "wkv7_slots: ", name, " must be contiguous");
 }
 
 void check_index(const torch::Tensor& t, const torch::Device& device, int64_t B, const char* name) {
     check_on(t, device, name);
     TORCH_CHECK(t.scalar_type() == torch::kInt64, "wkv7_slots: ", name, " must be int64, got ", t.scalar_type());
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == B, "wkv7_slots: ", name, " must have shape [", B, "], got ", t.sizes());
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == B, "wkv7_slots: ", name, " must have shape [", num(B), "], got ",
+                shape(t));
 }
 
 void check_tc(const torch::Tensor& t, const torch::Device& device, int64_t T, int64_t C, const char* name) {
     check_on(t, device, name);
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == T && t.size(1) == C, "wkv7_slots: ", name, " must have shape [", T,
-                ", ", C, "], got ", t.sizes());
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == T && t.size(1) == C, "wkv7_slots: ", name, " must have shape [",
+                num(T), ", ", num(C), "], got ", shape(t));
 }
 
 }  // namespace
@@ -67,23 +83,23 @@ void check_tc(const torch::Tensor& t, const torch::Device& device, int64_t T, in
 void wkv7_slots(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, torch::Tensor lasts,
                 torch::Tensor r, torch::Tensor w, torch::Tensor k, torch::Tensor v, torch::Tensor a, torch::Tensor b,
                 torch::Tensor y, int64_t stream) {
-    TORCH_CHECK(state.is_cuda(), "wkv7_slots: the state pool must be on a CUDA device, got ", state.device());
+    TORCH_CHECK(state.is_cuda(), "wkv7_slots: the state pool must be on a CUDA device, got ", state.device().str());
     const torch::Device device = state.device();
     check_on(state, device, "state");
     TORCH_CHECK(state.dim() == 4 && state.size(2) == kHeadSize && state.size(3) == kHeadSize,
-                "wkv7_slots: state must have shape [slots, heads, 64, 64], got ", state.sizes());
+                "wkv7_slots: state must have shape [slots, heads, 64, 64], got ", shape(state));
     TORCH_CHECK(reinterpret_cast<std::uintptr_t>(state.data_ptr()) % 16 == 0,
                 "wkv7_slots: the state pool must be 16-byte aligned");
     const int state_dtype = state_code(state);
     const int64_t num_slots = state.size(0), H = state.size(1), C = H * kHeadSize;
 
-    TORCH_CHECK(slots.dim() == 1, "wkv7_slots: slots must be 1-D, got shape ", slots.sizes());
+    TORCH_CHECK(slots.dim() == 1, "wkv7_slots: slots must be 1-D, got shape ", shape(slots));
     const int64_t B = slots.size(0);
     check_index(slots, device, B, "slots");
     check_index(starts, device, B, "starts");
     check_index(lasts, device, B, "lasts");
 
-    TORCH_CHECK(r.dim() == 2, "wkv7_slots: r must be 2-D [tokens, channels], got shape ", r.sizes());
+    TORCH_CHECK(r.dim() == 2, "wkv7_slots: r must be 2-D [tokens, channels], got shape ", shape(r));
     const int64_t T = r.size(0);
     const int act_dtype = act_code(r);
     const std::pair<const torch::Tensor*, const char*> acts[] = {{&r, "r"}, {&k, "k"}, {&v, "v"}, {&a, "a"}, {&b, "b"}};
@@ -102,7 +118,8 @@ void wkv7_slots(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, 
         static_cast<int>(device.index()), stream, act_dtype, state_dtype, B, H, num_slots, T, state.data_ptr(),
         slots.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), lasts.data_ptr<int64_t>(), r.data_ptr(),
         w.data_ptr<float>(), k.data_ptr(), v.data_ptr(), a.data_ptr(), b.data_ptr(), y.data_ptr<float>());
-    TORCH_CHECK(err == 0, "wkv7_slots: kernel launch failed: ", wkv7_slots_error_string(err), " (error ", err, ")");
+    TORCH_CHECK(err == 0, "wkv7_slots: kernel launch failed: ", wkv7_slots_error_string(err), " (error ", num(err),
+                ")");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

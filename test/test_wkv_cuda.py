@@ -189,7 +189,7 @@ def test_rejects_bad_arguments(kernel):
     with pytest.raises(RuntimeError, match="float32 or float16"):
         kernel(torch.zeros(1, 2, N, N, device="cuda", dtype=torch.bfloat16), batch, *inputs)
     with pytest.raises(RuntimeError, match="contiguous"):
-        kernel(torch.zeros(2, 1, N, N, device="cuda").transpose(0, 1), batch, *inputs)
+        kernel(torch.zeros(1, 2, N, 2 * N, device="cuda")[..., :N], batch, *inputs)
     with pytest.raises(RuntimeError, match="shape"):
         kernel(torch.zeros(1, 3, N, N, device="cuda"), batch, *inputs)        # 3 heads, inputs have 2
 
