@@ -19,7 +19,7 @@ from infer.api.errors import ApiError
 from infer.api.schemas import (BatchChatRequest, BatchChunk, BatchCompletion, BigBatchRequest, FimRequest,
                                LightningError, LightningRequest, LightningSampling, TranslateRequest,
                                TranslateResponse)
-from infer.api.streaming import DONE, EventSourceResponse, sse, unless_disconnected
+from infer.api.streaming import DONE, EventSourceResponse, sse, sse_doc, unless_disconnected
 from infer.api.translate import (Placeholders, detect_language, keep_spacing, stop_strings,
                                  translate_prompt)
 from infer.engine import GenerationOptions, RowFinished, RowText
@@ -31,7 +31,7 @@ FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "✿prefix✿", "✿suffix✿", "✿middle�
 
 ERRORS = {400: {"model": LightningError}, 401: {"model": LightningError}, 413: {"model": LightningError},
           422: {"model": LightningError}, 429: {"model": LightningError}}
-STREAM_DOC = {"text/event-stream": {"schema": {"$ref": "#/components/schemas/BatchChunk"}}}
+STREAM_DOC = sse_doc(BatchChunk)
 
 router = APIRouter(tags=["rwkv_lightning"])
 

@@ -26,7 +26,7 @@ from infer.api.errors import ApiError
 from infer.api.logprobs import LegacyLogprobs, TokenNames, VisibleTokens, char_offsets, chat_entry
 from infer.api.schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
                                CompletionRequest, ModelList, OpenAIError, OpenAIRequest)
-from infer.api.streaming import DONE, EventSourceResponse, sse, unless_disconnected
+from infer.api.streaming import DONE, EventSourceResponse, sse, sse_doc, unless_disconnected
 from infer.engine import GenerationOptions, PromptLogprobs, RowFinished, RowText, TokenLogprob
 from infer.sampler import SamplingParams
 
@@ -128,8 +128,7 @@ class ChatRow:
 
 
 @router.post("/openai/v1/chat/completions", response_model=None, responses={
-    200: {"model": ChatCompletion, "content": {"text/event-stream": {
-        "schema": {"$ref": "#/components/schemas/ChatCompletionChunk"}}}}, **ERRORS},
+    200: {"model": ChatCompletion, "content": sse_doc(ChatCompletionChunk)}, **ERRORS},
     summary="OpenAI chat completion (also served at /v1/chat/completions for bodies with messages)")
 async def openai_chat(body: ChatCompletionRequest, request: Request, ctx: ServerContext = Depends(get_ctx)) -> Response:
     return await chat_completions(ctx, body, request)
@@ -260,8 +259,7 @@ class CompletionRow:
 
 
 @router.post("/v1/completions", response_model=None, responses={
-    200: {"model": Completion, "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/Completion"}}}},
-    **ERRORS}, summary="OpenAI legacy text completion (echo + logprobs scores prompts, e.g. for lm-eval)")
+    200: {"model": Completion, "content": sse_doc(Completion)}, **ERRORS}, summary="OpenAI legacy text completion (echo + logprobs scores prompts, e.g. for lm-eval)")
 async def completions(body: CompletionRequest, request: Request, ctx: ServerContext = Depends(get_ctx)) -> Response:
     prompt = body.prompt
     if isinstance(prompt, str):

@@ -22,7 +22,8 @@ from infer.api.context import ServerContext
 from infer.api.errors import OPENAI_STYLE_KEY, ApiError, install_error_handlers, is_openai_chat_body
 from infer.api.guard import PUBLIC_PATHS, TRANSLATE_PATH, Guard
 from infer.api.schemas import (BatchChatRequest, BatchChunk, BatchCompletion, ChatCompletion, ChatCompletionChunk,
-                               ChatCompletionRequest, Health)
+                               ChatCompletionRequest, Health, LightningError, OpenAIError)
+from infer.api.streaming import sse_doc
 from infer.engine import Engine
 
 DESCRIPTION = """RWKV-7 batch inference: rwkv_lightning-compatible routes and an OpenAI-compatible API.
@@ -67,8 +68,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
                   "oneOf": [_ref(BatchChatRequest), _ref(ChatCompletionRequest)]}}}}},
               responses={200: {"content": {
                   "application/json": {"schema": {"oneOf": [_ref(BatchCompletion), _ref(ChatCompletion)]}},
-                  "text/event-stream": {"schema": {"oneOf": [_ref(BatchChunk), _ref(ChatCompletionChunk)]}}}},
-                  **lightning.ERRORS})
+                  **sse_doc(BatchChunk, ChatCompletionChunk)}},
+                  **{status: {"content": {"application/json": {"schema": {"anyOf": [
+                      _ref(LightningError), _ref(OpenAIError)]}}}} for status in lightning.ERRORS}})
     async def chat_completions(request: Request) -> Response:
         try:
             body = json.loads(await request.body())

@@ -16,8 +16,20 @@ from starlette.types import Receive, Scope, Send
 T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-DONE = "data: [DONE]\n\n"
+DONE_DATA = "[DONE]"
+DONE = f"data: {DONE_DATA}\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for "client went away"; nobody reads it
+
+
+def sse_doc(*models: type) -> dict[str, Any]:
+    """OpenAPI ``content`` entry for an SSE response: each event's data is JSON of one of ``models``,
+    the last one is ``[DONE]``."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    chunk = {"type": "string", "contentMediaType": "application/json",
+             "contentSchema": refs[0] if len(refs) == 1 else {"oneOf": refs}}
+    return {"text/event-stream": {"schema": {
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"anyOf": [chunk, {"const": DONE_DATA}]}}}}}
 
 
 def sse(payload: Any) -> str:
