@@ -1,0 +1,168 @@
+"""Decode speed of the model forward on one GPU with random weights of the real shapes.
+
+Checks first (small model): CUDA fp16 vs the CPU fp32 path (which matches the official package
+to ~1e-5, see oracle_cpu.json): logit drift, greedy agreement, batch invariance, graph replay
+equal to eager. Then times one decode step (forward only, no sampling) at several batch sizes,
+eager and replayed as a CUDA graph, and reports tok/s and the share of the H200 roofline
+(../shared/spec/performance-limits.md Table L3, fp16 weights + fp32 state; fp16-state rows
+have no limit column here).
+
+    python bench/bench_decode.py --sizes 0.1b,1.5b,7.2b --batches 1,8,64,256,512 --states fp32,fp16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from infer.batch import PackedBatch  # noqa: E402
+from infer.model import RWKV7  # noqa: E402
+from infer.ops.wkv import TorchWKV  # noqa: E402
+from infer.ops.wkv_cuda import select_wkv  # noqa: E402
+from infer.random_model import make_config, random_state_dict  # noqa: E402
+
+SIZES = {"0.1b": (12, 768), "1.5b": (24, 2048), "7.2b": (32, 4096)}
+# H200 roofline, fp16 weights + fp32 state, aggregate tok/s (performance-limits.md Table L3).
+LIMITS = {"0.1b": {1: 15019, 8: 108000, 32: 316000, 256: 730000, 1024: 849000},
+          "1.5b": {1: 1529, 8: 11500, 32: 38171, 64: 62225, 128: 90848, 256: 117985, 512: 138700},
+          "7.2b": {1: 309, 8: 2388, 32: 8576, 64: 15100, 128: 24368, 256: 35157, 512: 45152}}
+
+
+def checks() -> dict:
+    sd = random_state_dict(make_config(2, 128, 65536), seed=5, dtype=torch.float32)
+    cpu = RWKV7.from_state_dict({k: v.clone() for k, v in sd.items()}, device="cpu")
+    gpu = RWKV7.from_state_dict(sd, device="cuda", dtype="fp16")
+    gpu.wkv = select_wkv(gpu.device, "cuda")
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, 65530, (64,), generator=g).tolist()
+    want = cpu.prefill([prompt], [0], cpu.new_state_pool(1), all_logits=True)
+    got = gpu.prefill([prompt], [0], gpu.new_state_pool(1), all_logits=True).cpu()
+    drift = (got - want).abs().max().item()
+    # greedy continuation
+    pc, pg = cpu.new_state_pool(1), gpu.new_state_pool(1)
+    a, b = cpu.prefill([prompt], [0], pc)[0], gpu.prefill([prompt], [0], pg)[0]
+    same = 0
+    for _ in range(32):
+        ta, tb = int(a.argmax()), int(b.argmax())
+        if ta != tb:
+            break
+        same += 1
+        a, b = cpu.decode([ta], [0], pc)[0], gpu.decode([tb], [0], pg)[0]
+    # batch invariance (eager) and graph == eager
+    prompts = [torch.randint(1, 65530, (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
+    pool = gpu.new_state_pool(8)
+    together = gpu.prefill(prompts, [5, 1, 7, 2], pool)
+    alone = torch.stack([gpu.prefill([p], [0], gpu.new_state_pool(1))[0] for p in prompts])
+    invariant = (together - alone).abs().max().item()
+    return {"fp16_cuda_vs_fp32_cpu_max_logit_diff": drift, "greedy_tokens_identical": same,
+            "batch_vs_alone_max_diff": invariant, "graph_vs_eager_max_diff": graph_vs_eager(gpu)}
+
+
+def graph_vs_eager(model: RWKV7) -> float:
+    pool_a, pool_b = model.new_state_pool(4), model.new_state_pool(4)
+    batch = static_batch([3, 11, 12], [0, 1, 2])
+    eager = model.forward(batch, pool_a).clone()
+    graph, out = capture(model, batch, pool_b)
+    pool_b.reset([0, 1, 2])  # the warm-up runs inside capture() advanced the state
+    graph.replay()
+    torch.cuda.synchronize()
+    return (out - eager).abs().max().item()
+
+
+def static_batch(tokens: list[int], slots: list[int]) -> PackedBatch:
+    return PackedBatch.from_rows([[t] for t in tokens], slots, "cuda")
+
+
+def capture(model: RWKV7, batch: PackedBatch, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model.forward(batch, pool)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model.forward(batch, pool)
+    return graph, out
+
+
+def time_steps(fn, steps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000 / steps
+
+
+def bench_size(name: str, batches: list[int], steps: int, states: list[str]) -> list[dict]:
+    L, C = SIZES[name]
+    t0 = time.time()
+    model = RWKV7.from_state_dict(random_state_dict(make_config(L, C, 65536), seed=0, dtype=torch.float16,
+                                                    device="cuda"), device="cuda", dtype="fp16")
+    model.wkv = select_wkv(model.device, "cuda")
+    print(f"{name}: built in {time.time() - t0:.1f}s, wkv={model.wkv.name}", flush=True)
+    rows = []
+    for B, state in [(b, s) for s in states for b in batches]:
+        torch.cuda.reset_peak_memory_stats()
+        pool = model.new_state_pool(B, torch.float16 if state == "fp16" else torch.float32)
+        batch = static_batch(torch.randint(1, 65530, (B,)).tolist(), list(range(B)))
+        eager = time_steps(lambda: model.forward(batch, pool), steps)
+        graph, _ = capture(model, batch, pool)
+        replay = time_steps(graph.replay, steps)
+        row = {"size": name, "batch": B, "state": state, "eager_ms": round(eager * 1000, 3),
+               "graph_ms": round(replay * 1000, 3), "eager_tok_s": round(B / eager, 1),
+               "graph_tok_s": round(B / replay, 1), "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
+        limit = LIMITS.get(name, {}).get(B) if state == "fp32" else None
+        if limit:
+            row["graph_pct_of_limit"] = round(100 * row["graph_tok_s"] / limit, 1)
+        rows.append(row)
+        print(row, flush=True)
+        del graph, pool
+        torch.cuda.empty_cache()
+    if name == "1.5b":  # the portable torch WKV at one batch size, for the record
+        model.wkv = TorchWKV()
+        pool = model.new_state_pool(64)
+        batch = static_batch(torch.randint(1, 65530, (64,)).tolist(), list(range(64)))
+        t = time_steps(lambda: model.forward(batch, pool), max(3, steps // 4))
+        rows.append({"size": name, "batch": 64, "state": "fp32", "wkv": "torch", "eager_ms": round(t * 1000, 3),
+                     "eager_tok_s": round(64 / t, 1)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1.5b,7.2b")
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--states", default="fp32", help="WKV state storage dtypes to time: fp32,fp16")
+    ap.add_argument("--out", default="bench/results/decode_h200.json")
+    args = ap.parse_args()
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": checks()}
+    print(result["checks"], flush=True)
+    result["decode"] = []
+    for name in args.sizes.split(","):
+        result["decode"] += bench_size(name, [int(b) for b in args.batches.split(",")], args.steps,
+                                       args.states.split(","))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n{'size':>5} {'batch':>6} {'state':>5} {'eager tok/s':>12} {'graph tok/s':>12} {'% limit':>8} {'peak GB':>8}")
+    for r in result["decode"]:
+        print(f"{r['size']:>5} {r['batch']:>6} {r['state']:>5} {r['eager_tok_s']:>12} {r.get('graph_tok_s', '-'):>12} "
+              f"{r.get('graph_pct_of_limit', '-'):>8} {r.get('peak_mem_gb', '-'):>8}  {r.get('wkv', 'cuda')}")
+
+
+if __name__ == "__main__":
+    main()
