@@ -1,4 +1,4 @@
-"""Engine throughput and latency on the CPU with a small random model (no HTTP).
+"""Engine throughput and latency with a random model (no HTTP): CPU by default, or a GPU.
 
 1. Aggregate output tokens/s for N concurrent requests (continuous batching) versus the same
    N requests run one after another.
@@ -6,6 +6,8 @@
    interleaved with decode), versus the same streams alone.
 
     python bench/bench_engine.py [--n-layer 4 --n-embd 256] [--out bench/results/engine_cpu.json]
+    python bench/bench_engine.py --device cuda --n-layer 32 --n-embd 4096 --requests 1,64,256 --slots 256 \
+        --max-tokens 64 --out bench/results/engine_h200_7.2b.json
 """
 from __future__ import annotations
 
@@ -88,21 +90,34 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--long-prompt", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--requests", default="1,8,32", help="concurrency levels")
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--graphs", action="store_true", help="decode through CUDA graphs (GPU)")
     ap.add_argument("--out", default="bench/results/engine_cpu.json")
     args = ap.parse_args()
     torch.manual_seed(0)
     config = make_config(args.n_layer, args.n_embd, 65536)
-    model = RWKV7.from_state_dict(random_state_dict(config, seed=1, dtype=torch.float32), device="cpu")
+    on_gpu = args.device != "cpu"
+    sd = random_state_dict(config, seed=1, dtype=torch.float16 if on_gpu else torch.float32, device=args.device)
+    model = RWKV7.from_state_dict(sd, device=args.device)
+    if on_gpu:
+        from infer.ops.wkv_cuda import select_wkv
+        model.wkv = select_wkv(model.device)
+    runner = ModelRunner(model, args.slots, cuda_graphs=args.graphs)
+    if runner.graphs is not None:
+        runner.graphs.warmup()
     tokenizer = load_world_tokenizer()
-    engine = Engine(ModelRunner(model, 64), tokenizer, prefill_chunk_size=args.chunk)
+    engine = Engine(runner, tokenizer, prefill_chunk_size=args.chunk)
     engine.start()
     prompt = tokenizer.encode("User: write a short story about a lighthouse keeper.\n\nAssistant:")
     throughput(engine, [prompt] * 2, 4, concurrent=True)  # warm-up
 
     rows = []
-    for n in (1, 8, 32):
+    for n in [int(x) for x in args.requests.split(",")]:
         prompts = [prompt] * n
-        seq = throughput(engine, prompts, args.max_tokens, concurrent=False)
+        # one after another the rate does not depend on how many: time at most 8 of them
+        seq = throughput(engine, prompts[:8], args.max_tokens, concurrent=False)
         conc = throughput(engine, prompts, args.max_tokens, concurrent=True)
         rows.append({"requests": n, "sequential_tok_s": round(seq, 1), "concurrent_tok_s": round(conc, 1),
                      "speedup": round(conc / seq, 2)})
@@ -134,12 +149,14 @@ def main() -> None:
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if on_gpu else None},
+        "implementations": runner.implementations(),
         "model": config.describe(), "max_tokens": args.max_tokens, "throughput": rows, "latency": latency,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"model {config.describe()} on CPU ({torch.get_num_threads()} threads), {args.max_tokens} tokens/request")
+    where = result["machine"]["gpu"] or f"CPU ({torch.get_num_threads()} threads)"
+    print(f"model {config.describe()} on {where}, {args.max_tokens} tokens/request, {runner.implementations()}")
     print(f"{'requests':>8} {'sequential tok/s':>17} {'concurrent tok/s':>17} {'speedup':>8}")
     for r in rows:
         print(f"{r['requests']:>8} {r['sequential_tok_s']:>17} {r['concurrent_tok_s']:>17} {r['speedup']:>8}")

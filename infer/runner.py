@@ -9,7 +9,7 @@ import torch
 from infer.batch import PackedBatch
 from infer.model import RWKV7
 from infer.sampler import SampleOutput, Sampler, SamplingParams
-from infer.state import SlotState
+from infer.state import SlotState, StatePool
 
 
 @dataclass
@@ -24,16 +24,73 @@ class StepOutput:
     scores: dict[int, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
 
 
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class DecodeGraphs:
+    """The decode forward captured as CUDA graphs at bucketed batch sizes.
+
+    A decode step of B rows replays the graph of the smallest bucket >= B after copying the
+    token and slot ids into static buffers; padding rows use a scratch slot that no row owns.
+    This removes the per-kernel launch cost that dominates small-batch decode.
+    """
+
+    def __init__(self, model: RWKV7, state: StatePool, scratch_slot: int, max_rows: int):
+        self.model, self.state, self.scratch = model, state, scratch_slot
+        self.buckets = sorted({b for b in GRAPH_BUCKETS if b < max_rows} | {max_rows})
+        device = model.device
+        self.tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.slots = torch.full((max_rows,), scratch_slot, dtype=torch.long, device=device)
+        self._rows = torch.arange(max_rows, dtype=torch.long, device=device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def warmup(self) -> None:
+        for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
+            self._capture(bucket)
+
+    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self.slots[:bucket].fill_(self.scratch)  # warm-up runs below write only the scratch slot
+        batch = PackedBatch(tokens=self.tokens[:bucket], slots=self.slots[:bucket], lens=[1] * bucket,
+                            starts=self._rows[:bucket], last=self._rows[:bucket])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.model.forward(batch, self.state)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.model.forward(batch, self.state)
+        self._graphs[bucket] = (graph, logits)
+        return graph, logits
+
+    def run(self, tokens: Sequence[int], slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, V] and the slot-id tensor [B] of a decode step."""
+        rows = len(tokens)
+        bucket = next(b for b in self.buckets if b >= rows)
+        graph, logits = self._graphs.get(bucket) or self._capture(bucket)
+        self.tokens[:rows].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        self.slots[:rows].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        self.slots[rows:bucket].fill_(self.scratch)
+        graph.replay()
+        return logits[:rows], self.slots[:rows]
+
+
 class ModelRunner:
-    def __init__(self, model: RWKV7, num_slots: int, wkv_dtype: torch.dtype = torch.float32):
+    def __init__(self, model: RWKV7, num_slots: int, wkv_dtype: torch.dtype = torch.float32,
+                 cuda_graphs: bool = False):
         self.model = model
         self.num_slots = num_slots
-        self.state = model.new_state_pool(num_slots, wkv_dtype)
+        # one extra slot pads graph batches; rows never own it
+        self.state = model.new_state_pool(num_slots + 1, wkv_dtype)
         self.sampler = Sampler(model.config.vocab_size, num_slots, model.device)
+        self.graphs = DecodeGraphs(model, self.state, num_slots, num_slots) if cuda_graphs else None
 
     def implementations(self) -> dict[str, str]:
         return {**self.model.implementations(), "sampler": getattr(self.sampler, "name", "torch"),
-                "state": f"{self.num_slots} slots, wkv {str(self.state.wkv.dtype).removeprefix('torch.')}"}
+                "state": f"{self.num_slots} slots, wkv {str(self.state.wkv.dtype).removeprefix('torch.')}",
+                "decode": f"CUDA graphs, buckets {self.graphs.buckets}" if self.graphs else "eager"}
 
     def start_row(self, slot: int, params: SamplingParams, initial: SlotState | None = None) -> None:
         """Prepare a slot for a new row: its starting state (empty or imported) and sampler state."""
@@ -49,10 +106,6 @@ class ModelRunner:
     def export_state(self, slot: int) -> SlotState:
         return self.state.export_slot(slot)
 
-    def prefill_only(self, rows: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
-        """Advance states without sampling (e.g. replaying kept tokens)."""
-        self.model.forward(PackedBatch.from_rows(rows, slots, self.model.device), self.state)
-
     def step(self, rows: Sequence[Sequence[int]], slots: Sequence[int], sample: Sequence[bool],
              want_logprobs: bool = False, score: dict[int, tuple[Sequence[int], int]] | None = None) -> StepOutput:
         """Feed each row its tokens; sample the next token for rows with ``sample[i]``.
@@ -60,8 +113,12 @@ class ModelRunner:
         ``score`` maps a row position to (targets, top_n): the log-probability of ``targets[j]``
         given the row's tokens up to position j (raw model distribution), for prompt logprobs.
         """
-        batch = PackedBatch.from_rows(rows, slots, self.model.device)
-        logits = self.model.forward(batch, self.state, all_logits=bool(score))
+        if self.graphs is not None and not score and all(len(r) == 1 for r in rows):
+            logits, slot_ids = self.graphs.run([r[0] for r in rows], slots)
+        else:
+            batch = PackedBatch.from_rows(rows, slots, self.model.device)
+            logits = self.model.forward(batch, self.state, all_logits=bool(score))
+            slot_ids = batch.slots
         scores = {}
         if score:
             all_logits, logits = logits, logits[batch.last]
@@ -75,9 +132,9 @@ class ModelRunner:
             return StepOutput([], None, None, None, scores)
         if len(picked) < len(rows):
             index = torch.tensor(picked, dtype=torch.long, device=logits.device)
-            logits, sample_slots = logits[index], batch.slots[index]
+            logits, sample_slots = logits[index], slot_ids[index]
         else:
-            sample_slots = batch.slots
+            sample_slots = slot_ids
         out: SampleOutput = self.sampler.sample(logits, sample_slots, want_logprob=want_logprobs)
         return StepOutput(
             tokens=out.tokens.tolist(),  # the one host sync of the step
