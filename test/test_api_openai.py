@@ -100,6 +100,9 @@ def test_chat_stop_and_max_completion_tokens(sdk, server, model):
     out = sdk.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=20, stop=stop,
                                       **NO_PENALTY)
     assert out.choices[0].message.content == text[:text.index(stop)] and out.choices[0].finish_reason == "stop"
+    legacy = sdk.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=20,
+                                         extra_body={"stop_tokens": [stop]}, **NO_PENALTY)  # the peer's field
+    assert legacy.choices[0].message.content == out.choices[0].message.content
     short = sdk.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=20,
                                         max_completion_tokens=3, **NO_PENALTY)
     assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"

@@ -145,7 +145,7 @@ async def chat_completions(ctx: ServerContext, body: ChatCompletionRequest, requ
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     options = GenerationOptions(
         max_tokens=ctx.max_tokens(body.max_completion_tokens or body.max_tokens, CHAT_MAX_TOKENS, name),
-        stop=[*TURN_STOPS, *user_stops(body.stop)],
+        stop=[*TURN_STOPS, *user_stops(body.stop), *(body.stop_tokens or [])],
         sampling=sampling_params(body, CHAT_DEFAULTS, body.top_logprobs or 0, body.seed),
         logprobs=bool(body.logprobs))
     stream = ctx.start(row_groups(body, [prompt], options))

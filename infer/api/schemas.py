@@ -163,6 +163,8 @@ class ChatCompletionRequest(OpenAIRequest):
     enable_think: bool = Field(False, description="let the model reason first; returned as reasoning_content")
     system: str | None = Field(None, description="extension: system text placed before the messages")
     contents: list[str] | None = Field(None, description="extension (/openai route): contents[0] is a last user turn")
+    stop_tokens: list[StopText] | None = Field(None, max_length=MAX_STOPS,
+                                               description="extension (rwkv_lightning): more stop strings")
 
 
 class CompletionRequest(OpenAIRequest):
