@@ -18,7 +18,8 @@ AUTH = {"Authorization": f"Bearer {PASSWORD}"}
 MAX_EXAMPLES = 60
 OPERATIONS = {"POST /v1/chat/completions", "POST /openai/v1/chat/completions", "POST /v1/completions",
               "GET /v1/models", "GET /openai/v1/models", "POST /translate/v1/batch-translate",
-              "POST /FIM/v1/batch-FIM", "POST /big_batch/completions", "GET /health", "GET /metrics"}
+              "POST /FIM/v1/batch-FIM", "POST /big_batch/completions", "GET /health", "GET /metrics",
+              "GET /tokenizer_info", "POST /tokenize", "POST /detokenize"}
 
 
 @pytest.fixture(scope="module")

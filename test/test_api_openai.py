@@ -222,6 +222,21 @@ def test_lm_eval_loglikelihood_payload(client, server, model):
         assert greedy == all(logp[j - 1].argmax().item() == prompt[j] for j in range(ctxlen, len(prompt)))
 
 
+def test_remote_tokenizer_routes_for_lm_eval(client, server):
+    """What lm-eval's ``check_remote_tokenizer_support`` probes, then encode/decode round trips."""
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == info["bos_token"] == "<|endoftext|>"
+    tok = server.tokenizer
+    r = client.post("/tokenize", json={"prompt": "Hello<|endoftext|>world", "add_special_tokens": False}).json()
+    assert r["tokens"] == tok.encode("Hello") + [0] + tok.encode("world") and r["count"] == len(r["tokens"])
+    assert client.post("/tokenize", json={"prompt": "<|endoftext|>"}).json()["tokens"] == [0]  # eos_token_id
+    assert client.post("/tokenize", json={"prompt": ""}).json()["tokens"] == []
+    back = client.post("/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back == {"prompt": "Hello<|endoftext|>world"}
+    error = client.post("/detokenize", json={"tokens": [70000]})
+    assert error.status_code == 422 and error.json()["error"]["param"].startswith("tokens")
+
+
 def test_echo_scoring_with_max_tokens_zero(client, server, model):
     text = "Hello world, this is a test of scoring."
     out = client.post("/v1/completions", json={"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 2}).json()

@@ -60,14 +60,16 @@ class ServerContext:
             raise ApiError(400, f"{name}: {len(tokens)} prompt tokens, this server allows "
                                 f"{self.limits.max_prompt_tokens}", param=name)
 
+    async def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        if sum(len(t) for t in texts) > INLINE_TOKENIZE_CHARS:
+            return await run_in_threadpool(lambda: [self.tokenizer.encode(t) for t in texts])
+        return [self.tokenizer.encode(t) for t in texts]
+
     async def encode(self, texts: Sequence[str], name: str, indexed: bool = True) -> list[list[int]]:
         """Tokenize prompts and check them; ``name`` is the request field (a list of texts when
         ``indexed``, so errors name ``field[i]``)."""
         self.check_rows(len(texts), name)
-        if sum(len(t) for t in texts) > INLINE_TOKENIZE_CHARS:
-            prompts = await run_in_threadpool(lambda: [self.tokenizer.encode(t) for t in texts])
-        else:
-            prompts = [self.tokenizer.encode(t) for t in texts]
+        prompts = await self.tokenize(texts)
         for i, tokens in enumerate(prompts):
             self.check_prompt(tokens, f"{name}[{i}]" if indexed else name)
         return prompts

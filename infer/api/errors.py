@@ -2,8 +2,8 @@
 
 rwkv_lightning clients expect ``{"error": "<message>"}`` (extra keys are harmless); OpenAI
 clients expect ``{"error": {"message", "type", "param", "code"}}``. The dialect follows the
-route: OpenAI paths, plus ``/v1/chat/completions`` when its body is an OpenAI chat request
-(the dispatcher marks the request).
+route: OpenAI paths (and the vLLM-style tokenizer routes), plus ``/v1/chat/completions`` when
+its body is an OpenAI chat request (the dispatcher marks the request).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from infer.api.streaming import ClientDisconnected, client_gone
 
-OPENAI_PATH_PREFIXES = ("/openai/", "/v1/completions", "/v1/models")
+OPENAI_PATH_PREFIXES = ("/openai/", "/v1/completions", "/v1/models", "/tokenize", "/detokenize")
 OPENAI_STYLE_KEY = "rwkv.openai_errors"  # scope key set by the /v1/chat/completions dispatcher
 
 _OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from infer.api import lightning, openai
+from infer.api import lightning, openai, tokenize
 from infer.api.context import ServerContext
 from infer.api.errors import OPENAI_STYLE_KEY, ApiError, install_error_handlers, is_openai_chat_body
 from infer.api.guard import PUBLIC_PATHS, TRANSLATE_PATH, Guard
@@ -61,13 +61,14 @@ def create_app(ctx: ServerContext) -> FastAPI:
     install_error_handlers(app)
     app.include_router(lightning.router)
     app.include_router(openai.router)
+    app.include_router(tokenize.router)
 
     @app.post("/v1/chat/completions", response_model=None, tags=["rwkv_lightning", "OpenAI"],
               summary="rwkv_lightning batch (body with contents) or OpenAI chat (body with messages)",
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {
-                  "oneOf": [_ref(BatchChatRequest), _ref(ChatCompletionRequest)]}}}}},
+                  "anyOf": [_ref(BatchChatRequest), _ref(ChatCompletionRequest)]}}}}},
               responses={200: {"content": {
-                  "application/json": {"schema": {"oneOf": [_ref(BatchCompletion), _ref(ChatCompletion)]}},
+                  "application/json": {"schema": {"anyOf": [_ref(BatchCompletion), _ref(ChatCompletion)]}},
                   **sse_doc(BatchChunk, ChatCompletionChunk)}},
                   **{status: {"content": {"application/json": {"schema": {"anyOf": [
                       _ref(LightningError), _ref(OpenAIError)]}}}} for status in lightning.ERRORS}})

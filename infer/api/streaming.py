@@ -26,7 +26,7 @@ def sse_doc(*models: type) -> dict[str, Any]:
     the last one is ``[DONE]``."""
     refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
     chunk = {"type": "string", "contentMediaType": "application/json",
-             "contentSchema": refs[0] if len(refs) == 1 else {"oneOf": refs}}
+             "contentSchema": refs[0] if len(refs) == 1 else {"anyOf": refs}}
     return {"text/event-stream": {"schema": {
         "type": "object", "required": ["data"],
         "properties": {"data": {"anyOf": [chunk, {"const": DONE_DATA}]}}}}}
