@@ -151,7 +151,8 @@ def summarize(tally: Tally, seconds: float) -> dict:
     return {"clients": tally.started, "completed": tally.completed, "disconnected": tally.disconnected,
             "errors": len(tally.errors), "error_samples": tally.errors[:5], "events": tally.events,
             "seconds": round(seconds, 2),
-            "first_event_s": {"p50": round(statistics.median(ttfe), 3), "p99": round(ttfe[int(len(ttfe) * 0.99) - 1], 3),
+            "first_event_s": {"p50": round(statistics.median(ttfe), 3),
+                              "p99": round(ttfe[int(len(ttfe) * 0.99) - 1], 3),
                               "max": round(ttfe[-1], 3)} if ttfe else None}
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, NamedTuple, Sequence
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -25,22 +25,32 @@ from infer.api.context import ServerContext, get_ctx
 from infer.api.errors import ApiError
 from infer.api.logprobs import LegacyLogprobs, TokenNames, VisibleTokens, char_offsets, chat_entry
 from infer.api.schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
-                               CompletionRequest, ModelList, OpenAIError, OpenAIRequest)
+                               CompletionRequest, ModelList, OpenAIError, OpenAIRequest, PromptInput)
 from infer.api.streaming import DONE, EventSourceResponse, sse, sse_doc, unless_disconnected
 from infer.engine import GenerationOptions, PromptLogprobs, RowFinished, RowText, TokenLogprob
 from infer.sampler import SamplingParams
 
+
+
+class SamplingDefaults(NamedTuple):
+    temperature: float
+    top_p: float
+    top_k: int
+    alpha_presence: float
+    alpha_frequency: float
+    alpha_decay: float
+
+
 CHAT_MAX_TOKENS = 4096
-# (temperature, top_p, top_k, alpha_presence, alpha_frequency, alpha_decay)
-CHAT_DEFAULTS = (1.0, 0.6, 20, 1.0, 0.1, 0.996)        # the peer server's /openai route
-COMPLETION_DEFAULTS = (1.0, 1.0, 0, 0.0, 0.0, 1.0)     # OpenAI's
+CHAT_DEFAULTS = SamplingDefaults(1.0, 0.6, 20, 1.0, 0.1, 0.996)      # the peer server's /openai route
+COMPLETION_DEFAULTS = SamplingDefaults(1.0, 1.0, 0, 0.0, 0.0, 1.0)   # OpenAI's
 
 ERRORS = {status: {"model": OpenAIError} for status in (400, 401, 413, 422, 429)}
 
 router = APIRouter(tags=["OpenAI"])
 
 
-def sampling_params(body: OpenAIRequest, defaults: tuple, top_logprobs: int, seed: int | None) -> SamplingParams:
+def sampling_params(body: OpenAIRequest, defaults: SamplingDefaults, top_logprobs: int) -> SamplingParams:
     temperature, top_p, top_k, presence, frequency, decay = defaults
     if body.presence_penalty is not None or body.frequency_penalty is not None:
         presence, frequency, decay = body.presence_penalty or 0.0, body.frequency_penalty or 0.0, 1.0
@@ -50,7 +60,7 @@ def sampling_params(body: OpenAIRequest, defaults: tuple, top_logprobs: int, see
     return SamplingParams(
         temperature=pick(body.temperature, temperature), top_p=pick(body.top_p, top_p), top_k=pick(body.top_k, top_k),
         alpha_presence=pick(body.alpha_presence, presence), alpha_frequency=pick(body.alpha_frequency, frequency),
-        alpha_decay=pick(body.alpha_decay, decay), seed=seed,
+        alpha_decay=pick(body.alpha_decay, decay), seed=body.seed,
         logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
         logprobs=top_logprobs)
 
@@ -91,6 +101,11 @@ class ChatDelta:
     content: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
 
+    def add(self, other: "ChatDelta") -> None:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.logprobs += other.logprobs
+
     def choice(self, index: int) -> dict[str, Any] | None:
         delta = {k: v for k, v in (("reasoning_content", self.reasoning), ("content", self.content)) if v}
         if not delta and not self.logprobs:
@@ -107,24 +122,21 @@ class ChatRow:
         self._splitter = ThinkSplitter() if think else None
         self._visible: VisibleTokens[TokenLogprob] | None = VisibleTokens(ctx.tokenizer) if logprobs else None
 
-    def on_text(self, event: RowText) -> ChatDelta:
-        visible = self._visible.push(event.token_id, event.logprob, event.text) \
-            if self._visible is not None and event.logprob is not None else []
-        return self._delta(event.text, visible, final=False)
-
-    def on_finish(self, event: RowFinished) -> ChatDelta:
-        visible = self._visible.release(event.text) if self._visible is not None else []
-        return self._delta(event.text, visible, final=True)
-
-    def _delta(self, text: str, visible: list[tuple[int, TokenLogprob]], final: bool) -> ChatDelta:
+    def on_event(self, event: RowText | RowFinished) -> ChatDelta:
+        final = isinstance(event, RowFinished)
+        visible: list[tuple[int, TokenLogprob]] = []
+        if self._visible is not None:
+            if final:
+                visible = self._visible.release(event.text)
+            elif event.logprob is not None:
+                visible = self._visible.push(event.token_id, event.logprob, event.text)
         entries = [chat_entry(self._names, lp) for _, lp in visible]
         if self._splitter is None:
-            return ChatDelta("", text, entries)
-        reasoning, content = self._splitter.push(text)
+            return ChatDelta("", event.text, entries)
+        delta = ChatDelta(*self._splitter.push(event.text), entries)
         if final:
-            more_reasoning, more_content = self._splitter.flush()
-            reasoning, content = reasoning + more_reasoning, content + more_content
-        return ChatDelta(reasoning, content, entries)
+            delta.add(ChatDelta(*self._splitter.flush()))
+        return delta
 
 
 @router.post("/openai/v1/chat/completions", response_model=None, responses={
@@ -146,7 +158,7 @@ async def chat_completions(ctx: ServerContext, body: ChatCompletionRequest, requ
     options = GenerationOptions(
         max_tokens=ctx.max_tokens(body.max_completion_tokens or body.max_tokens, CHAT_MAX_TOKENS, name),
         stop=[*TURN_STOPS, *user_stops(body.stop), *(body.stop_tokens or [])],
-        sampling=sampling_params(body, CHAT_DEFAULTS, body.top_logprobs or 0, body.seed),
+        sampling=sampling_params(body, CHAT_DEFAULTS, body.top_logprobs or 0),
         logprobs=bool(body.logprobs))
     stream = ctx.start(row_groups(body, [prompt], options))
     names = TokenNames(ctx.tokenizer)
@@ -171,17 +183,10 @@ async def _collect_chat(stream: EventStream, rows: list[ChatRow]) -> tuple[list[
     finished: list[RowFinished] = [None] * len(rows)  # type: ignore[list-item]
     async for events in stream.batches():
         for event in events:
-            if isinstance(event, RowText):
-                delta = rows[event.index].on_text(event)
-            elif isinstance(event, RowFinished):
-                delta = rows[event.index].on_finish(event)
+            if isinstance(event, (RowText, RowFinished)):
+                totals[event.index].add(rows[event.index].on_event(event))
+            if isinstance(event, RowFinished):
                 finished[event.index] = event
-            else:
-                continue
-            total = totals[event.index]
-            total.reasoning += delta.reasoning
-            total.content += delta.content
-            total.logprobs += delta.logprobs
     return totals, finished
 
 
@@ -197,18 +202,11 @@ async def _chat_sse(stream: EventStream, rows: list[ChatRow], head: dict, with_u
         merged: dict[int, ChatDelta] = {}
         finished = []
         for event in events:
-            if isinstance(event, RowText):
-                delta = rows[event.index].on_text(event)
-            elif isinstance(event, RowFinished):
-                delta = rows[event.index].on_finish(event)
+            if isinstance(event, (RowText, RowFinished)):
+                merged.setdefault(event.index, ChatDelta()).add(rows[event.index].on_event(event))
+            if isinstance(event, RowFinished):
                 finished.append(event)
                 completion_tokens += event.completion_tokens
-            else:
-                continue
-            into = merged.setdefault(event.index, ChatDelta())
-            into.reasoning += delta.reasoning
-            into.content += delta.content
-            into.logprobs += delta.logprobs
         choices = [c for i, d in merged.items() if (c := d.choice(i))]
         if choices:
             yield sse({**head, "choices": choices, **extra})
@@ -221,6 +219,9 @@ async def _chat_sse(stream: EventStream, rows: list[ChatRow], head: dict, with_u
 
 
 # ---------------------------------------------------------------------------- legacy completions
+COMPLETION_EVENTS = (RowText, RowFinished, PromptLogprobs)
+
+
 class CompletionRow:
     """One choice of ``/v1/completions``: echo, text, and the legacy logprobs lists."""
 
@@ -258,31 +259,31 @@ class CompletionRow:
         return text + event.text
 
 
+async def completion_prompts(ctx: ServerContext, prompt: PromptInput) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of each prompt (a string, strings, token ids, or lists of token ids)."""
+    indexed = not (isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)))
+    batch = list(prompt) if indexed else [prompt]
+    if not batch:
+        raise ApiError(400, "prompt: empty", param="prompt")
+    if isinstance(batch[0], str):
+        return await ctx.encode(batch, "prompt", indexed), batch
+    ctx.check_rows(len(batch), "prompt")
+    for i, tokens in enumerate(batch):
+        ctx.check_prompt(tokens, f"prompt[{i}]" if indexed else "prompt")
+    return batch, [ctx.tokenizer.decode(p) for p in batch]
+
+
 @router.post("/v1/completions", response_model=None, responses={
-    200: {"model": Completion, "content": sse_doc(Completion)}, **ERRORS}, summary="OpenAI legacy text completion (echo + logprobs scores prompts, e.g. for lm-eval)")
+    200: {"model": Completion, "content": sse_doc(Completion)}, **ERRORS},
+    summary="OpenAI legacy text completion (echo + logprobs scores prompts, e.g. for lm-eval)")
 async def completions(body: CompletionRequest, request: Request, ctx: ServerContext = Depends(get_ctx)) -> Response:
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        texts: list[str] | None = [prompt]
-    elif prompt and isinstance(prompt[0], str):
-        texts = list(prompt)
-    else:
-        texts = None
-    if texts is not None:
-        prompts = await ctx.encode(texts, "prompt", indexed=not isinstance(prompt, str))
-    else:
-        prompts = [prompt] if prompt and isinstance(prompt[0], int) else list(prompt)
-        if not prompts:
-            raise ApiError(400, "prompt: empty", param="prompt")
-        for i, tokens in enumerate(prompts):
-            ctx.check_prompt(tokens, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
-        texts = [ctx.tokenizer.decode(p) for p in prompts]
+    prompts, texts = await completion_prompts(ctx, body.prompt)
     ctx.check_rows(len(prompts) * body.n, "n")
     echo = bool(body.echo)
     scored = body.logprobs is not None
     options = GenerationOptions(
         max_tokens=ctx.max_tokens(body.max_tokens, 16), stop=user_stops(body.stop),
-        sampling=sampling_params(body, COMPLETION_DEFAULTS, body.logprobs or 0, body.seed),
+        sampling=sampling_params(body, COMPLETION_DEFAULTS, body.logprobs or 0),
         logprobs=scored, prompt_logprobs=body.logprobs if scored and echo else None)
     stream = ctx.start(row_groups(body, prompts, options))
     names = TokenNames(ctx.tokenizer)
@@ -308,7 +309,8 @@ async def _collect_completion(stream: EventStream, rows: list[CompletionRow]) ->
     finished: list[RowFinished] = [None] * len(rows)  # type: ignore[list-item]
     async for events in stream.batches():
         for event in events:
-            texts[event.index] += rows[event.index].on_event(event)
+            if isinstance(event, COMPLETION_EVENTS):
+                texts[event.index] += rows[event.index].on_event(event)
             if isinstance(event, RowFinished):
                 finished[event.index] = event
     return texts, finished
@@ -323,7 +325,8 @@ async def _completion_sse(stream: EventStream, rows: list[CompletionRow], head: 
         texts: dict[int, str] = {}
         reasons: dict[int, str] = {}
         for event in events:
-            texts[event.index] = texts.get(event.index, "") + rows[event.index].on_event(event)
+            if isinstance(event, COMPLETION_EVENTS):
+                texts[event.index] = texts.get(event.index, "") + rows[event.index].on_event(event)
             if isinstance(event, RowFinished):
                 reasons[event.index] = event.finish_reason
                 completion_tokens += event.completion_tokens

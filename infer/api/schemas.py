@@ -20,6 +20,7 @@ MAX_N = 128                   # choices per prompt; rows per request are limited
 
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 def _require_unicode(value: Any) -> Any:
@@ -168,7 +169,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: PromptInput
     max_tokens: int | None = Field(16, ge=0, description="0 with echo = score the prompt only")
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per token")
