@@ -70,7 +70,16 @@ class PromptLogprobs:
     entries: list[TokenLogprob | None]
 
 
-Event = RowText | RowFinished | PromptLogprobs
+@dataclass
+class StateSnapshot:
+    """The row's state after its first ``position`` prompt tokens (for a prefix cache)."""
+
+    index: int
+    position: int
+    state: SlotState
+
+
+Event = RowText | RowFinished | PromptLogprobs | StateSnapshot
 
 
 @dataclass
@@ -82,6 +91,7 @@ class GenerationOptions:
     logprobs: bool = False       # report the chosen token's logprob (and sampling.logprobs alternatives)
     keep_state: bool = False     # hand back the final state (sessions); it ends where the visible text ends
     prompt_logprobs: int | None = None  # score the prompt: None = off, N = also the top N alternatives
+    snapshot_at: int | None = None      # emit a StateSnapshot after this many prompt tokens (< prompt length)
 
 
 class Request:
@@ -97,6 +107,8 @@ class Request:
             raise ValueError("every prompt needs at least one token")
         if initial_states is not None and len(initial_states) != len(prompts):
             raise ValueError("one initial state per prompt")
+        if options.snapshot_at is not None and not 0 < options.snapshot_at < min(len(p) for p in prompts):
+            raise ValueError("snapshot_at must lie inside every prompt (1 .. length-1)")
         self.id = next(self._ids)
         self.prompts = [list(p) for p in prompts]
         self.options = options
@@ -277,6 +289,9 @@ class Engine:
             if row.phase is Phase.DECODE or budget <= 0:
                 continue
             n = min(budget, len(row.feed) - row.pos)
+            snapshot_at = row.request.options.snapshot_at
+            if row.phase is Phase.PREFILL and snapshot_at is not None and row.pos < snapshot_at:
+                n = min(n, snapshot_at - row.pos)  # end a chunk exactly at the snapshot position
             feeds.append(row.feed[row.pos:row.pos + n])
             slots.append(row.slot)
             top_n = row.request.options.prompt_logprobs
@@ -299,6 +314,8 @@ class Engine:
                 row.prompt_scores += [TokenLogprob(t, lp, top) for t, (lp, top) in
                                       zip(score[position][0], out.scores[position])]
             prompt_done = row.phase is Phase.PREFILL and row.pos == len(row.feed)
+            if row.phase is Phase.PREFILL and row.pos == row.request.options.snapshot_at:
+                self._emit(row.request, StateSnapshot(row.index, row.pos, self.runner.export_state(row.slot)))
             if prompt_done and row.request.options.prompt_logprobs is not None:
                 self._emit(row.request, PromptLogprobs(row.index, row.prompt_scores))
             if sample:

@@ -315,3 +315,24 @@ def test_prompt_logprobs_match_log_softmax(model, tokenizer, chunk):
         assert entry.token_id == prompt[j]
         assert abs(entry.logprob - logp[j - 1, prompt[j]].item()) < 1e-4
         assert [t for t, _ in entry.top] == logp[j - 1].topk(3).indices.tolist()
+
+
+def test_state_snapshot_inside_the_prompt(model, tokenizer):
+    from infer.engine import StateSnapshot
+    prompt = tokenizer.encode("A system prompt that many requests share. Then the user's own question?")
+    at = len(prompt) // 2
+    engine = make_engine(model, tokenizer, chunk=5)
+    c = submit(engine, [prompt], max_tokens=4, sampling=GREEDY, snapshot_at=at)
+    drain(engine, c)
+    (snap,) = [e for e in c.events if isinstance(e, StateSnapshot)]
+    assert snap.position == at
+    assert_same_state(snap.state, state_after(model, prompt[:at]), tol=0)
+    # resuming from the snapshot with the rest of the prompt gives the same tokens
+    resumed = Collector()
+    resumed.request = Request([prompt[at:]], GenerationOptions(max_tokens=4, sampling=GREEDY), resumed,
+                              initial_states=[snap.state])
+    engine.submit(resumed.request)
+    drain(engine, resumed)
+    assert resumed.tokens() == c.tokens()
+    with pytest.raises(ValueError):
+        Request([prompt], GenerationOptions(snapshot_at=len(prompt)), lambda e: None)
