@@ -18,7 +18,7 @@ from infer.api.context import ServerContext, get_ctx
 from infer.api.errors import ApiError
 from infer.api.schemas import (BatchChatRequest, BatchChunk, BatchCompletion, BigBatchRequest, FimRequest,
                                LightningError, LightningRequest, LightningSampling, TranslateRequest,
-                               TranslateResponse)
+                               TranslateResponse, Usage)
 from infer.api.streaming import DONE, EventSourceResponse, sse, sse_doc, unless_disconnected
 from infer.api.translate import (Placeholders, detect_language, keep_spacing, stop_strings,
                                  translate_prompt)
@@ -29,8 +29,7 @@ DEFAULT_MAX_TOKENS = 8192
 TRANSLATE_MAX_TOKENS = 2048
 FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "✿prefix✿", "✿suffix✿", "✿middle✿"
 
-ERRORS = {400: {"model": LightningError}, 401: {"model": LightningError}, 413: {"model": LightningError},
-          422: {"model": LightningError}, 429: {"model": LightningError}}
+ERRORS = {status: {"model": LightningError} for status in (400, 401, 413, 422, 429)}
 STREAM_DOC = sse_doc(BatchChunk)
 
 router = APIRouter(tags=["rwkv_lightning"])
@@ -93,21 +92,23 @@ async def batch_sse(stream: EventStream, chunk_size: int, head: dict) -> AsyncIt
     yield DONE
 
 
+def chunk_head(id_prefix: str, model: str) -> dict:
+    """Fields every chunk of one lightning stream repeats."""
+    return {"id": f"{id_prefix}-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": model}
+
+
 async def respond(request: Request, stream: EventStream, body: LightningRequest, obj: str) -> Response:
     """The batch response: SSE when asked, else one JSON object with every row."""
-    head = {"id": f"rwkv7-batch-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": body.model}
+    head = chunk_head("rwkv7-batch", body.model)
     if body.stream:
         return EventSourceResponse(batch_sse(stream, body.chunk_size, head))
     texts, finished = await unless_disconnected(request, collect(stream))
-    prompt_tokens = sum(f.prompt_tokens for f in finished)
-    completion_tokens = sum(f.completion_tokens for f in finished)
     result = BatchCompletion(
         id=head["id"], object=obj, created=head["created"], model=body.model,
         choices=[{"index": i, "message": {"content": t}, "finish_reason": f.finish_reason}
                  for i, (t, f) in enumerate(zip(texts, finished))],
-        usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-               "total_tokens": prompt_tokens + completion_tokens})
+        usage=Usage.of(sum(f.prompt_tokens for f in finished), sum(f.completion_tokens for f in finished)))
     return JSONResponse(result.model_dump())
 
 
@@ -138,9 +139,7 @@ async def big_batch(body: BigBatchRequest, ctx: ServerContext = Depends(get_ctx)
     prompts = await ctx.encode(body.contents, "contents")
     params = SamplingParams(temperature=body.temperature, seed=body.seed)
     stream = ctx.start([(prompts, options(ctx, body, params))])
-    head = {"id": f"rwkv7-big-batch-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": body.model}
-    return EventSourceResponse(batch_sse(stream, body.chunk_size, head))
+    return EventSourceResponse(batch_sse(stream, body.chunk_size, chunk_head("rwkv7-big-batch", body.model)))
 
 
 @router.post("/translate/v1/batch-translate", response_model=TranslateResponse, responses=ERRORS,

@@ -25,7 +25,7 @@ from infer.api.context import ServerContext, get_ctx
 from infer.api.errors import ApiError
 from infer.api.logprobs import LegacyLogprobs, TokenNames, VisibleTokens, char_offsets, chat_entry
 from infer.api.schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
-                               CompletionRequest, ModelList, OpenAIError, OpenAIRequest, PromptInput)
+                               CompletionRequest, ModelList, OpenAIError, OpenAIRequest, PromptInput, Usage)
 from infer.api.streaming import DONE, EventSourceResponse, sse, sse_doc, unless_disconnected
 from infer.engine import GenerationOptions, PromptLogprobs, RowFinished, RowText, TokenLogprob
 from infer.sampler import SamplingParams
@@ -77,11 +77,6 @@ def row_groups(body: OpenAIRequest, prompts: Sequence[Sequence[int]], options: G
 
 def user_stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def include_usage(body: OpenAIRequest) -> bool:
@@ -174,7 +169,7 @@ async def chat_completions(ctx: ServerContext, body: ChatCompletionRequest, requ
                   "message": {"content": d.content, "reasoning_content": d.reasoning if body.enable_think else None},
                   "logprobs": {"content": d.logprobs} if body.logprobs else None}
                  for i, (d, f) in enumerate(zip(deltas, finished))],
-        usage=usage(len(prompt), sum(f.completion_tokens for f in finished)))
+        usage=Usage.of(len(prompt), sum(f.completion_tokens for f in finished)))
     return JSONResponse(result.model_dump(exclude_none=True))
 
 
@@ -214,7 +209,7 @@ async def _chat_sse(stream: EventStream, rows: list[ChatRow], head: dict, with_u
             yield sse({**head, "choices": [{"index": event.index, "delta": {}, "logprobs": None,
                                             "finish_reason": event.finish_reason}], **extra})
     if with_usage:
-        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield sse({**head, "choices": [], "usage": Usage.of(prompt_tokens, completion_tokens).model_dump()})
     yield DONE
 
 
@@ -300,7 +295,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
         choices=[{"index": i, "text": t, "finish_reason": f.finish_reason,
                   "logprobs": row.legacy.take() if row.legacy is not None else None}
                  for i, (t, f, row) in enumerate(zip(texts_out, finished, rows))],
-        usage=usage(prompt_tokens, sum(f.completion_tokens for f in finished)))
+        usage=Usage.of(prompt_tokens, sum(f.completion_tokens for f in finished)))
     return JSONResponse(result.model_dump(exclude_none=True))
 
 
@@ -338,5 +333,5 @@ async def _completion_sse(stream: EventStream, rows: list[CompletionRow], head: 
         if choices:
             yield sse({**head, "choices": choices, **extra})
     if with_usage:
-        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield sse({**head, "choices": [], "usage": Usage.of(prompt_tokens, completion_tokens).model_dump()})
     yield DONE
