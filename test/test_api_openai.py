@@ -307,3 +307,18 @@ def test_completion_errors(client, body, status, param):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"].startswith(param)
+
+
+def test_openapi_documents_real_schemas(client):
+    doc = client.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    assert {"messages", "n", "seed", "logprobs", "enable_think"} <= set(schemas["ChatCompletionRequest"]["properties"])
+    assert {"contents", "stop_tokens", "chunk_size"} <= set(schemas["BatchChatRequest"]["properties"])
+    assert {"prompt", "echo", "logprobs"} <= set(schemas["CompletionRequest"]["properties"])
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    refs = [r["$ref"] for r in chat["requestBody"]["content"]["application/json"]["schema"]["anyOf"]]
+    assert refs == ["#/components/schemas/BatchChatRequest", "#/components/schemas/ChatCompletionRequest"]
+    assert "text/event-stream" in chat["responses"]["200"]["content"]
+    ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert ok == {"$ref": "#/components/schemas/Completion"}
+    assert "swagger-ui" in client.get("/docs").text.lower()
