@@ -36,6 +36,8 @@ def _parse_json(body: bytes) -> Any:
 
 
 class Guard:
+    """ASGI middleware: buffer the body within the limit, check the password, replay the body to the app."""
+
     def __init__(self, app: ASGIApp, password: str | None, max_body_bytes: int, public_paths: frozenset[str]):
         self.app = app
         self._digest = _digest(password) if password else None
