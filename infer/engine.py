@@ -60,6 +60,7 @@ class RowFinished:
     text: str = ""              # last released text (held-back characters at the end)
     state: SlotState | None = None  # with keep_state: the state where the visible text ends
     matched_stop: str | int | None = None
+    logprob: TokenLogprob | None = None  # of the stop token that ended the row (with options.logprobs)
 
 
 @dataclass
@@ -192,6 +193,11 @@ class Engine:
         """Stop a request wherever it is (queued, prefilling, decoding); its slots free within one step."""
         request.cancelled = True
         self._wake.set()
+
+    @property
+    def is_running(self) -> bool:
+        """The worker thread is alive (health checks)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def queued_requests(self) -> int:
@@ -342,7 +348,7 @@ class Engine:
         row.generated.append(token)
         self.metrics.generated_tokens.inc()
         if token == EOD_TOKEN or token in options.stop_token_ids:
-            self._finish(row, "stop", matched_stop=token)
+            self._finish(row, "stop", matched_stop=token, logprob=logprob)
             return
         result = row.stops.push(row.decoder.push(token))
         row.released.append(result.text)
@@ -355,12 +361,13 @@ class Engine:
             row.phase = Phase.DECODE
             row.next_input = token
 
-    def _finish(self, row: _Row, reason: str, replay: bool = True, matched_stop: str | int | None = None) -> None:
+    def _finish(self, row: _Row, reason: str, replay: bool = True, matched_stop: str | int | None = None,
+                logprob: TokenLogprob | None = None) -> None:
         drain = reason == "length" or (reason == "stop" and isinstance(matched_stop, int))
         tail = self._drain_text(row) if drain else ""
         row.released.append(tail)
         finished = RowFinished(row.index, reason, len(row.request.prompts[row.index]), len(row.generated), tail,
-                               matched_stop=matched_stop)
+                               matched_stop=matched_stop, logprob=logprob)
         if replay and row.request.options.keep_state and reason in ("stop", "length"):
             replay_from_initial, tokens = self._replay_plan(row, reason, matched_stop)
             if tokens:

@@ -336,3 +336,22 @@ def test_state_snapshot_inside_the_prompt(model, tokenizer):
     assert resumed.tokens() == c.tokens()
     with pytest.raises(ValueError):
         Request([prompt], GenerationOptions(snapshot_at=len(prompt)), lambda e: None)
+
+
+def test_stop_token_reports_its_logprob(model, tokenizer):
+    prompt = tokenizer.encode("Token stops")
+    tokens, _ = reference_output(model, tokenizer, prompt, n=8)
+    c = run_alone(model, tokenizer, prompt, max_tokens=8, sampling=GREEDY, stop_token_ids=[tokens[3]], logprobs=True)
+    done = c.finished()
+    assert done.logprob is not None and done.logprob.token_id == tokens[3]
+    assert all(e.logprob is not None for e in c.events if isinstance(e, RowText))
+    assert done.logprob.logprob <= 0
+
+
+def test_is_running_tracks_the_worker(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    assert not engine.is_running
+    engine.start()
+    assert engine.is_running
+    engine.shutdown()
+    assert not engine.is_running

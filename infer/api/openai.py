@@ -248,9 +248,9 @@ class CompletionRow:
                 self.legacy.add(token, self._base + start, lp)
         self._chars += len(event.text)
         if isinstance(event, RowFinished) and self.legacy is not None and isinstance(event.matched_stop, int):
-            # The end-of-document token that stopped the row: listed (one entry per sampled token, as
-            # lm-evaluation-harness slices them) but its logprob is not reported by the engine.
-            self.legacy.add(event.matched_stop, self._base + self._chars, None)
+            # The stop token that ended the row is listed too: one entry per sampled token, as
+            # lm-evaluation-harness slices them.
+            self.legacy.add(event.matched_stop, self._base + self._chars, event.logprob)
         return text + event.text
 
 

@@ -24,7 +24,6 @@ from infer.api.guard import PUBLIC_PATHS, TRANSLATE_PATH, Guard
 from infer.api.schemas import (BatchChatRequest, BatchChunk, BatchCompletion, ChatCompletion, ChatCompletionChunk,
                                ChatCompletionRequest, Health, LightningError, OpenAIError)
 from infer.api.streaming import sse_doc
-from infer.engine import Engine
 
 DESCRIPTION = """RWKV-7 batch inference: rwkv_lightning-compatible routes and an OpenAI-compatible API.
 
@@ -39,12 +38,6 @@ EXTRA_SCHEMAS: tuple[type[BaseModel], ...] = (BatchChatRequest, BatchChunk, Chat
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
-
-
-def engine_running(engine: Engine) -> bool:
-    # The engine has no public liveness flag yet; its worker thread is the truth.
-    thread = engine._thread
-    return thread is not None and thread.is_alive()
 
 
 def _validated(model: type[BaseModel], body: Any) -> Any:
@@ -88,7 +81,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.get("/health", response_model=Health, responses={503: {"model": Health}}, tags=["server"],
              summary="200 when the engine is running, 503 otherwise")
     async def health() -> JSONResponse:
-        ready = engine_running(ctx.engine)
+        ready = ctx.engine.is_running
         body = Health(status="ok" if ready else "unavailable", model=ctx.model_name,
                       running_rows=ctx.engine.running_rows, queued_requests=ctx.engine.queued_requests,
                       free_slots=ctx.engine.free_slots)
