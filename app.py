@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None,
                     help="weights/activations; default fp32 on CPU, fp16 on CUDA")
     ap.add_argument("--state-dtype", choices=("fp32", "fp16"), default="fp32", help="storage of the WKV state")
+    ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                    help="replay decode steps as CUDA graphs at bucketed batch sizes (auto: on for CUDA devices)")
     ap.add_argument("--wkv", choices=("auto", "cuda", "torch"), default="auto",
                     help="WKV recurrence implementation: auto picks the CUDA kernel on GPUs when it builds")
     ap.add_argument("--max-batch-size", type=int, default=None,
@@ -117,7 +119,13 @@ def main(argv: list[str] | None = None) -> None:
     model.wkv = select_wkv(model.device, args.wkv)
     wkv_dtype = torch.float16 if args.state_dtype == "fp16" else torch.float32
     slots = args.max_batch_size or default_slots(model, device, wkv_dtype)
-    runner = ModelRunner(model, slots, wkv_dtype)
+    graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and model.device.type == "cuda")
+    if graphs and model.device.type != "cuda":
+        sys.exit("--cuda-graphs on needs a CUDA device")
+    runner = ModelRunner(model, slots, wkv_dtype, cuda_graphs=graphs)
+    if runner.graphs is not None:
+        log.info("capturing decode CUDA graphs for batch buckets %s", runner.graphs.buckets)
+        runner.graphs.warmup()
     for part, impl in runner.implementations().items():
         log.info("%-8s %s", part, impl)
     engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=args.prefill_chunk_size,
