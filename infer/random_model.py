@@ -29,10 +29,17 @@ def lora_rank(n_embd: int, factor: float) -> int:
     return max(32, round(factor * math.sqrt(n_embd) / 32) * 32)
 
 
+# LoRA ranks (w, a, v, g) of the released models, which differ from the trainer's formula at
+# some widths (performance-limits.md Table L1).
+RELEASED_LORA_RANKS = {768: (64, 64, 32, 128), 1024: (64, 64, 32, 160), 2048: (96, 96, 64, 256),
+                       2560: (96, 96, 64, 320), 4096: (128, 128, 96, 480)}
+
+
 def make_config(n_layer: int, n_embd: int, vocab_size: int = 65536, head_size: int = 64) -> ModelConfig:
+    ranks = RELEASED_LORA_RANKS.get(n_embd) or tuple(lora_rank(n_embd, f) for f in (2.5, 2.5, 1.7, 5))
     return ModelConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_embd // head_size, head_size=head_size,
-                       vocab_size=vocab_size, ffn_dim=4 * n_embd, rank_w=lora_rank(n_embd, 2.5),
-                       rank_a=lora_rank(n_embd, 2.5), rank_v=lora_rank(n_embd, 1.7), rank_g=lora_rank(n_embd, 5))
+                       vocab_size=vocab_size, ffn_dim=4 * n_embd, rank_w=ranks[0], rank_a=ranks[1],
+                       rank_v=ranks[2], rank_g=ranks[3])
 
 
 def random_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,

@@ -9,7 +9,7 @@ import torch
 from conftest import ROOT
 from infer.checkpoint import open_checkpoint, infer_config
 from infer.model import RWKV7
-from infer.random_model import ensure_demo_model, lora_rank
+from infer.random_model import ensure_demo_model, lora_rank, make_config
 
 
 def test_cli_writes_a_loadable_checkpoint_of_any_shape(tmp_path):
@@ -22,9 +22,11 @@ def test_cli_writes_a_loadable_checkpoint_of_any_shape(tmp_path):
     assert open_checkpoint(str(out)).dtype("emb.weight") == torch.bfloat16  # official releases store bf16
 
 
-def test_lora_rank_rule_matches_released_models():
-    # The spec lists D = 64/64/32/128 for the 0.1B model (C=768).
+def test_lora_ranks():
+    # The trainer's formula gives the 0.1B model's ranks; released larger models use their own.
     assert [lora_rank(768, f) for f in (2.5, 2.5, 1.7, 5)] == [64, 64, 32, 128]
+    big = make_config(32, 4096)
+    assert (big.rank_w, big.rank_a, big.rank_v, big.rank_g) == (128, 128, 96, 480)
 
 
 def test_demo_model_is_generated_once_and_deterministic(tmp_path, monkeypatch):
