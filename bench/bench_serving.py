@@ -1,0 +1,111 @@
+"""End-to-end serving: N concurrent streaming HTTP clients against the real server.
+
+Starts ``app.py`` (extra server arguments after ``--``), then for each concurrency level N sends
+N streaming ``/v1/completions`` requests at once (fixed-length outputs: the end-of-document
+token is biased away and no stop strings are set) and measures aggregate output tokens/s, time
+to first token and inter-token latency (p50/p99) from the client side.
+
+    python bench/bench_serving.py --levels 1,8,32 --max-tokens 64 -- --max-batch-size 64
+    python bench/bench_serving.py --levels 1,32,256 --max-tokens 256 --name h200_7.2b -- \\
+        --model-path /tmp/rwkv7-7.2b.pth --max-batch-size 256
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> list[float]:
+    """Arrival times of the stream's text chunks (one per token at the server's flush rate)."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "top_p": 0.9,
+            "stream": True, "logit_bias": {"0": -100}}
+    times = [time.perf_counter()]
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    times.append(time.perf_counter())
+    return times
+
+
+async def level(base: str, n: int, max_tokens: int) -> dict:
+    prompt = "User: Write a long story about a lighthouse keeper and the sea.\n\nAssistant:"
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+        started = time.perf_counter()
+        streams = await asyncio.gather(*(one_stream(client, prompt, max_tokens) for _ in range(n)))
+        wall = time.perf_counter() - started
+    ttft = [(s[1] - s[0]) * 1000 for s in streams if len(s) > 1]
+    itl = [(b - a) * 1000 for s in streams for a, b in zip(s[1:], s[2:])]
+    tokens = sum(len(s) - 1 for s in streams)
+    return {"clients": n, "output_tokens": tokens, "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1),
+            "ttft_ms_p50": round(percentile(ttft, 0.5), 1), "ttft_ms_p99": round(percentile(ttft, 0.99), 1),
+            "itl_ms_p50": round(percentile(itl, 0.5), 2), "itl_ms_p99": round(percentile(itl, 0.99), 2)}
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    server_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--levels", default="1,8,32")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--name", default="cpu")
+    ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port), "--log-level", "warning",
+                               *server_args], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for _ in range(1200):
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None:
+                sys.exit("server exited during startup")
+            time.sleep(0.5)
+        asyncio.run(level(base, 2, 4))  # warm-up
+        rows = [asyncio.run(level(base, int(n), args.max_tokens)) for n in args.levels.split(",")]
+    finally:
+        server.terminate()
+        server.wait(30)
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "server_args": server_args,
+              "max_tokens": args.max_tokens, "levels": rows}
+    out = Path(args.out_dir) / f"serving_{args.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'clients':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)")
+    for r in rows:
+        print(f"{r['clients']:>7} {r['tok_s']:>9} {r['ttft_ms_p50']:>9} {r['ttft_ms_p99']:>9} {r['itl_ms_p50']:>8} "
+              f"{r['itl_ms_p99']:>8}")
+
+
+if __name__ == "__main__":
+    main()
