@@ -5,22 +5,20 @@ kernel reads ``state[slot]`` once per row, runs the row's tokens in registers an
 final state back to the slot. It is both the prefill and the decode kernel (decode = all rows
 of length 1), launched on the current stream, so it can be captured in a CUDA graph.
 
-The extension is JIT-compiled on first use with ``torch.utils.cpp_extension.load`` and cached
-under ``$RWKV_SERVER_HOME/torch_extensions/<torch>-<cuda>`` (else ``~/.cache/rwkv7-server/...``),
-so later starts reuse the build. On a ROCm build of torch the HIP port (``hip/wkv7_slots.hip``)
-is compiled instead. :func:`load_cuda_wkv` never raises: it logs why and returns None when the
+The extension is JIT-compiled on first use and cached (``infer.ops.cuda_ext``), so later starts
+reuse the build. On a ROCm build of torch the HIP port (``hip/wkv7_slots.hip``) is compiled instead. :func:`load_cuda_wkv` never raises: it logs why and returns None when the
 kernel cannot be had; :func:`select_wkv` picks the implementation for a device.
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
 
 from infer.batch import PackedBatch
+from infer.ops.cuda_ext import compile_extension, why_unavailable
 from infer.ops.wkv import WKV, TorchWKV
 
 log = logging.getLogger(__name__)
@@ -64,50 +62,11 @@ _loaded: CudaWKV | None = None
 _load_error: str | None = None   # why the kernel is unavailable, once a load was tried
 
 
-def build_directory() -> Path:
-    """Where the compiled extension is cached: one folder per torch and CUDA/HIP version."""
-    base = os.environ.get("RWKV_SERVER_HOME")
-    if base:
-        root = Path(base) / "torch_extensions"
-    else:
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-        root = Path(cache) / "rwkv7-server" / "torch_extensions"
-    accel = f"hip{torch.version.hip}" if torch.version.hip else f"cu{torch.version.cuda}"
-    return root / f"{torch.__version__}-{accel}".replace("+", "_")
-
-
-def _why_unavailable() -> str | None:
-    """A reason the extension cannot be built here, without trying to build it."""
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device"
-    if torch.version.cuda is None and torch.version.hip is None:
-        return "this torch build has no CUDA or HIP support"
-    from torch.utils import cpp_extension
-    if torch.version.hip is None and cpp_extension.CUDA_HOME is None:
-        return "the CUDA toolkit (nvcc) was not found; set CUDA_HOME or put nvcc on PATH"
-    if torch.version.hip is not None and getattr(cpp_extension, "ROCM_HOME", None) is None:
-        return "the ROCm toolkit (hipcc) was not found; set ROCM_HOME"
-    try:
-        cpp_extension.verify_ninja_availability()
-    except RuntimeError:
-        return "ninja is not installed (pip install ninja)"
-    return None
-
-
 def _compile():
-    from torch.utils.cpp_extension import load
     hip = torch.version.hip is not None
-    sources = HIP_SOURCES if hip else CUDA_SOURCES
-    for src in sources:
-        if not src.is_file():
-            raise FileNotFoundError(f"kernel source {src} is missing")
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3"] if hip else ["-O3", "--use_fast_math", "-lineinfo"]
-    log.info("compiling the WKV kernel (%s) in %s; the first time takes a minute", "HIP" if hip else "CUDA",
-             directory)
-    return load(name=EXTENSION_NAME + ("_hip" if hip else ""), sources=[str(s) for s in sources],
-                extra_cflags=["-O3"], extra_cuda_cflags=flags, build_directory=str(directory), verbose=False)
+    return compile_extension(EXTENSION_NAME + ("_hip" if hip else ""), HIP_SOURCES if hip else CUDA_SOURCES,
+                             ["-O3"] if hip else ["-O3", "--use_fast_math", "-lineinfo"],
+                             f"the WKV kernel ({'HIP' if hip else 'CUDA'})")
 
 
 def _self_test(kernel: CudaWKV) -> str | None:
@@ -140,7 +99,7 @@ def load_cuda_wkv(verify: bool = True) -> CudaWKV | None:
     with _lock:
         if _loaded is not None or _load_error is not None:
             return _loaded
-        reason = _why_unavailable()
+        reason = why_unavailable()
         if reason is None:
             try:
                 kernel = CudaWKV(_compile())

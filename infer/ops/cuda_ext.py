@@ -1,0 +1,59 @@
+"""Building the CUDA/HIP torch extensions of ``cuda/`` and ``hip/`` just in time, with a build cache.
+
+An extension is compiled on first use with ``torch.utils.cpp_extension.load`` and cached under
+``$RWKV_SERVER_HOME/torch_extensions/<torch>-<cuda>`` (else ``~/.cache/rwkv7-server/...``), so later
+starts reuse the build. Callers ask :func:`why_unavailable` first and fall back to torch code when it
+gives a reason.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def build_directory() -> Path:
+    """Where the compiled extension is cached: one folder per torch and CUDA/HIP version."""
+    base = os.environ.get("RWKV_SERVER_HOME")
+    if base:
+        root = Path(base) / "torch_extensions"
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        root = Path(cache) / "rwkv7-server" / "torch_extensions"
+    accel = f"hip{torch.version.hip}" if torch.version.hip else f"cu{torch.version.cuda}"
+    return root / f"{torch.__version__}-{accel}".replace("+", "_")
+
+
+def why_unavailable() -> str | None:
+    """A reason an extension cannot be built here, without trying to build it."""
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    if torch.version.cuda is None and torch.version.hip is None:
+        return "this torch build has no CUDA or HIP support"
+    from torch.utils import cpp_extension
+    if torch.version.hip is None and cpp_extension.CUDA_HOME is None:
+        return "the CUDA toolkit (nvcc) was not found; set CUDA_HOME or put nvcc on PATH"
+    if torch.version.hip is not None and getattr(cpp_extension, "ROCM_HOME", None) is None:
+        return "the ROCm toolkit (hipcc) was not found; set ROCM_HOME"
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def compile_extension(name: str, sources: list[Path], cuda_flags: list[str], what: str):
+    """Build (or load the cached build of) extension ``name``; raises on a missing source or a failed build."""
+    from torch.utils.cpp_extension import load
+    for src in sources:
+        if not src.is_file():
+            raise FileNotFoundError(f"kernel source {src} is missing")
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    log.info("compiling %s in %s; the first time takes a minute", what, directory)
+    return load(name=name, sources=[str(s) for s in sources], extra_cflags=["-O3"], extra_cuda_cflags=cuda_flags,
+                build_directory=str(directory), verbose=False)
