@@ -87,6 +87,7 @@ class TensorSource(Protocol):
     def shape(self, key: str) -> tuple[int, ...]: ...
     def dtype(self, key: str) -> torch.dtype: ...
     def get(self, key: str) -> torch.Tensor: ...
+    def first_row(self, key: str) -> torch.Tensor: ...  # tensor[:1], without reading the rest
     def release(self, key: str) -> None: ...
 
 
@@ -108,6 +109,9 @@ class DictSource:
 
     def get(self, key: str) -> torch.Tensor:
         return self._tensors[key]
+
+    def first_row(self, key: str) -> torch.Tensor:
+        return self._tensors[key][:1]
 
     def release(self, key: str) -> None:
         # Drop our reference so a converted tensor's source can be freed as loading proceeds.
@@ -140,6 +144,9 @@ class SafetensorsSource:
 
     def get(self, key: str) -> torch.Tensor:
         return self._file.get_tensor(key)
+
+    def first_row(self, key: str) -> torch.Tensor:
+        return self._meta[key][0:1]
 
     def release(self, key: str) -> None:
         pass
