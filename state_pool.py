@@ -14,12 +14,16 @@ Use::
         state = await store.get(ns, sid)      # SlotState | None, a copy on the L1 device
         ...                                   # import it into a slot, run the turn, export
         await store.put(ns, sid, new_state)   # stores a copy; ValueError if shapes don't fit
+    await store.put(ns, sid, state, meta='{"any": "json"}')  # a caller's note kept with the state
+    await store.get_meta(ns, sid)             # that note, or None
+    await store.next_index(ns, "tree")        # 1, 2, ...: durable, never below a "tree:<n>" key
     await store.delete(ns, sid, prefix=True)  # also every "<sid>:*" branch; returns the count
     total, page = await store.list(ns, offset=0, limit=50)  # [SessionInfo], most recent first
     await store.counts(ns)                    # {"l1", "l2", "disk", "total"}; ns=None: all
     store.stats()                             # hits_{l1,l2,disk}, misses, demotions, evictions,
                                               # expired, corrupt, mismatched, bytes_{l1,l2,disk},
-                                              # locked_sessions
+                                              # sessions_{l1,l2,disk}, locked_sessions,
+                                              # waiting_turns (lock waiters)
     await store.flush()                       # write now (the flusher does it every interval)
     await store.close()                       # writes every session
 
@@ -39,6 +43,14 @@ WAL with ``synchronous=NORMAL`` survives a killed process, not a power cut. A se
 to disk before its row is written keeps its state in RAM until it is. Tensor copies and
 (de)serialization run in worker threads, SQL in aiosqlite's thread: the event loop only does
 bookkeeping. One server process owns a database file (its index of rows lives in memory).
+
+Metadata and counters. ``put`` may attach a text (``meta``, e.g. JSON) that lives and dies with
+the state; a ``put`` without it clears it. It is held in RAM only until its row is written, so
+``get_meta`` of a written session reads the row. ``next_index`` numbers the nodes of a tree of
+sessions ``"<name>:<n>"``: it returns one more than the larger of the tree's counter and of its
+existing node numbers, and commits the counter at once, so a number is never handed out twice
+while its node or the counter exists. Counters go with ``delete(name, prefix=True)``, after
+``ttl`` seconds without an allocation, and beyond ``max_counters`` (least recent first).
 
 Integrity. A row holds the caller's model fingerprint (its weights; ``config`` gives the
 shapes), a format version and a safetensors blob (dtypes and shapes in its header; no pickle).
@@ -77,7 +89,9 @@ from infer.state import SlotState
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+_COLUMNS = "namespace, session_id, fingerprint, format, size, last_used, meta, blob"
 _FIELDS = ("att_shift", "wkv", "ffn_shift")
+_NODE_NUMBER = re.compile(r"[0-9]{1,18}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?")
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -155,6 +169,7 @@ class _Session:
     state: SlotState | None = None  # None only when the row holds the latest state
     version: int = 0                # bumped by put, so a flush of an older state keeps it dirty
     dirty: bool = False             # the row is older than `state` (or missing)
+    meta: str | None = None         # the caller's note of the unwritten state (the row has it once written)
 
 
 class SessionLock:
@@ -215,13 +230,16 @@ class SessionStore:
                  device: torch.device | str = "cpu", l1: int | str | Capacity = 16,
                  l2: int | str | Capacity = 64, max_sessions: int | None = None,
                  max_bytes: int | str | None = None, ttl: float | None = None,
-                 flush_interval: float = 1.0, max_key_len: int = 256,
+                 flush_interval: float = 1.0, max_key_len: int = 256, max_counters: int = 100_000,
                  clock: Callable[[], float] = time.time):
         self.path, self.fingerprint, self.flush_interval = Path(path), fingerprint, flush_interval
+        self.max_counters = max_counters
         self.max_key_len, self.ttl, self.max_sessions, self._clock = max_key_len, ttl, max_sessions, clock
         self.max_bytes = None if max_bytes is None else parse_capacity(max_bytes).limit
         if max_sessions is not None and max_sessions < 1:
             raise ValueError("max_sessions must be at least 1")
+        if max_counters < 1:
+            raise ValueError("max_counters must be at least 1")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -263,7 +281,13 @@ class SessionStore:
             "PRAGMA journal_size_limit=67108864;"
             "CREATE TABLE IF NOT EXISTS sessions (namespace TEXT NOT NULL, session_id TEXT NOT NULL,"
             " fingerprint TEXT NOT NULL, format INTEGER NOT NULL, size INTEGER NOT NULL,"
-            " last_used REAL NOT NULL, blob BLOB NOT NULL, PRIMARY KEY (namespace, session_id));")
+            " last_used REAL NOT NULL, meta TEXT, blob BLOB NOT NULL, PRIMARY KEY (namespace, session_id));"
+            "CREATE TABLE IF NOT EXISTS counters (namespace TEXT NOT NULL, name TEXT NOT NULL,"
+            " value INTEGER NOT NULL, last_used REAL NOT NULL, PRIMARY KEY (namespace, name));"
+            "CREATE INDEX IF NOT EXISTS counters_by_use ON counters (last_used);")
+        async with self._db.execute("SELECT name FROM pragma_table_info('sessions')") as cursor:
+            if ("meta",) not in await cursor.fetchall():  # a database written before metadata existed
+                await self._db.execute("ALTER TABLE sessions ADD COLUMN meta TEXT")
         # The blob is the last column, so this scan never reads the blobs' overflow pages.
         async with self._db.execute("SELECT namespace, session_id, size, last_used FROM sessions"
                                     " ORDER BY last_used") as cursor:
@@ -306,8 +330,8 @@ class SessionStore:
                 state = session.state
             return await asyncio.to_thread(_copy_state, state, state.att_shift.device)
 
-    async def put(self, namespace: str, session_id: str, state: SlotState) -> None:
-        """Store a copy of ``state`` as the session's newest state (most recent in L1)."""
+    async def put(self, namespace: str, session_id: str, state: SlotState, meta: str | None = None) -> None:
+        """Store a copy of ``state`` (and ``meta``) as the session's newest state (most recent in L1)."""
         key = self._key(namespace, session_id)
         if error := self._shape_error(state):
             raise ValueError(f"state does not fit this model: {error}")
@@ -317,7 +341,7 @@ class SessionStore:
             if session is None:
                 session = self._add(_Session(key, state.nbytes(), self._clock()))
             self._bytes[session.tier] += state.nbytes() - session.size
-            session.size, session.state, session.dirty = state.nbytes(), stored, True
+            session.size, session.state, session.dirty, session.meta = state.nbytes(), stored, True, meta
             session.version += 1
             self._touch(session)
             await self._promote(session)
@@ -330,14 +354,66 @@ class SessionStore:
         branch = session_id + ":"
         keys = [k for k in self._sessions
                 if k == key or (prefix and k[0] == namespace and k[1].startswith(branch))]
-        if not keys:
+        if not keys and not prefix:
             return 0
         for k in keys:
             self._drop(k)
         async with self._io_lock:
             await self._delete_doomed()
+            if prefix:
+                await self._db.execute("DELETE FROM counters WHERE namespace = ? AND name = ?", key)
             await self._db.commit()
         return len(keys)
+
+    async def get_meta(self, namespace: str, session_id: str) -> str | None:
+        """The text stored with the session's state by ``put``; None without one or without the session."""
+        key = self._key(namespace, session_id)
+        self._expire()
+        session = self._sessions.get(key)
+        if session is None:
+            return None
+        if session.dirty:
+            return session.meta
+        async with self._db.execute("SELECT meta FROM sessions WHERE namespace = ? AND session_id = ?",
+                                    key) as cursor:
+            row = await cursor.fetchone()
+        current = self._sessions.get(key)  # a put or delete may have overtaken the read
+        if current is None or current.dirty:
+            return current and current.meta
+        return row[0] if row else None
+
+    async def next_index(self, namespace: str, name: str) -> int:
+        """A new node number for the tree ``name`` (keys ``"<name>:<n>"``), committed before it returns."""
+        self._key(namespace, name + ":0")
+        async with self._io_lock:
+            # Unwritten nodes are in _pending (a flush, which would empty it, waits for _io_lock).
+            nodes = [k[1] for k in self._pending if k[0] == namespace]
+            async with self._db.execute("SELECT session_id FROM sessions WHERE namespace = ? AND session_id > ?"
+                                        " AND session_id < ?", (namespace, name + ":", name + ";")) as cursor:
+                nodes += [sid for sid, in await cursor.fetchall()]
+            async with self._db.execute("SELECT value FROM counters WHERE namespace = ? AND name = ?",
+                                        (namespace, name)) as cursor:
+                row = await cursor.fetchone()
+            numbers = [int(sid[len(name) + 1:]) for sid in nodes
+                       if sid.startswith(name + ":") and _NODE_NUMBER.fullmatch(sid[len(name) + 1:])]
+            value = max([row[0] if row else 0, *numbers]) + 1
+            if row is None:  # the table grows: keep it within its bounds first
+                await self._prune_counters()
+            await self._db.execute("INSERT OR REPLACE INTO counters VALUES (?, ?, ?, ?)",
+                                   (namespace, name, value, self._clock()))
+            await self._db.commit()
+        return value
+
+    async def _prune_counters(self) -> None:
+        """Drop counters idle past the TTL and the least recent beyond ``max_counters - 1`` (the caller
+        holds _io_lock and commits). Safe: next_index never goes below a tree's existing nodes."""
+        if self.ttl is not None:
+            await self._db.execute("DELETE FROM counters WHERE last_used <= ?", (self._clock() - self.ttl,))
+        async with self._db.execute("SELECT COUNT(*) FROM counters") as cursor:
+            (count,) = await cursor.fetchone()
+        if count >= self.max_counters:
+            await self._db.execute("DELETE FROM counters WHERE rowid IN (SELECT rowid FROM counters"
+                                   " ORDER BY last_used LIMIT ?)", (count - self.max_counters + 1,))
 
     async def list(self, namespace: str, offset: int = 0, limit: int = 100) -> tuple[int, list[SessionInfo]]:
         """(total, one page) of the namespace's sessions, most recently used first."""
@@ -357,7 +433,8 @@ class SessionStore:
     def stats(self) -> dict[str, int]:
         """Counters since start and current bytes per hottest tier, for metrics."""
         return {**self._counters, **{f"bytes_{t}": self._bytes[t] for t in Tier},
-                "locked_sessions": len(self._locks)}
+                **{f"sessions_{t}": len(self._tiers[t]) for t in Tier}, "locked_sessions": len(self._locks),
+                "waiting_turns": sum(holders - 1 for _, holders in self._locks.values())}
 
     def lock(self, namespace: str, session_id: str) -> SessionLock:
         """An ``async with`` lock that serializes requests on one session."""
@@ -377,12 +454,12 @@ class SessionStore:
             try:
                 await self._delete_doomed()
                 sessions = [s for s in map(self._sessions.get, pending) if s is not None]
-                writes = [(s, s.version, s.state) for s in sessions if s.dirty]
-                blobs = await asyncio.to_thread(lambda: [_encode(state) for _, _, state in writes])
+                writes = [(s, s.version, s.state, s.meta) for s in sessions if s.dirty]
+                blobs = await asyncio.to_thread(lambda: [_encode(state) for _, _, state, _ in writes])
                 await self._db.executemany(
-                    "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    [(*s.key, self.fingerprint, FORMAT_VERSION, s.size, s.last_used, blob)
-                     for (s, _, _), blob in zip(writes, blobs)])
+                    f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(*s.key, self.fingerprint, FORMAT_VERSION, s.size, s.last_used, meta, blob)
+                     for (s, _, _, meta), blob in zip(writes, blobs)])
                 await self._db.executemany(
                     "UPDATE sessions SET last_used = ? WHERE namespace = ? AND session_id = ?",
                     [(s.last_used, *s.key) for s in sessions if not s.dirty])
@@ -390,9 +467,9 @@ class SessionStore:
             except BaseException:
                 self._pending |= pending
                 raise
-            for session, version, _ in writes:
+            for session, version, _, _ in writes:
                 if session.version == version:
-                    session.dirty = False
+                    session.dirty, session.meta = False, None
                     if session.tier is Tier.DISK:
                         session.state = None
 

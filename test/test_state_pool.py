@@ -442,3 +442,79 @@ async def test_cuda_tiers(tmp_path):
             assert got.wkv.device.type == "cuda"
             got = SlotState(got.att_shift.cpu(), got.wkv.cpu(), got.ffn_shift.cpu())
             assert_same(got, random_state(i, torch.bfloat16))
+
+
+async def test_meta_lives_and_dies_with_the_state(tmp_path):
+    db = tmp_path / "s.db"
+    async with open_store(db, l1=1, l2=1) as store:
+        await store.put("ns", "r", random_state(1), meta='{"id": "r"}')
+        assert await store.get_meta("ns", "r") == '{"id": "r"}'  # unwritten: from RAM
+        await store.flush()
+        assert await store.get_meta("ns", "r") == '{"id": "r"}'  # written: from the row
+        for i in range(3):  # push it to disk
+            await store.put("ns", f"x{i}", random_state(i))
+        await store.flush()
+        assert await store.get_meta("ns", "r") == '{"id": "r"}'
+        assert await store.get_meta("ns", "x0") is None and await store.get_meta("other", "r") is None
+    async with open_store(db) as store:
+        assert await store.get_meta("ns", "r") == '{"id": "r"}'
+        await store.put("ns", "r", random_state(2))  # a put without meta clears it
+        assert await store.get_meta("ns", "r") is None
+        await store.delete("ns", "x0")
+        assert await store.get_meta("ns", "x0") is None
+
+
+async def test_node_numbers_are_durable_and_never_reused(tmp_path):
+    db = tmp_path / "s.db"
+    async with open_store(db) as store:
+        assert [await store.next_index("ns", "t") for _ in range(3)] == [1, 2, 3]
+        assert await store.next_index("other", "t") == 1
+        assert await store.next_index("ns", "t:1") == 1  # another tree
+        await store.put("ns", "u:7", random_state(1))   # unwritten nodes count
+        await store.put("ns", "u:x", random_state(1))   # not a node number
+        assert await store.next_index("ns", "u") == 8
+        assert await store.next_index("ns", "t") == 4
+        await store.put("ns", "t:4", random_state(4))
+        await store.delete("ns", "t:4")                  # its number is not handed out again
+    async with open_store(db) as store:                  # nor after a restart
+        assert await store.next_index("ns", "t") == 5
+        await store.put("ns", "t:40", random_state(4))   # nor below an existing node
+        await store.flush()
+        assert await store.next_index("ns", "t") == 41
+        await store.delete("ns", "t", prefix=True)       # the whole tree: numbering starts again
+        assert await store.next_index("ns", "t") == 1
+
+
+async def test_counters_are_bounded(tmp_path):
+    clock = Clock()
+    async with open_store(tmp_path / "s.db", ttl=60, max_counters=3, clock=clock) as store:
+        for name in ("a", "b", "c"):
+            clock.now += 1
+            await store.next_index("ns", name)
+        await store.put("ns", "a:1", random_state(1))
+        clock.now += 1
+        await store.next_index("ns", "d")                # four counters: the oldest goes
+        assert await store.next_index("ns", "a") == 2     # but never below its nodes
+        with sqlite3.connect(tmp_path / "s.db") as conn:
+            assert {n for n, in conn.execute("SELECT name FROM counters")} == {"a", "c", "d"}
+        await store.next_index("ns", "c")
+        clock.now += 100
+        await store.next_index("ns", "e")                # the others idled past the TTL
+        with sqlite3.connect(tmp_path / "s.db") as conn:
+            assert {n for n, in conn.execute("SELECT name FROM counters")} == {"e"}
+
+
+async def test_database_without_meta_column_is_upgraded(tmp_path):
+    db = tmp_path / "s.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE sessions (namespace TEXT NOT NULL, session_id TEXT NOT NULL, fingerprint TEXT"
+                     " NOT NULL, format INTEGER NOT NULL, size INTEGER NOT NULL, last_used REAL NOT NULL,"
+                     " blob BLOB NOT NULL, PRIMARY KEY (namespace, session_id))")
+        conn.execute("INSERT INTO sessions VALUES ('ns', 'old', 'model-A', 1, ?, 1.0, ?)",
+                     (STATE_BYTES, encode(random_state(1))))
+    async with open_store(db) as store:
+        assert_same(await store.get("ns", "old"), random_state(1))
+        assert await store.get_meta("ns", "old") is None
+        await store.put("ns", "new", random_state(2), meta="m")
+    async with open_store(db) as store:
+        assert await store.get_meta("ns", "new") == "m"
