@@ -58,6 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-prompt-tokens", type=int, default=131072, help="upper limit for one prompt")
     ap.add_argument("--max-rows-per-request", type=int, default=256,
                     help="upper limit for rows in one request (prompts x choices)")
+    ap.add_argument("--state-db", default=None,
+                    help="SQLite file of the session states (default: sessions.db in the data directory, "
+                         "$RWKV_SERVER_HOME or ~/.local/share/rwkv7-server)")
+    ap.add_argument("--state-l1", default="16",
+                    help="sessions kept on the model's device: a count, or a size like 2GB")
+    ap.add_argument("--state-l2", default="64", help="sessions kept in host RAM: a count, or a size like 8GB")
+    ap.add_argument("--state-flush-interval", type=float, default=1.0,
+                    help="seconds between writes of changed sessions to the database (a hard kill loses at "
+                         "most this much; a graceful stop writes everything)")
+    ap.add_argument("--state-max-sessions", type=int, default=None,
+                    help="most sessions stored; beyond it the least recently used are deleted")
+    ap.add_argument("--state-max-bytes", default="32GB",
+                    help="most state bytes stored (the database's size); beyond it the least recently used "
+                         "sessions are deleted")
+    ap.add_argument("--state-ttl", type=float, default=None, help="delete sessions unused for this many seconds")
+    ap.add_argument("--session-busy", choices=("wait", "reject"), default="wait",
+                    help="a request on a session that is already in a turn waits for it, or gets HTTP 409")
+    ap.add_argument("--prefix-cache", default="2GiB",
+                    help="memory for cached prompt-prefix states: a count or a size; 0 turns the cache off")
+    ap.add_argument("--prefix-cache-block", type=int, default=256,
+                    help="prompt prefixes are cached at multiples of this many tokens (and at chat turn boundaries)")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                     help="server and access log verbosity (no log line ever contains a password or a prompt)")
     return ap
@@ -84,9 +105,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("max_tokens", "max_prompt_tokens", "max_rows_per_request", "max_body_bytes", "max_queued_requests",
-                 "prefill_chunk_size"):
-        if getattr(args, name) < 1:
+                 "prefill_chunk_size", "prefix_cache_block", "state_max_sessions"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("state_flush_interval", "state_ttl"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
@@ -94,13 +118,24 @@ def main(argv: list[str] | None = None) -> None:
 
     from infer.api.context import ServerContext, ServerLimits
     from infer.api.server import create_app
-    from infer.checkpoint import CheckpointError
+    from infer.checkpoint import CheckpointError, open_checkpoint
     from infer.engine import Engine
+    from infer.fingerprint import fingerprint
     from infer.model import RWKV7, default_device
     from infer.ops.wkv_cuda import select_wkv
-    from infer.random_model import ensure_demo_model
+    from infer.prefix_cache import PrefixCache
+    from infer.random_model import data_dir, ensure_demo_model
     from infer.runner import ModelRunner
+    from infer.sessions import KEY_CHARS, SessionService
     from infer.tokenizer import load_world_tokenizer
+    from state_pool import SessionStore, parse_capacity
+
+    try:
+        capacities = {name: parse_capacity(getattr(args, name)) for name in ("state_l1", "state_l2", "prefix_cache")}
+        if not parse_capacity(args.state_max_bytes).in_bytes:
+            raise ValueError(f"--state-max-bytes {args.state_max_bytes!r}: expected a size like 32GB")
+    except ValueError as e:
+        parser.error(str(e))
 
     if args.inference_engine != "fp16":
         sys.exit(f"--inference-engine {args.inference_engine} is not available in this build yet; use fp16")
@@ -114,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
                     "its output is gibberish. Pass --model-path for a real model.")
     try:
         model = RWKV7.load(model_path, device=device, dtype=args.dtype)
+        model_id = fingerprint(open_checkpoint(model_path))
     except (CheckpointError, RuntimeError, ValueError) as e:
         sys.exit(f"cannot load model: {e}")
     model.wkv = select_wkv(model.device, args.wkv)
@@ -130,6 +166,16 @@ def main(argv: list[str] | None = None) -> None:
         log.info("%-8s %s", part, impl)
     engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=args.prefill_chunk_size,
                     max_queued_requests=args.max_queued_requests)
+    state_db = Path(args.state_db) if args.state_db else data_dir() / "sessions.db"
+    log.info("session states: %s (model fingerprint %s)", state_db, model_id)
+    store = SessionStore(state_db, model_id, model.config, device=model.device, l1=capacities["state_l1"],
+                         l2=capacities["state_l2"], max_sessions=args.state_max_sessions,
+                         max_bytes=args.state_max_bytes, ttl=args.state_ttl, flush_interval=args.state_flush_interval,
+                         max_key_len=KEY_CHARS)
+    prefix_cache = None
+    if capacities["prefix_cache"].limit > 0:
+        prefix_cache = PrefixCache(capacities["prefix_cache"], block=args.prefix_cache_block,
+                                   registry=engine.metrics.registry)
     if args.password:
         log.warning("--password is visible in the process list; prefer the RWKV_PASSWORD environment variable")
     password = args.password or os.environ.get("RWKV_PASSWORD") or None
@@ -140,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
                           max_rows=args.max_rows_per_request, max_body_bytes=args.max_body_bytes)
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
     app = create_app(ServerContext(engine, load_world_tokenizer(), model_name, password, limits,
-                                   translate_no_auth=args.translate_no_auth, cors_origins=origins))
+                                   translate_no_auth=args.translate_no_auth, cors_origins=origins,
+                                   sessions=SessionService(store, args.session_busy), prefix_cache=prefix_cache))
     engine.start()
     try:
         # Open streams must not hold up a shutdown forever.

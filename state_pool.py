@@ -10,7 +10,8 @@ Use::
     store = SessionStore(path, fingerprint, model.config, device="cuda", l1="16", l2="8GB",
                          max_sessions=None, max_bytes="50GB", ttl=None, flush_interval=1.0)
     await store.start()                       # or: async with SessionStore(...) as store:
-    async with store.lock(ns, sid):           # store.try_lock(ns, sid) raises SessionBusyError
+    async with store.lock(ns, sid):           # store.try_lock(ns, sid) raises SessionBusyError;
+                                              # store.waiting(ns, sid): tasks queued for the lock
         state = await store.get(ns, sid)      # SlotState | None, a copy on the L1 device
         ...                                   # import it into a slot, run the turn, export
         await store.put(ns, sid, new_state)   # stores a copy; ValueError if shapes don't fit
@@ -439,6 +440,11 @@ class SessionStore:
     def lock(self, namespace: str, session_id: str) -> SessionLock:
         """An ``async with`` lock that serializes requests on one session."""
         return SessionLock(self._locks, self._key(namespace, session_id), wait=True)
+
+    def waiting(self, namespace: str, session_id: str) -> int:
+        """How many tasks wait for the session's lock (its holder not counted)."""
+        entry = self._locks.get(self._key(namespace, session_id))
+        return entry[1] - 1 if entry else 0
 
     def try_lock(self, namespace: str, session_id: str) -> SessionLock:
         """Like ``lock``, but entering raises SessionBusyError instead of waiting."""

@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -15,6 +16,9 @@ import httpx
 import pytest
 
 import app
+from infer.model import RWKV7
+from infer.tokenizer import load_world_tokenizer
+from test_api_support import reference, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORD = "cli-pw-Zx81"
@@ -46,31 +50,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(options: list[str], log_path: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """app.py on a free loopback port with ``options``; returns once /health answers 200."""
+    port = free_port()
+    args = [sys.executable, str(ROOT / "app.py"), "--port", str(port), *options]
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not become healthy"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("source", ["environment", "argument"])
 def test_live_process_authenticates_and_never_logs_the_password(checkpoint, tmp_path, source):
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RWKV_PASSWORD"}
-    args = [sys.executable, str(ROOT / "app.py"), "--model-path", str(checkpoint), "--port", str(port),
-            "--max-tokens", "32", "--log-level", "debug"]
+    options = ["--model-path", str(checkpoint), "--max-tokens", "32", "--log-level", "debug",
+               "--state-db", str(tmp_path / "sessions.db")]
     if source == "environment":
         env["RWKV_PASSWORD"] = PASSWORD
     else:
-        args += ["--password", PASSWORD]
+        options += ["--password", PASSWORD]
     log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_server(options, log_path, env)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.2)
         with httpx.Client(base_url=base, timeout=60) as c:
             body = {"contents": ["hi"], "max_tokens": 3}
             assert c.post("/v1/chat/completions", json={**body, "password": "wrong-" + PASSWORD}).status_code == 401
@@ -91,3 +101,44 @@ def test_live_process_authenticates_and_never_logs_the_password(checkpoint, tmp_
     assert "POST /v1/chat/completions" in text  # the access log was on
     assert PASSWORD not in text
     assert ("RWKV_PASSWORD" in text) == (source == "argument")  # the process-list warning
+
+
+def test_sessions_survive_a_hard_kill_and_a_graceful_stop_writes_them(checkpoint, tmp_path):
+    db, log_path = tmp_path / "sessions.db", tmp_path / "server.log"
+    greedy = {"temperature": 0, "alpha_presence": 0, "alpha_frequency": 0, "alpha_decay": 1.0, "stop_tokens": []}
+    model, tokenizer = RWKV7.load(str(checkpoint), device="cpu"), load_world_tokenizer()
+
+    def turn(base: str, text: str) -> str:
+        r = httpx.post(f"{base}/state/chat/completions", timeout=60, json={
+            "contents": [text], "session_id": "durable", "max_tokens": 6, **greedy})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    def stored_blob() -> bytes | None:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            row = conn.execute("SELECT blob FROM sessions WHERE session_id = 'durable'").fetchone()
+        return row and row[0]
+    prompt = tokenizer.encode("User: Remember the number 7.\n\nAssistant:")
+    first_tokens, first_text, _ = reference(model, prompt, 6, temperature=0)
+    proc, base = start_server(["--model-path", str(checkpoint), "--state-db", str(db), "--state-flush-interval",
+                               "0.2"], log_path)
+    try:
+        assert turn(base, "User: Remember the number 7.\n\nAssistant:") == first_text
+        wait_until(lambda: stored_blob() is not None, lambda: "the flusher never wrote the session")
+        after_first = stored_blob()
+    finally:
+        proc.kill()  # SIGKILL: no shutdown code runs
+        proc.wait(30)
+    # Restarted: the session continues from the state written before the kill. The flusher is slow
+    # now, so only the graceful stop can write the second turn.
+    proc, base = start_server(["--model-path", str(checkpoint), "--state-db", str(db), "--state-flush-interval",
+                               "3600"], log_path)
+    try:
+        continued = prompt + first_tokens + tokenizer.encode("\n\nUser: Which number?\n\nAssistant:")
+        assert turn(base, "User: Which number?\n\nAssistant:") == reference(model, continued, 6, temperature=0)[1]
+        assert stored_blob() == after_first
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its shutdown
+    assert "Application shutdown complete" in log_path.read_text()
+    assert stored_blob() != after_first

@@ -19,7 +19,9 @@ MAX_EXAMPLES = 60
 OPERATIONS = {"POST /v1/chat/completions", "POST /openai/v1/chat/completions", "POST /v1/completions",
               "GET /v1/models", "GET /openai/v1/models", "POST /translate/v1/batch-translate",
               "POST /FIM/v1/batch-FIM", "POST /big_batch/completions", "GET /health", "GET /metrics",
-              "GET /tokenizer_info", "POST /tokenize", "POST /detokenize"}
+              "GET /tokenizer_info", "POST /tokenize", "POST /detokenize", "POST /state/chat/completions",
+              "POST /multi_state/chat/completions", "POST /state/status", "POST /state/delete", "POST /v1/responses",
+              "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"}
 
 
 @pytest.fixture(scope="module")

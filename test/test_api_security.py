@@ -20,6 +20,12 @@ ROUTES = [  # (method, path, body, OpenAI error dialect)
     ("POST", "/FIM/v1/batch-FIM", {"prefix": ["a"], "suffix": ["b"], "max_tokens": 2}, False),
     ("POST", "/big_batch/completions", {"contents": ["hi"], "max_tokens": 2}, False),
     ("POST", "/translate/v1/batch-translate", {"target_lang": "en", "text_list": ["hi"]}, False),
+    ("POST", "/state/chat/completions", {"contents": ["hi"], "session_id": "s", "max_tokens": 2}, False),
+    ("POST", "/multi_state/chat/completions", {"contents": ["hi"], "session_id": "t", "dialogue_idx": 0,
+                                               "max_tokens": 2}, False),
+    ("POST", "/state/status", {}, False),
+    ("POST", "/state/delete", {"session_id": "none", "delete_prefix": True}, False),
+    ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2}, True),
 ]
 
 

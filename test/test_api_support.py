@@ -1,11 +1,13 @@
 """Shared helpers for the API tests (no tests here): a tiny model, a live uvicorn server on loopback
-in a background thread, and an SSE parser."""
+in a background thread (with a session store and a prefix cache), and an SSE parser."""
 from __future__ import annotations
 
 import json
 import socket
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import httpx
@@ -16,10 +18,13 @@ from infer.api.context import ServerContext, ServerLimits
 from infer.api.server import create_app
 from infer.engine import Engine, GenerationOptions, Request, RowFinished, RowText
 from infer.model import RWKV7
+from infer.prefix_cache import PrefixCache
 from infer.random_model import make_config, random_state_dict
 from infer.runner import ModelRunner
 from infer.sampler import SamplingParams
+from infer.sessions import KEY_CHARS, SessionService
 from infer.tokenizer import load_world_tokenizer
+from state_pool import SessionStore
 
 MODEL_NAME = "tiny-test-model"
 
@@ -29,16 +34,29 @@ def tiny_model() -> RWKV7:
     return RWKV7.from_state_dict(sd, device="cpu")
 
 
+# Small blocks so that the tests' short prompts go through the prefix cache too.
+TEST_PREFIX_CACHE = {"capacity": 64, "block": 16, "min_tokens": 4}
+
+
 class LiveServer:
-    """uvicorn serving ``create_app`` on 127.0.0.1 (free port) with its own engine."""
+    """uvicorn serving ``create_app`` on 127.0.0.1 (free port) with its own engine, a session store
+    (``state_db``, else a temporary file; ``store_options`` for SessionStore) and a prefix cache
+    (``prefix_cache``: PrefixCache options, None for none)."""
 
     def __init__(self, model: RWKV7, *, slots: int = 8, queue: int = 256, start_engine: bool = True,
-                 limits: ServerLimits | None = None, **ctx_options: Any):
+                 limits: ServerLimits | None = None, state_db: Path | None = None, fingerprint: str = MODEL_NAME,
+                 store_options: dict[str, Any] | None = None, busy: str = "wait",
+                 prefix_cache: dict[str, Any] | None = TEST_PREFIX_CACHE, **ctx_options: Any):
         self.tokenizer = load_world_tokenizer()
         self.engine = Engine(ModelRunner(model, slots), self.tokenizer, prefill_chunk_size=64,
                              max_queued_requests=queue)
+        self._tmp = tempfile.TemporaryDirectory() if state_db is None else None
+        self.state_db = Path(self._tmp.name) / "sessions.db" if state_db is None else state_db
+        self.store = SessionStore(self.state_db, fingerprint, model.config,
+                                  **{"max_key_len": KEY_CHARS, **(store_options or {})})
+        cache = PrefixCache(**prefix_cache, registry=self.engine.metrics.registry) if prefix_cache else None
         self.ctx = ServerContext(self.engine, self.tokenizer, MODEL_NAME, limits=limits or ServerLimits(),
-                                 **ctx_options)
+                                 sessions=SessionService(self.store, busy), prefix_cache=cache, **ctx_options)
         self.app = create_app(self.ctx)
         self._start_engine = start_engine
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
@@ -62,6 +80,8 @@ class LiveServer:
         self.server.should_exit = True
         self._thread.join(10)
         self.engine.shutdown()
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
     def client(self, **kwargs: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kwargs)

@@ -6,9 +6,14 @@ and blank lines (code and Markdown would otherwise be mangled); only line ending
 normalized and the message is trimmed at both ends. A blank line inside a message therefore
 looks like RWKV's turn separator to the model; that is the trade-off the fork also made, and
 the turn stops below only fire on a following ``User:``, so a reply may contain blank lines.
+
+Sessions continue a stored state instead of re-sending the history: the state ends where the
+assistant's visible reply ends, and the next turn is the new messages rendered the same way,
+after ``TURN_SEPARATOR`` (``"\n\nUser: …\n\nAssistant: <think>\n</think>\n"``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from infer.api.schemas import ChatMessage, ContentPart
@@ -19,6 +24,8 @@ TURN_STOPS = ("\n\nUser:", "\nUser:")
 CUE_FAST = "\n\nAssistant: <think>\n</think>\n"   # empty, closed think block: answer directly
 CUE_THINK = "\n\nAssistant: <think"               # the model writes ">", its reasoning, "</think>", the answer
 THINK_END = "</think>"
+TURN_SEPARATOR = "\n\n"                           # between a stored reply and the next turn
+CUE_SHARED = "\n\nAssistant:"                      # what the cue has in common with a rendered reply
 
 _SYSTEM_ROLES = ("system", "developer")
 _TURN_LABELS = {"user": "User", "assistant": "Assistant"}  # tool / function turns are not rendered
@@ -36,20 +43,42 @@ def message_text(content: str | Sequence[str | ContentPart] | None) -> str:
     return "".join(parts).replace("\r\n", "\n").replace("\r", "\n").strip()
 
 
+@dataclass(frozen=True)
+class RenderedChat:
+    text: str
+    # Character offsets where a later prompt of the same conversation (history re-sent) is likely
+    # to diverge from this one: the end of the system block, and the end of "Assistant:" before
+    # every assistant message and before the cue (the next turn has the reply where the cue has its
+    # think block). Prefix-cache hints.
+    boundaries: tuple[int, ...] = ()
+
+
 def render_chat(messages: Sequence[ChatMessage], system: str | None = None, extra_user: str | None = None,
                 enable_think: bool = False) -> str:
     """The prompt for ``messages``; returns "" when no message has any text."""
+    return render_chat_parts(messages, system, extra_user, enable_think).text
+
+
+def render_chat_parts(messages: Sequence[ChatMessage], system: str | None = None, extra_user: str | None = None,
+                      enable_think: bool = False) -> RenderedChat:
+    """``render_chat`` with the prefix boundaries of the result."""
     system_parts = [message_text(system)] if system else []
     system_parts += [message_text(m.content) for m in messages if m.role in _SYSTEM_ROLES]
     system_text = "\n".join(p for p in system_parts if p)
-    turns = [f"{_TURN_LABELS[m.role]}: {text}" for m in messages
+    turns = [(_TURN_LABELS[m.role], text) for m in messages
              if m.role in _TURN_LABELS and (text := message_text(m.content))]
     if extra_user and (text := message_text(extra_user)):
-        turns.append(f"User: {text}")
+        turns.append(("User", text))
     if not turns and not system_text:
-        return ""
-    blocks = ([f"System: {system_text}"] if system_text else []) + turns
-    return "\n\n".join(blocks) + (CUE_THINK if enable_think else CUE_FAST)
+        return RenderedChat("")
+    text, boundaries = (f"System: {system_text}", [len("System: ") + len(system_text)]) if system_text else ("", [])
+    for label, message in turns:
+        text += ("\n\n" if text else "") + f"{label}:"
+        if label == "Assistant":
+            boundaries.append(len(text))
+        text += f" {message}"
+    boundaries.append(len(text) + len(CUE_SHARED))
+    return RenderedChat(text + (CUE_THINK if enable_think else CUE_FAST), tuple(boundaries))
 
 
 class ThinkSplitter:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from infer.api.bridge import EventStream, RowGroup
 from infer.api.errors import ApiError
-from infer.engine import Engine, QueueFullError
+from infer.engine import Engine, QueueFullError, RowFinished
+from infer.prefix_cache import PrefixCache, token_positions
+from infer.sessions import SessionService, credential_namespace
 from infer.tokenizer import WorldTokenizer
 
 # Tokenizing is pure Python: beyond this many characters it runs in a worker thread so the
@@ -37,7 +39,13 @@ class ServerContext:
     limits: ServerLimits = field(default_factory=ServerLimits)
     translate_no_auth: bool = False         # Immersive Translate cannot always send a key
     cors_origins: Sequence[str] = ()        # empty: no CORS headers at all
+    sessions: SessionService | None = None  # None: the stateful routes answer 503
+    prefix_cache: PrefixCache | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    namespace: str = field(init=False)      # of every session this server's credential creates
+
+    def __post_init__(self) -> None:
+        self.namespace = credential_namespace(self.password)
 
     def max_tokens(self, requested: int | None, default: int, name: str = "max_tokens") -> int:
         """The request's value within the server limit; an omitted value becomes ``default`` capped."""
@@ -74,9 +82,21 @@ class ServerContext:
             self.check_prompt(tokens, f"{name}[{i}]" if indexed else name)
         return prompts
 
-    def start(self, groups: Sequence[RowGroup]) -> EventStream:
-        """Submit the rows to the engine; a full queue is a 429 the client may retry."""
-        stream = EventStream(self.engine, groups)
+    async def encode_with_boundaries(self, text: str, offsets: Sequence[int], name: str) -> tuple[list[int], list[int]]:
+        """One prompt's tokens (checked like ``encode``) and the token positions of character ``offsets``
+        (prefix-cache hints; computed only when there is a cache)."""
+        (tokens,) = await self.encode([text], name, indexed=False)
+        if self.prefix_cache is None or not offsets:
+            return tokens, []
+        if len(text) > INLINE_TOKENIZE_CHARS:
+            return tokens, await run_in_threadpool(token_positions, self.tokenizer, tokens, text, offsets)
+        return tokens, token_positions(self.tokenizer, tokens, text, offsets)
+
+    def start(self, groups: Sequence[RowGroup], on_finish: Callable[[RowFinished], Awaitable[None]] | None = None,
+              on_close: Callable[[], Awaitable[None]] | None = None) -> EventStream:
+        """Submit the rows to the engine (through the prefix cache); a full queue is a 429 the client
+        may retry. See EventStream for the hooks."""
+        stream = EventStream(self.engine, groups, self.prefix_cache, on_finish, on_close)
         try:
             stream.submit()
         except QueueFullError as e:

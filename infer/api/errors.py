@@ -17,11 +17,11 @@ from starlette.responses import Response
 
 from infer.api.streaming import ClientDisconnected, client_gone
 
-OPENAI_PATH_PREFIXES = ("/openai/", "/v1/completions", "/v1/models", "/tokenize", "/detokenize")
+OPENAI_PATH_PREFIXES = ("/openai/", "/v1/completions", "/v1/models", "/v1/responses", "/tokenize", "/detokenize")
 OPENAI_STYLE_KEY = "rwkv.openai_errors"  # scope key set by the /v1/chat/completions dispatcher
 
-_OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
-                 503: "service_unavailable"}
+_OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                 409: "conflict_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 
 class ApiError(Exception):

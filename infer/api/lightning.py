@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from infer.api.bridge import EventStream
+from infer.api.bridge import EventStream, RowGroup
 from infer.api.context import ServerContext, get_ctx
 from infer.api.errors import ApiError
 from infer.api.schemas import (BatchChatRequest, BatchChunk, BatchCompletion, BigBatchRequest, FimRequest,
@@ -65,9 +65,10 @@ async def collect(stream: EventStream) -> tuple[list[str], list[RowFinished]]:
     return ["".join(t) for t in texts], finished  # type: ignore[return-value]
 
 
-async def batch_sse(stream: EventStream, chunk_size: int, head: dict) -> AsyncIterator[str]:
+async def batch_sse(stream: EventStream, chunk_size: int, head: dict,
+                    trailer: Callable[[], list[dict]] | None = None) -> AsyncIterator[str]:
     """Per-row deltas flushed every ``chunk_size`` tokens (rows of one step share an event), a final
-    chunk per row with its finish_reason (old clients ignore it), then ``[DONE]``."""
+    chunk per row with its finish_reason (old clients ignore it), the ``trailer`` events, then ``[DONE]``."""
     buffers = [""] * stream.rows
     counts = [0] * stream.rows
     async for events in stream.batches():
@@ -89,6 +90,8 @@ async def batch_sse(stream: EventStream, chunk_size: int, head: dict) -> AsyncIt
             yield sse({**head, "choices": [{"index": i, "delta": {"content": t}} for i, t in flushed.items()]})
         for event in finished:
             yield sse({**head, "choices": [{"index": event.index, "delta": {}, "finish_reason": event.finish_reason}]})
+    for extra in trailer() if trailer is not None else ():
+        yield sse(extra)
     yield DONE
 
 
@@ -98,24 +101,27 @@ def chunk_head(id_prefix: str, model: str) -> dict:
             "created": int(time.time()), "model": model}
 
 
-async def respond(request: Request, stream: EventStream, body: LightningRequest, obj: str) -> Response:
-    """The batch response: SSE when asked, else one JSON object with every row."""
-    head = chunk_head("rwkv7-batch", body.model)
+async def respond(request: Request, stream: EventStream, body: LightningRequest, obj: str,
+                  id_prefix: str = "rwkv7-batch", trailer: Callable[[], list[dict]] | None = None,
+                  fields: Callable[[], dict] | None = None) -> Response:
+    """The batch response: SSE when asked, else one JSON object with every row. Once the rows are
+    done, ``trailer()`` gives events to send before ``[DONE]``, ``fields()`` top-level JSON fields."""
+    head = chunk_head(id_prefix, body.model)
     if body.stream:
-        return EventSourceResponse(batch_sse(stream, body.chunk_size, head))
-    texts, finished = await unless_disconnected(request, collect(stream))
+        return EventSourceResponse(batch_sse(stream, body.chunk_size, head, trailer), on_close=stream.close)
+    texts, finished = await unless_disconnected(request, collect(stream), on_close=stream.close)
     result = BatchCompletion(
         id=head["id"], object=obj, created=head["created"], model=body.model,
         choices=[{"index": i, "message": {"content": t}, "finish_reason": f.finish_reason}
                  for i, (t, f) in enumerate(zip(texts, finished))],
         usage=Usage.of(sum(f.prompt_tokens for f in finished), sum(f.completion_tokens for f in finished)))
-    return JSONResponse(result.model_dump())
+    return JSONResponse({**result.model_dump(), **(fields() if fields is not None else {})})
 
 
 async def batch_chat(ctx: ServerContext, body: BatchChatRequest, request: Request) -> Response:
     """``/v1/chat/completions`` with ``contents`` (the dispatcher in server.py routes here)."""
     prompts = await ctx.encode(body.contents, "contents")
-    stream = ctx.start([(prompts, options(ctx, body, sampling(body)))])
+    stream = ctx.start([RowGroup(prompts, options(ctx, body, sampling(body)))])
     return await respond(request, stream, body, "chat.completion")
 
 
@@ -128,7 +134,7 @@ async def batch_fim(body: FimRequest, request: Request, ctx: ServerContext = Dep
                             f"{len(body.suffix)})", param="suffix")
     texts = [f"{FIM_PREFIX}{FIM_SUFFIX}{s}{FIM_MIDDLE}{p}" for p, s in zip(body.prefix, body.suffix)]
     prompts = await ctx.encode(texts, "prefix")
-    stream = ctx.start([(prompts, options(ctx, body, sampling(body)))])
+    stream = ctx.start([RowGroup(prompts, options(ctx, body, sampling(body)))])
     return await respond(request, stream, body, "FIM.completion")
 
 
@@ -138,8 +144,9 @@ async def batch_fim(body: FimRequest, request: Request, ctx: ServerContext = Dep
 async def big_batch(body: BigBatchRequest, ctx: ServerContext = Depends(get_ctx)) -> Response:
     prompts = await ctx.encode(body.contents, "contents")
     params = SamplingParams(temperature=body.temperature, seed=body.seed)
-    stream = ctx.start([(prompts, options(ctx, body, params))])
-    return EventSourceResponse(batch_sse(stream, body.chunk_size, chunk_head("rwkv7-big-batch", body.model)))
+    stream = ctx.start([RowGroup(prompts, options(ctx, body, params))])
+    return EventSourceResponse(batch_sse(stream, body.chunk_size, chunk_head("rwkv7-big-batch", body.model)),
+                               on_close=stream.close)
 
 
 @router.post("/translate/v1/batch-translate", response_model=TranslateResponse, responses=ERRORS,
@@ -179,10 +186,11 @@ async def _translate(ctx: ServerContext, request: Request, texts: list[str], sou
     for i, source in enumerate(sources):
         by_source.setdefault(source, []).append(i)
     max_tokens = ctx.max_tokens(None, TRANSLATE_MAX_TOKENS)
-    groups = [([prompts[i] for i in rows], GenerationOptions(max_tokens=max_tokens, stop=stop_strings(source, target),
-                                                             sampling=SamplingParams(temperature=0)))
-              for source, rows in by_source.items()]
-    results, finished = await unless_disconnected(request, collect(ctx.start(groups)))
+    groups = [RowGroup([prompts[i] for i in rows], GenerationOptions(
+        max_tokens=max_tokens, stop=stop_strings(source, target), sampling=SamplingParams(temperature=0)))
+        for source, rows in by_source.items()]
+    stream = ctx.start(groups)
+    results, finished = await unless_disconnected(request, collect(stream), on_close=stream.close)
     if any(f.finish_reason == "error" for f in finished):
         raise ApiError(500, "translation failed")
     translated = [""] * len(texts)

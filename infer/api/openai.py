@@ -20,12 +20,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from infer.api.bridge import EventStream, RowGroup
-from infer.api.chat_template import TURN_STOPS, ThinkSplitter, render_chat
+from infer.api.chat_template import TURN_STOPS, ThinkSplitter, render_chat_parts
 from infer.api.context import ServerContext, get_ctx
 from infer.api.errors import ApiError
 from infer.api.logprobs import LegacyLogprobs, TokenNames, VisibleTokens, char_offsets, chat_entry
 from infer.api.schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
                                CompletionRequest, ModelList, OpenAIError, OpenAIRequest, PromptInput, Usage)
+from infer.api.state import continuation, session_call, sessions, start_turn
 from infer.api.streaming import DONE, EventSourceResponse, sse, sse_doc, unless_disconnected
 from infer.engine import GenerationOptions, PromptLogprobs, RowFinished, RowText, TokenLogprob
 from infer.sampler import SamplingParams
@@ -65,13 +66,16 @@ def sampling_params(body: OpenAIRequest, defaults: SamplingDefaults, top_logprob
         logprobs=top_logprobs)
 
 
-def row_groups(body: OpenAIRequest, prompts: Sequence[Sequence[int]], options: GenerationOptions) -> list[RowGroup]:
-    """Rows ``i * n + j`` = prompt i, choice j. Seeded choices get their own seed, hence their own request."""
+def row_groups(body: OpenAIRequest, prompts: Sequence[Sequence[int]], options: GenerationOptions,
+               boundaries: Sequence[int] = ()) -> list[RowGroup]:
+    """Rows ``i * n + j`` = prompt i, choice j. Seeded choices get their own seed, hence their own request.
+    ``boundaries`` (prefix-cache hints) hold for every prompt."""
     n = body.n
     if body.seed is None or n == 1:
-        return [([p for p in prompts for _ in range(n)], options)]
-    return [([p], dataclasses.replace(options, sampling=dataclasses.replace(options.sampling,
-                                                                             seed=(body.seed + j) % 2**64)))
+        return [RowGroup([p for p in prompts for _ in range(n)], options, boundaries=boundaries)]
+    return [RowGroup([p], dataclasses.replace(options, sampling=dataclasses.replace(options.sampling,
+                                                                                     seed=(body.seed + j) % 2**64)),
+                     boundaries=boundaries)
             for p in prompts for j in range(n)]
 
 
@@ -142,27 +146,37 @@ async def openai_chat(body: ChatCompletionRequest, request: Request, ctx: Server
 
 
 async def chat_completions(ctx: ServerContext, body: ChatCompletionRequest, request: Request) -> Response:
-    text = render_chat(body.messages, body.system, body.contents[0] if body.contents else None, body.enable_think)
-    if not text:
+    rendered = render_chat_parts(body.messages, body.system, body.contents[0] if body.contents else None,
+                                 body.enable_think)
+    if not rendered.text:
         raise ApiError(400, "messages: no message has text content", param="messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs: true", param="top_logprobs")
     ctx.check_rows(body.n, "n")
-    (prompt,) = await ctx.encode([text], "messages", indexed=False)
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     options = GenerationOptions(
         max_tokens=ctx.max_tokens(body.max_completion_tokens or body.max_tokens, CHAT_MAX_TOKENS, name),
         stop=[*TURN_STOPS, *user_stops(body.stop), *(body.stop_tokens or [])],
         sampling=sampling_params(body, CHAT_DEFAULTS, body.top_logprobs or 0),
         logprobs=bool(body.logprobs))
-    stream = ctx.start(row_groups(body, [prompt], options))
+    if body.session_id is None:
+        prompt, boundaries = await ctx.encode_with_boundaries(rendered.text, rendered.boundaries, "messages")
+        stream = ctx.start(row_groups(body, [prompt], options, boundaries))
+    else:  # the stored state holds the conversation so far: render only the new messages after it
+        if body.n != 1:
+            raise ApiError(400, "n: a session turn has exactly one choice", param="n")
+        turn = await session_call(sessions(ctx).continue_session(ctx.namespace, body.session_id), "session_id")
+        async with turn.until_started():
+            (prompt,) = await ctx.encode([continuation(rendered.text, turn)], "messages", indexed=False)
+            stream = start_turn(ctx, turn, prompt, options)
     names = TokenNames(ctx.tokenizer)
     rows = [ChatRow(ctx, names, body.enable_think, bool(body.logprobs)) for _ in range(stream.rows)]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": body.model or ctx.model_name}
     if body.stream:
-        return EventSourceResponse(_chat_sse(stream, rows, head, include_usage(body), len(prompt)))
-    deltas, finished = await unless_disconnected(request, _collect_chat(stream, rows))
+        return EventSourceResponse(_chat_sse(stream, rows, head, include_usage(body), len(prompt)),
+                                   on_close=stream.close)
+    deltas, finished = await unless_disconnected(request, _collect_chat(stream, rows), on_close=stream.close)
     result = ChatCompletion(
         id=head["id"], created=head["created"], model=head["model"],
         choices=[{"index": i, "finish_reason": f.finish_reason,
@@ -288,8 +302,10 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
             "model": body.model or ctx.model_name}
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
-        return EventSourceResponse(_completion_sse(stream, rows, head, include_usage(body), prompt_tokens))
-    texts_out, finished = await unless_disconnected(request, _collect_completion(stream, rows))
+        return EventSourceResponse(_completion_sse(stream, rows, head, include_usage(body), prompt_tokens),
+                                   on_close=stream.close)
+    texts_out, finished = await unless_disconnected(request, _collect_completion(stream, rows),
+                                                    on_close=stream.close)
     result = Completion(
         id=head["id"], created=head["created"], model=head["model"],
         choices=[{"index": i, "text": t, "finish_reason": f.finish_reason,

@@ -11,16 +11,21 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from infer.sessions import MAX_ID_CHARS
+
 MAX_TOKEN_ID = 65529          # World vocabulary ids are 0..65529 (0 = end of document)
 MAX_SEED = 2**64 - 1
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 300
 MAX_N = 128                   # choices per prompt; rows per request are limited separately
+MAX_PAGE = 1000               # sessions per /state/status page
 
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
+SessionId = Annotated[str, Field(max_length=MAX_ID_CHARS, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$",
+                                 description="any text without control characters (\"\" is a valid id)")]
 
 
 def _require_unicode(value: Any) -> Any:
@@ -109,6 +114,33 @@ class TranslateRequest(RequestBody):
     password: str | None = Field(None, max_length=1024)
 
 
+class StateChatRequest(LightningRequest):
+    """``/state/chat/completions``: one raw prompt, continued from (and stored as) ``session_id``'s state."""
+
+    contents: list[str] = Field(min_length=1, max_length=1, description="exactly one raw prompt")
+    session_id: SessionId | None = Field(None, description="omitted: a stateless turn, nothing is stored")
+
+
+class MultiStateRequest(LightningRequest):
+    """``/multi_state/chat/completions``: continue node ``dialogue_idx`` of the tree ``session_id``."""
+
+    contents: list[str] = Field(min_length=1, max_length=1, description="exactly one raw prompt")
+    session_id: SessionId = Field(description="the conversation tree")
+    dialogue_idx: int = Field(ge=0, le=2**53, description="node to continue; 0 = the empty root")
+
+
+class StateStatusRequest(RequestBody):
+    offset: int = Field(0, ge=0, le=2**53)
+    limit: int = Field(100, ge=1, le=MAX_PAGE)
+    password: str | None = Field(None, max_length=1024)
+
+
+class StateDeleteRequest(RequestBody):
+    session_id: SessionId
+    delete_prefix: bool = Field(False, description='also every "<session_id>:*" key (multi_state nodes)')
+    password: str | None = Field(None, max_length=1024)
+
+
 # ---------------------------------------------------------------------------- OpenAI
 class ContentPart(RequestBody):
     type: str = Field(max_length=64)
@@ -166,6 +198,8 @@ class ChatCompletionRequest(OpenAIRequest):
     contents: list[str] | None = Field(None, description="extension (/openai route): contents[0] is a last user turn")
     stop_tokens: list[StopText] | None = Field(None, max_length=MAX_STOPS,
                                                description="extension (rwkv_lightning): more stop strings")
+    session_id: SessionId | None = Field(
+        None, description="extension: continue the stored state of this session; send only the new messages")
 
 
 class CompletionRequest(OpenAIRequest):
@@ -173,6 +207,33 @@ class CompletionRequest(OpenAIRequest):
     max_tokens: int | None = Field(16, ge=0, description="0 with echo = score the prompt only")
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per token")
+
+
+class ResponseContentPart(RequestBody):
+    type: str = Field(max_length=64, description="input_text / output_text / text carry text; others are dropped")
+    text: str | None = None
+
+
+class ResponseInputMessage(RequestBody):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ResponseContentPart]
+
+
+class ResponseRequest(RequestBody):
+    """``POST /v1/responses`` (OpenAI Responses API, text subset)."""
+
+    model: str | None = Field(None, max_length=256, description="echoed; any name is accepted")
+    input: str | list[ResponseInputMessage] = Field(description="a user message, or messages", max_length=1024)
+    instructions: str | None = Field(None, description="system text placed before this turn's input")
+    previous_response_id: SessionId | None = Field(
+        None, description="continue from that response's stored state (its history is not re-sent)")
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=1000, description="0 = greedy")
+    top_p: float | None = Field(None, ge=0, le=1)
+    stream: bool | None = False
+    store: bool | None = Field(True, description="keep the response (and its state) for GET and chaining")
+    password: str | None = Field(None, max_length=1024)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -308,6 +369,104 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class MultiStateCompletion(BatchCompletion):
+    dialogue_idx: int | None = Field(description="the new node (null when the turn was not stored)")
+
+
+class MultiStateIndexEvent(BaseModel):
+    """The event before ``[DONE]`` of a multi_state stream (only when the turn was stored)."""
+
+    object: Literal["multi_state.dialogue_idx"]
+    session_id: str = Field(description='"<session_id>:<dialogue_idx>"')
+    dialogue_idx: int
+
+
+class StateSessionInfo(BaseModel):
+    session_id: str
+    cache_level: Literal["L1 (VRAM)", "L2 (RAM)", "Database (Disk)"] = Field(
+        description="the hottest tier holding it (L1 is the model's device, host memory on a CPU server)")
+    last_updated: str = Field(description="last use, UTC, YYYY-MM-DD HH:MM:SS")
+    timestamp: float = Field(description="last use, Unix time")
+    size_bytes: int
+
+
+class StateStatus(BaseModel):
+    status: Literal["success"] = "success"
+    total_sessions: int
+    l1_cache_count: int
+    l2_cache_count: int
+    database_count: int
+    offset: int
+    limit: int
+    sessions: list[StateSessionInfo] = Field(description="this page, most recently used first")
+
+
+class StateDeleteResult(BaseModel):
+    status: Literal["success", "not_found"]
+    message: str
+    deleted: int = Field(description="sessions deleted")
+
+
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class ResponseOutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[ResponseOutputText]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int = Field(description="tokens of this turn's input (a chained turn does not re-read history)")
+    output_tokens: int
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A response; also what ``GET /v1/responses/{id}`` returns while it is stored."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+    model: str
+    output: list[ResponseOutputMessage]
+    usage: ResponseUsage | None = None
+    previous_response_id: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float
+    top_p: float
+    store: bool
+    incomplete_details: dict[str, str] | None = None
+    error: dict[str, str] | None = None
+    parallel_tool_calls: bool = False
+    tool_choice: str = "none"
+    tools: list[Any] = Field(default_factory=list)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    truncation: str = "disabled"
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class ResponseEvent(BaseModel):
+    """One SSE event of a Responses stream (``event: <type>`` + ``data: <this>``); fields by type."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
 
 
 class Translation(BaseModel):

@@ -1,5 +1,7 @@
-"""The HTTP app: routes from ``lightning`` and ``openai``, the shared ``/v1/chat/completions``
-dispatcher, health and metrics, admission (body limit, password), CORS and error handling.
+"""The HTTP app: routes from ``lightning``, ``openai``, ``state`` and ``responses``, the shared
+``/v1/chat/completions`` dispatcher, health and metrics, admission (body limit, password), CORS,
+error handling, and the session store's lifetime (opened at startup; every session written at
+shutdown, which uvicorn reaches on SIGINT/SIGTERM).
 
 Routes parse, validate and authenticate, submit rows to the engine and turn its events into
 JSON or SSE; they never touch tensors, and the event loop never runs model code.
@@ -7,7 +9,8 @@ JSON or SSE; they never touch tensors, and the event loop never runs model code.
 from __future__ import annotations
 
 import json
-from typing import Any
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,13 +20,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from infer.api import lightning, openai, tokenize
+from infer.api import lightning, openai, responses, state, tokenize
 from infer.api.context import ServerContext
 from infer.api.errors import OPENAI_STYLE_KEY, ApiError, install_error_handlers, is_openai_chat_body
 from infer.api.guard import PUBLIC_PATHS, TRANSLATE_PATH, Guard
 from infer.api.schemas import (BatchChatRequest, BatchChunk, BatchCompletion, ChatCompletion, ChatCompletionChunk,
                                ChatCompletionRequest, Health, LightningError, OpenAIError)
 from infer.api.streaming import sse_doc
+from infer.sessions import SessionMetrics
 
 DESCRIPTION = """RWKV-7 batch inference: rwkv_lightning-compatible routes and an OpenAI-compatible API.
 
@@ -48,13 +52,28 @@ def _validated(model: type[BaseModel], body: Any) -> Any:
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if ctx.sessions is None:
+            yield
+            return
+        await ctx.sessions.store.start()
+        try:
+            yield
+        finally:
+            await ctx.sessions.store.close()
+
     app = FastAPI(title="RWKV-7 inference server", version="1.0", description=DESCRIPTION,
-                  separate_input_output_schemas=False)
+                  separate_input_output_schemas=False, lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(lightning.router)
     app.include_router(openai.router)
+    app.include_router(state.router)
+    app.include_router(responses.router)
     app.include_router(tokenize.router)
+    if ctx.sessions is not None:
+        ctx.engine.metrics.registry.register(SessionMetrics(ctx.sessions.store))
 
     @app.post("/v1/chat/completions", response_model=None, tags=["rwkv_lightning", "OpenAI"],
               summary="rwkv_lightning batch (body with contents) or OpenAI chat (body with messages)",
@@ -96,7 +115,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.add_middleware(Guard, password=ctx.password, max_body_bytes=ctx.limits.max_body_bytes,
                        public_paths=frozenset(public))
     if ctx.cors_origins:  # added last = outermost, so preflights never meet the password check
-        app.add_middleware(CORSMiddleware, allow_origins=list(ctx.cors_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(ctx.cors_origins), allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
 
     def openapi() -> dict[str, Any]:

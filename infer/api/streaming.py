@@ -1,19 +1,22 @@
 """Server-sent events and client-disconnect handling shared by the routes.
 
 Both response kinds stop the engine's work when the client goes away: an SSE body is closed
-(its EventStream cancels the rows) and a non-stream request is abandoned with status 499.
+(its EventStream cancels the rows) and a non-stream request is abandoned with status 499. Both
+run an ``on_close`` hook (``EventStream.close``) when the response is over, however it ended,
+even when the client left before the body generator ever started.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
+Hook = Callable[[], Awaitable[None]]
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_DATA = "[DONE]"
@@ -32,9 +35,11 @@ def sse_doc(*models: type) -> dict[str, Any]:
         "properties": {"data": {"anyOf": [chunk, {"const": DONE_DATA}]}}}}}
 
 
-def sse(payload: Any) -> str:
-    """One SSE event; raw UTF-8 (not \\u escapes) like the peer server."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(payload: Any, event: str | None = None) -> str:
+    """One SSE event; raw UTF-8 (not \\u escapes) like the peer server. ``event`` adds an ``event:``
+    line (only the Responses API uses one, as OpenAI's does)."""
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -46,8 +51,9 @@ class EventSourceResponse(StreamingResponse):
     """``text/event-stream`` that always watches for the client leaving, whatever the ASGI server's
     spec version, and always closes the body generator (which cancels the engine request)."""
 
-    def __init__(self, content: AsyncIterator[str]):
+    def __init__(self, content: AsyncIterator[str], on_close: Hook | None = None):
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.ensure_future(self.stream_response(send))
@@ -59,6 +65,8 @@ class EventSourceResponse(StreamingResponse):
                 task.cancel()
             await asyncio.gather(streaming, watcher, return_exceptions=True)
             await self.body_iterator.aclose()
+            if self.on_close is not None:
+                await self.on_close()
         if streaming.done() and not streaming.cancelled() and streaming.exception() is not None:
             raise streaming.exception()
 
@@ -67,7 +75,7 @@ class ClientDisconnected(Exception):
     """Raised by :func:`unless_disconnected`; the app answers it with an empty 499."""
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+async def unless_disconnected(request: Request, work: Awaitable[T], on_close: Hook | None = None) -> T:
     """Await ``work`` (collecting a non-stream result) but give up as soon as the client disconnects;
     cancelling ``work`` closes its event stream, which cancels the engine request."""
     task = asyncio.ensure_future(work)
@@ -81,6 +89,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         for t in (task, watcher):
             t.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
+        if on_close is not None:
+            await on_close()
 
 
 def client_gone() -> Response:
