@@ -40,9 +40,15 @@ class DenseLinear:
         self.kind = f"dense {str(weight.dtype).removeprefix('torch.')}"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if x.device.type == "cpu" and rows < CPU_EXACT_ROWS and rows % CPU_ROW_MULTIPLE:
-            padded = x.new_zeros((rows + CPU_ROW_MULTIPLE - rows % CPU_ROW_MULTIPLE, x.shape[1]))
-            padded[:rows] = x
-            return F.linear(padded, self.weight)[:rows]
-        return F.linear(x, self.weight)
+        return F.linear(pad_rows_for_cpu(x), self.weight)[:x.shape[0]]
+
+
+def pad_rows_for_cpu(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with zero rows appended where CPU BLAS would otherwise make a row's result depend on
+    the row count (see CPU_EXACT_ROWS); the caller keeps the first ``x.shape[0]`` output rows."""
+    rows = x.shape[0]
+    if x.device.type != "cpu" or rows >= CPU_EXACT_ROWS or rows % CPU_ROW_MULTIPLE == 0:
+        return x
+    padded = x.new_zeros((rows + CPU_ROW_MULTIPLE - rows % CPU_ROW_MULTIPLE, x.shape[1]))
+    padded[:rows] = x
+    return padded
