@@ -18,6 +18,26 @@ import torch
 
 SUPPORTED_HEAD_SIZE = 64
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INT_DTYPES = (torch.int32, torch.int64)
+# The projection matrices of a block, stored as nn.Linear [out, in]; with the head they are the
+# matrices a quantized checkpoint stores quantized.
+PROJECTIONS = ("att.receptance.weight", "att.key.weight", "att.value.weight", "att.output.weight",
+               "ffn.key.weight", "ffn.value.weight")
+
+# Weight layouts. The export tools (infer/quant) write 0-d int32 marker tensors that name the layout;
+# W8A16 files exported by rwkv_lightning carry no marker and are recognised by their head's scale.
+LAYOUT_FLOAT, LAYOUT_W8A16, LAYOUT_GEMLITE = "float", "w8a16", "gemlite"
+# W8A16: the matrix as int8 [out, in] (symmetric per output channel) plus name + ".scale", fp16 [out].
+W8A16_MARKER, W8A16_VERSION = "__w8a16_version__", 1
+SCALE_SUFFIX = ".scale"
+# GemLite 0.6.x packed layers: every entry of a GemLiteLinearTriton state dict as "<matrix>.gemlite.<entry>".
+GEMLITE_FORMAT_KEY = "__gemlite_format__"          # a GEMLITE_FORMATS code
+GEMLITE_GROUP_SIZE_KEY = "__gemlite_group_size__"  # the group size for W4, else 0
+GEMLITE_VERSION_KEY, GEMLITE_VERSION = "__gemlite_checkpoint_version__", 2
+GEMLITE_FORMATS = {"A16W8_FP8": 0, "A16W8_INT8": 1, "A16W4_HQQ_INT": 2}
+GEMLITE_INFIX = ".gemlite."
+GEMLITE_ENTRIES = ("W_q", "scales", "metadata", "orig_shape")
+GEMLITE_OPTIONAL_ENTRIES = ("zeros", "meta_scale")  # written only by some 0.6.x releases / formats
 
 
 class CheckpointError(ValueError):
@@ -73,6 +93,10 @@ class ModelConfig:
             shapes[b + "ffn.key.weight"] = (F, C)
             shapes[b + "ffn.value.weight"] = (C, F)
         return shapes
+
+    def linear_keys(self) -> list[str]:
+        """The matrices a quantized checkpoint stores quantized: the head and six per block."""
+        return ["head.weight"] + [f"blocks.{i}.{p}" for i in range(self.n_layer) for p in PROJECTIONS]
 
 
 OPTIONAL_KEYS = frozenset({"blocks.0.att.v0", "blocks.0.att.v1", "blocks.0.att.v2"})
@@ -212,13 +236,31 @@ def _reject_other_variants(src: TensorSource) -> None:
                               f"first keys: {keys[:5]})")
 
 
+def weight_layout(src: TensorSource) -> str:
+    """How the checkpoint stores its matrices: LAYOUT_FLOAT, LAYOUT_W8A16 or LAYOUT_GEMLITE."""
+    keys = set(src.keys())
+    if GEMLITE_FORMAT_KEY in keys:
+        return LAYOUT_GEMLITE
+    if W8A16_MARKER in keys or "head.weight" + SCALE_SUFFIX in keys:
+        return LAYOUT_W8A16
+    return LAYOUT_FLOAT
+
+
+def _matrix_shape(src: TensorSource, name: str, layout: str) -> tuple[int, ...]:
+    """The [out, in] of a projection matrix; a packed GemLite layer records it in its orig_shape entry."""
+    if layout == LAYOUT_GEMLITE:
+        return tuple(int(d) for d in src.get(name + GEMLITE_INFIX + "orig_shape").tolist())
+    return src.shape(name)
+
+
 def infer_config(src: TensorSource) -> ModelConfig:
-    """Read the model shape from tensor shapes and check every key against it."""
+    """Read the model shape from tensor shapes and check every key against it (in any weight layout)."""
     _reject_other_variants(src)
     path = src.path
     keys = set(src.keys())
-    for key in ("emb.weight", "blocks.0.att.r_k", "blocks.0.att.w1", "blocks.0.att.a1", "blocks.0.att.g1",
-                "blocks.0.ffn.key.weight"):
+    layout = weight_layout(src)
+    ffn_key = "blocks.0.ffn.key.weight" + (GEMLITE_INFIX + "orig_shape" if layout == LAYOUT_GEMLITE else "")
+    for key in ("emb.weight", "blocks.0.att.r_k", "blocks.0.att.w1", "blocks.0.att.a1", "blocks.0.att.g1", ffn_key):
         if key not in keys:
             raise CheckpointError(f"{path}: missing key {key!r}")
     emb = src.shape("emb.weight")
@@ -240,28 +282,86 @@ def infer_config(src: TensorSource) -> ModelConfig:
     rank_v = src.shape(v1)[-1] if v1 in keys else src.shape("blocks.0.att.a1")[-1]
     config = ModelConfig(
         n_layer=n_layer, n_embd=n_embd, n_head=n_head, head_size=head_size, vocab_size=vocab,
-        ffn_dim=src.shape("blocks.0.ffn.key.weight")[0],
+        ffn_dim=_matrix_shape(src, "blocks.0.ffn.key.weight", layout)[0],
         rank_w=src.shape("blocks.0.att.w1")[-1], rank_a=src.shape("blocks.0.att.a1")[-1],
         rank_v=rank_v, rank_g=src.shape("blocks.0.att.g1")[-1],
     )
-    expected = config.expected_shapes()
-    missing = [k for k in expected if k not in keys and k not in OPTIONAL_KEYS]
-    misshapen = [f"{k} {list(src.shape(k))} (want {list(s)})" for k, s in expected.items()
-                 if k in keys and _squeezed(src.shape(k)) != _squeezed(s)]
-    unexpected = sorted(keys - set(expected))
-    bad_dtype = [f"{k} ({src.dtype(k)})" for k in expected if k in keys and src.dtype(k) not in FLOAT_DTYPES]
+    specs = _expected_tensors(config, layout)
+    present = [(k, spec) for k, spec in specs.items() if k in keys]
+    missing = [k for k, spec in specs.items() if k not in keys and not spec.optional]
+    misshapen = [f"{k} {list(src.shape(k))} (want {list(spec.shape)})" for k, spec in present
+                 if spec.shape is not None and _squeezed(src.shape(k)) != _squeezed(spec.shape)]
+    unexpected = sorted(keys - set(specs))
+    non_float = [f"{k} ({src.dtype(k)})" for k, spec in present
+                 if spec.dtypes == FLOAT_DTYPES and src.dtype(k) not in FLOAT_DTYPES]
+    wrong_dtype = [f"{k} ({src.dtype(k)}, want {'/'.join(str(d).removeprefix('torch.') for d in spec.dtypes)})"
+                   for k, spec in present
+                   if spec.dtypes not in (None, FLOAT_DTYPES) and src.dtype(k) not in spec.dtypes]
     problems = []
     if missing:
         problems.append(f"missing key(s): {_names(missing)}")
     if misshapen:
         problems.append(f"misshapen key(s): {_names(misshapen)}")
     if unexpected:
-        problems.append(f"unexpected key(s) (not plain RWKV-7 x070): {_names(unexpected)}")
-    if bad_dtype:
-        problems.append(f"non-float tensor(s): {_names(bad_dtype)} (accepted: fp16, bf16, fp32)")
+        kind = "plain RWKV-7 x070" if layout == LAYOUT_FLOAT else f"an RWKV-7 x070 checkpoint in the {layout} layout"
+        problems.append(f"unexpected key(s) (not {kind}): {_names(unexpected)}")
+    if non_float:
+        problems.append(f"non-float tensor(s): {_names(non_float)} (accepted: fp16, bf16, fp32)")
+    if wrong_dtype:
+        problems.append(f"tensor(s) of the wrong dtype: {_names(wrong_dtype)}")
+    if not problems:  # values are read only from well-formed markers
+        problems += _marker_problems(src, config, layout)
     if problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems))
     return config
+
+
+@dataclass(frozen=True)
+class _Expected:
+    shape: tuple[int, ...] | None           # None: not checked (packed GemLite entries)
+    dtypes: tuple[torch.dtype, ...] | None  # None: any
+    optional: bool = False
+
+
+def _expected_tensors(config: ModelConfig, layout: str) -> dict[str, _Expected]:
+    """Every key a checkpoint of this shape and layout may hold."""
+    specs = {k: _Expected(shape, FLOAT_DTYPES, k in OPTIONAL_KEYS) for k, shape in config.expected_shapes().items()}
+    if layout == LAYOUT_W8A16:
+        for name in config.linear_keys():
+            out_in = specs[name].shape
+            specs[name] = _Expected(out_in, (torch.int8,))
+            specs[name + SCALE_SUFFIX] = _Expected(out_in[:1], FLOAT_DTYPES)
+        specs[W8A16_MARKER] = _Expected((), INT_DTYPES, optional=True)  # absent in rwkv_lightning's exports
+    elif layout == LAYOUT_GEMLITE:
+        for name in config.linear_keys():
+            del specs[name]
+            for entry in GEMLITE_ENTRIES + GEMLITE_OPTIONAL_ENTRIES:
+                specs[name + GEMLITE_INFIX + entry] = _Expected(None, None, entry in GEMLITE_OPTIONAL_ENTRIES)
+            specs[name + GEMLITE_INFIX + "orig_shape"] = _Expected((2,), INT_DTYPES)
+        for key in (GEMLITE_FORMAT_KEY, GEMLITE_GROUP_SIZE_KEY, GEMLITE_VERSION_KEY):
+            specs[key] = _Expected((), INT_DTYPES)
+    return specs
+
+
+def _marker_problems(src: TensorSource, config: ModelConfig, layout: str) -> list[str]:
+    """Checks on the values of a quantized checkpoint's markers and packed shapes."""
+    keys = set(src.keys())
+    problems = []
+    if layout == LAYOUT_W8A16 and W8A16_MARKER in keys and (v := int(src.get(W8A16_MARKER))) != W8A16_VERSION:
+        problems.append(f"W8A16 format version {v} (this server reads version {W8A16_VERSION})")
+    if layout == LAYOUT_GEMLITE:
+        if (v := int(src.get(GEMLITE_VERSION_KEY))) != GEMLITE_VERSION:
+            problems.append(f"GemLite checkpoint version {v} (this server reads version {GEMLITE_VERSION}; "
+                            "export it again with python -m infer.quant.export_quant_gemlite)")
+        if (code := int(src.get(GEMLITE_FORMAT_KEY))) not in GEMLITE_FORMATS.values():
+            problems.append(f"unknown GemLite format code {code} (known: "
+                            + ", ".join(f"{c}={n}" for n, c in GEMLITE_FORMATS.items()) + ")")
+        expected = config.expected_shapes()
+        wrong = [f"{name} {list(got)} (want {list(expected[name])})" for name in config.linear_keys()
+                 if (got := _matrix_shape(src, name, layout)) != expected[name]]
+        if wrong:
+            problems.append(f"packed matrix(es) of the wrong shape: {_names(wrong)}")
+    return problems
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
