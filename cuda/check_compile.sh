@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Compile-check the kernel sources without a GPU:
 #   cuda/*.cu        nvcc -c for sm_90 and sm_80 (with torch's no-implicit-half-conversion flags)
+#   cuda/w8a16_gemm.cu once more with its CUTLASS GEMM (-DW8A16_WITH_CUTLASS), when the headers of the
+#                    nvidia-cutlass wheel are installed (found like the JIT build finds them)
 #   cuda/*_op.cpp    g++ -fsyntax-only against torch's headers (a CPU build of torch is enough)
 #   hip/*.hip        hipcc -c for two AMD targets (HIP_PLATFORM=amd)
 # Each tool that is missing is skipped with a note. Exits non-zero if anything fails to compile.
@@ -46,6 +48,23 @@ if command -v nvcc >/dev/null 2>&1; then
     done
 else
     echo "  nvcc not found, skipping"
+fi
+
+echo "CUTLASS W8A16 GEMM (cuda/w8a16_gemm.cu -DW8A16_WITH_CUTLASS):"
+CUTLASS_INCLUDE=$("$PYTHON" -c "from infer.ops.linear_w8a16 import cutlass_include_dir; print(cutlass_include_dir() or '')" \
+                  2>/dev/null)
+if ! command -v nvcc >/dev/null 2>&1; then
+    echo "  nvcc not found, skipping"
+elif [ -z "$CUTLASS_INCLUDE" ]; then
+    echo "  CUTLASS headers not installed (pip install --no-deps nvidia-cutlass), skipping"
+else
+    for arch in 90 80; do
+        # -isystem: warnings inside CUTLASS's headers are not ours; our code stays under -Werror
+        run "cuda/w8a16_gemm.cu +CUTLASS  sm_$arch" nvcc -std=c++17 -O3 --use_fast_math -arch=sm_$arch \
+            "${TORCH_NVCC_DEFINES[@]}" -DW8A16_WITH_CUTLASS -isystem "$CUTLASS_INCLUDE" \
+            -Xptxas -warn-spills,-warn-lmem-usage,--warning-as-error -Werror all-warnings \
+            -c cuda/w8a16_gemm.cu -o "$TMP/w8a16_gemm.cutlass.sm$arch.o"
+    done
 fi
 
 echo "torch bindings (cuda/*_op.cpp):"

@@ -1,0 +1,88 @@
+// Torch binding of the W8A16 linear kernels (cuda/w8a16_gemm.cu, or hip/w8a16_gemm.hip on ROCm).
+//
+// Only <torch/extension.h> is included (no ATen/CUDA headers), so this file also compiles against a CPU
+// build of torch; the kernels are reached through a plain C interface. The caller passes the raw handle
+// of the stream to launch on (torch.cuda.current_stream().cuda_stream), which keeps every launch on the
+// current stream and makes the ops safe to capture in a CUDA graph. The caller also allocates y, so the
+// ops allocate nothing.
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+
+extern "C" int w8a16_gemv_max_rows();
+extern "C" int w8a16_gemm_available();
+extern "C" int w8a16_gemv_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
+                                 const void* w, const void* scale, void* y);
+extern "C" int w8a16_gemm_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
+                                 const void* w, const void* scale, void* y);
+extern "C" const char* w8a16_error_string(int code);
+
+namespace {
+
+using Launcher = int (*)(int, int64_t, int64_t, int64_t, int64_t, const void*, const void*, const void*, void*);
+
+// Numbers are formatted with std::to_string, never streamed into TORCH_CHECK messages (see
+// cuda/wkv7_slots_op.cpp: streaming an integer from an extension crashed one torch build).
+std::string num(int64_t x) { return std::to_string(x); }
+
+std::string shape(const torch::Tensor& t) {
+    std::string out = "[";
+    for (int64_t d = 0; d < t.dim(); ++d) out += (d ? ", " : "") + num(t.size(d));
+    return out + "]";
+}
+
+void check(const torch::Tensor& t, const torch::Device& device, torch::ScalarType dtype, const char* op,
+           const char* name) {
+    TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device().str(), ", x on ", device.str());
+    TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+    TORCH_CHECK(reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name,
+                " must be 16-byte aligned");
+}
+
+// y[M, N] = x[M, K] @ (w[N, K] * scale[N, None])^T: checks, then one launch.
+void run(const char* op, Launcher launch, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+         const torch::Tensor& y, int64_t stream) {
+    TORCH_CHECK(x.is_cuda(), op, ": x must be on a CUDA device, got ", x.device().str());
+    const torch::Device device = x.device();
+    check(x, device, torch::kFloat16, op, "x");
+    check(w, device, torch::kInt8, op, "w");
+    check(scale, device, torch::kFloat16, op, "scale");
+    check(y, device, torch::kFloat16, op, "y");
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), op, ": x ", shape(x), " and w ", shape(w),
+                " must be [M, K] and [N, K]");
+    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+    TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N, op, ": scale must have shape [", num(N), "], got ",
+                shape(scale));
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N, op, ": y must have shape [", num(M), ", ", num(N),
+                "], got ", shape(y));
+    if (M == 0) return;
+    const int err = launch(static_cast<int>(device.index()), stream, M, N, K, x.data_ptr(), w.data_ptr(),
+                           scale.data_ptr(), y.data_ptr());
+    TORCH_CHECK(err == 0, op, ": ", w8a16_error_string(err), " (error ", num(err), ", M=", num(M), " N=", num(N),
+                " K=", num(K), ")");
+}
+
+}  // namespace
+
+void gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y, int64_t stream) {
+    TORCH_CHECK(x.dim() == 2 && x.size(0) <= w8a16_gemv_max_rows(), "w8a16 gemv: at most ",
+                num(w8a16_gemv_max_rows()), " rows, got x ", shape(x));
+    run("w8a16 gemv", w8a16_gemv_launch, x, w, scale, y, stream);
+}
+
+void gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y, int64_t stream) {
+    run("w8a16 gemm", w8a16_gemm_launch, x, w, scale, y, stream);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "W8A16 linear layer: fp16 activations times int8 weights with per-output-channel fp16 scales";
+    m.def("gemv", &gemv, "gemv(x, w, scale, y, stream): y = x @ (w * scale[:, None]).T for at most gemv_max_rows() rows",
+          py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("y"), py::arg("stream"));
+    m.def("gemm", &gemm, "gemm(x, w, scale, y, stream): the same product with the CUTLASS tensor-core GEMM",
+          py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("y"), py::arg("stream"));
+    m.def("gemv_max_rows", &w8a16_gemv_max_rows, "the most rows (M) the GEMV takes");
+    m.def("gemm_available", []() { return w8a16_gemm_available() != 0; },
+          "whether this build has the CUTLASS GEMM (else larger batches must dequantize)");
+}
