@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from infer.batch import PackedBatch
-from infer.checkpoint import (CheckpointError, DictSource, ModelConfig, TensorSource, infer_config,
-                              iter_tensors, open_checkpoint)
+from infer.checkpoint import (GEMLITE_INFIX, PROJECTIONS, SCALE_SUFFIX, CheckpointError, DictSource, ModelConfig,
+                              TensorSource, infer_config, iter_tensors, open_checkpoint, weight_layout)
 from infer.ops.linear import DenseLinear, Linear
+from infer.quant.engines import LinearFactory, check_engine, linear_factory
 from infer.ops.wkv import WKV, TorchWKV
 from infer.state import StatePool
 
@@ -28,9 +29,6 @@ GROUPNORM_EPS_PER_CHANNEL = 1e-5  # ln_x eps is head_size * 1e-5 (64e-5 for N=64
 EXP_MINUS_HALF = 0.606531         # decay w = exp(-e^-0.5 * sigmoid(d)) lies in (0.545, 1)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# Keys stored as nn.Linear [out, in]: used as-is by F.linear.
-PROJECTIONS = ("att.receptance.weight", "att.key.weight", "att.value.weight", "att.output.weight",
-               "ffn.key.weight", "ffn.value.weight")
 # LoRA factors are stored [in, out] (used as x @ w1): transposed once at load.
 LORAS = ("w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2")
 MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "k_k", "k_a", "a0", "v0")
@@ -106,41 +104,46 @@ class RWKV7:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, path: str, device: str | None = None, dtype: str | None = None,
-             progress: bool = True) -> "RWKV7":
-        """Load a checkpoint file (``.pth`` or ``.safetensors``, extension optional)."""
+             progress: bool = True, engine: str = "fp16") -> "RWKV7":
+        """Load a checkpoint file (``.pth`` or ``.safetensors``, extension optional) for an inference
+        engine (``infer.quant.engines``: fp16, cutlass or gemlite; each serves one checkpoint layout)."""
         src = open_checkpoint(path)
-        return cls.from_source(src, device=device, dtype=dtype, progress=progress)
+        return cls.from_source(src, device=device, dtype=dtype, progress=progress, engine=engine)
 
     @classmethod
     def from_state_dict(cls, tensors: dict[str, torch.Tensor], device: str | None = None,
-                        dtype: str | None = None) -> "RWKV7":
+                        dtype: str | None = None, engine: str = "fp16") -> "RWKV7":
         """Build from tensors in memory (the random-model generator, benchmarks); consumes the dict."""
-        return cls.from_source(DictSource(tensors), device=device, dtype=dtype, progress=False)
+        return cls.from_source(DictSource(tensors), device=device, dtype=dtype, progress=False, engine=engine)
 
     @classmethod
     def from_source(cls, src: TensorSource, device: str | None = None, dtype: str | None = None,
-                    progress: bool = True) -> "RWKV7":
+                    progress: bool = True, engine: str = "fp16") -> "RWKV7":
         device = device or default_device()
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
         act = resolve_dtype(dtype, device)
         config = infer_config(src)
+        check_engine(weight_layout(src), engine, src.path)
+        make_linear = linear_factory(engine, torch.device(device), act)
         started = time.monotonic()
         converted = _convert_all(src, config, device, act, progress)
-        log.info("loaded %s (%s) in %.1fs: %s on %s", src.path, config.describe(), time.monotonic() - started,
-                 str(act).removeprefix("torch."), device)
-        return cls._assemble(config, converted, src.path)
+        log.info("loaded %s (%s) in %.1fs: %s on %s, engine %s", src.path, config.describe(),
+                 time.monotonic() - started, str(act).removeprefix("torch."), device, engine)
+        return cls._assemble(config, converted, src.path, make_linear)
 
     @classmethod
-    def _assemble(cls, config: ModelConfig, t: dict[str, torch.Tensor], source: str) -> "RWKV7":
+    def _assemble(cls, config: ModelConfig, t: dict[str, torch.Tensor], source: str,
+                  make_linear: LinearFactory) -> "RWKV7":
         emb = F.layer_norm(t.pop("emb.weight").float(), (config.n_embd,), t.pop("blocks.0.ln0.weight").float(),
                            t.pop("blocks.0.ln0.bias").float(), LN_EPS)
-        act = t["head.weight"].dtype
+        act = t["ln_out.weight"].dtype
         blocks = []
         for i in range(config.n_layer):
             p = f"blocks.{i}."
             g = lambda name: t.pop(p + name)  # noqa: E731 - short accessor, used only here
-            lin = lambda name: DenseLinear(t.pop(p + name))  # noqa: E731
+            lin = lambda name: DenseLinear(t.pop(p + name))  # noqa: E731 - the small LoRA factors
+            proj = lambda name: make_linear(p + name, t)  # noqa: E731 - the big matrices: the engine's linear
             has_v = i > 0  # layer 0's value-residual gate is never used
             for name in ("att.v0", "att.v1", "att.v2"):
                 if not has_v:
@@ -153,18 +156,22 @@ class RWKV7:
                 w1=lin("att.w1"), w2=lin("att.w2"), a1=lin("att.a1"), a2=lin("att.a2"),
                 v1=lin("att.v1") if has_v else None, v2=lin("att.v2") if has_v else None,
                 g1=lin("att.g1"), g2=lin("att.g2"),
-                receptance=lin("att.receptance.weight"), key=lin("att.key.weight"),
-                value=lin("att.value.weight"), output=lin("att.output.weight"),
+                receptance=proj("att.receptance.weight"), key=proj("att.key.weight"),
+                value=proj("att.value.weight"), output=proj("att.output.weight"),
                 lnx_w=g("att.ln_x.weight").float(), lnx_b=g("att.ln_x.bias").float(),
-                ffn_x_k=g("ffn.x_k"), ffn_key=lin("ffn.key.weight"), ffn_value=lin("ffn.value.weight"),
+                ffn_x_k=g("ffn.x_k"), ffn_key=proj("ffn.key.weight"), ffn_value=proj("ffn.value.weight"),
             ))
         return cls(config, emb.to(act), blocks, t.pop("ln_out.weight"), t.pop("ln_out.bias"),
-                   DenseLinear(t.pop("head.weight")), source=source)
+                   make_linear("head.weight", t), source=source)
+
+    def projections(self) -> list[Linear]:
+        """The big matrices: the head and six per block (the layers an inference engine swaps)."""
+        return [self.head] + [lin for b in self.blocks for lin in (b.receptance, b.key, b.value, b.output,
+                                                                   b.ffn_key, b.ffn_value)]
 
     def implementations(self) -> dict[str, str]:
         """Which implementation each swappable part uses (logged at startup, checked by tests)."""
-        kinds = sorted({lin.kind for b in self.blocks for lin in (b.receptance, b.key, b.value, b.output,
-                                                                   b.ffn_key, b.ffn_value)})
+        kinds = sorted({lin.kind for lin in self.projections()[1:]})
         return {"wkv": self.wkv.name, "linear": ", ".join(kinds), "head": self.head.kind,
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
 
@@ -291,8 +298,14 @@ def _runtime_tensor(key: str, tensor: torch.Tensor, config: ModelConfig, device:
         return tensor.to(device=device, dtype=torch.float32)  # ln0 is folded into emb in fp32
     if name.startswith("att.") and name[4:] in LORAS:
         return tensor.to(device=device, dtype=act).t().contiguous()
-    if name in PROJECTIONS or key == "head.weight":
-        return tensor.to(device=device, dtype=act).contiguous()
+    if name in PROJECTIONS or key == "head.weight":  # int8 (W8A16) matrices keep their dtype
+        return tensor.to(device=device, dtype=act if tensor.is_floating_point() else None).contiguous()
+    if key.endswith(SCALE_SUFFIX):
+        return tensor.to(device=device, dtype=act)        # W8A16 per-channel scales
+    if GEMLITE_INFIX in key:
+        return tensor.to(device=device)                   # packed GemLite entries, as GemLite stored them
+    if key.startswith("__") and key.endswith("__"):
+        return tensor                                     # layout markers: read by validation only
     if key.endswith("att.r_k"):
         return tensor.to(device=device, dtype=act).reshape(-1)
     if tensor.ndim > 1 and tensor.numel() == tensor.shape[-1]:

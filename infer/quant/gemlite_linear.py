@@ -1,0 +1,82 @@
+"""GemLite 0.6.x weight-only linear layers rebuilt from the packed tensors of a GemLite checkpoint (CUDA only).
+
+gemlite imports Triton and queries the GPU when it is imported, so this module imports it only inside
+:func:`require_gemlite`; nothing on the CPU server's or the tests' paths imports this module at all
+(``infer.quant.engines`` does, lazily, for ``--inference-engine gemlite``).
+
+A layer is rebuilt with ``GemLiteLinearTriton.load_state_dict`` from the entries
+``export_quant_gemlite`` stored, so loading never quantizes or repacks. The forward pass calls GemLite's
+Triton kernel for the batch size directly instead of ``forward_functional``, which in gemlite 0.6.0
+reads the data-contiguity flag from the wrong metadata slot (the bit width); the arguments are built
+once per layer. GemLite autotunes each kernel per (matrix, batch bucket) on first use: :meth:`warmup`
+does that before serving (``infer.quant.engines.warm_up``).
+"""
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_VERSION = "0.6."
+
+
+def require_gemlite(device: torch.device | str, act: torch.dtype = torch.float16,
+                    purpose: str = "--inference-engine gemlite"):
+    """The gemlite module, or a RuntimeError that says what is missing for ``purpose``."""
+    device = torch.device(device)
+    if not torch.cuda.is_available() or device.type != "cuda":
+        where = "torch sees no CUDA device" if not torch.cuda.is_available() else f"the device is {device}"
+        raise RuntimeError(f"{purpose} needs a CUDA GPU and gemlite {SUPPORTED_VERSION}x ({where}); the W8A16 format "
+                           "(python -m infer.quant.export_quant, --inference-engine cutlass) also runs on CPU")
+    if act != torch.float16:
+        raise RuntimeError(f"GemLite checkpoints are packed for fp16 activations; run with --dtype fp16, not "
+                           f"{str(act).removeprefix('torch.')}")
+    try:
+        import gemlite
+    except Exception as exc:  # noqa: BLE001 - ImportError, or Triton failing to initialise
+        raise RuntimeError(f"{purpose} needs gemlite {SUPPORTED_VERSION}x (pip install 'gemlite>=0.6,<0.7'): "
+                           f"importing it failed: {type(exc).__name__}: {exc}") from None
+    if not gemlite.__version__.startswith(SUPPORTED_VERSION):
+        raise RuntimeError(f"{purpose} needs gemlite {SUPPORTED_VERSION}x, found {gemlite.__version__} "
+                           "(pip install 'gemlite>=0.6,<0.7')")
+    return gemlite
+
+
+class GemLiteLinear:
+    """One packed GemLite layer; ``packed`` holds the entries of its ``state_dict()`` (already on the GPU)."""
+
+    def __init__(self, packed: dict[str, torch.Tensor]):
+        import gemlite
+        from gemlite.core import GEMLITE_TRITON_MAPPING, get_matmul_type
+
+        layer = gemlite.GemLiteLinearTriton()
+        layer.load_state_dict(dict(packed))  # GemLite's own loader: sets every attribute from the entries
+        if layer.scaled_activations:
+            raise RuntimeError("activation-quantized GemLite layers are not supported (weight-only formats only)")
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.dtype = layer.compute_dtype
+        self.kind = f"gemlite A16W{layer.W_nbits}" + (f" group {layer.group_size}" if layer.W_nbits < 8 else "")
+        self._bias = layer.bias
+        self._kernels = GEMLITE_TRITON_MAPPING
+        self._matmul_type = get_matmul_type
+        w_q, scales, zeros, _ = layer.get_tensor_args()
+        meta = layer.get_meta_args()
+        # Kernel arguments after x: W_q, scales, zeros, activation scales (none: weight-only), then
+        # W_nbits .. W_group_mode and data_contiguous (meta[1:], the last slot read correctly), and the
+        # autotune type id, which GemLite shares between fp16 and bf16.
+        input_dtype = layer.input_dtype.value
+        if input_dtype == gemlite.DType.BF16.value:
+            input_dtype = gemlite.DType.FP16.value
+        self._args = (w_q, scales, zeros, None, *meta[1:], input_dtype * 100 + layer.W_nbits)
+        self._nbits = layer.W_nbits
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self._kernels[self._matmul_type(x.shape[0], self._nbits)]
+        # meta_scale is only read by NVFP4 layers (GemLite passes 0.0 for every other format).
+        y = kernel.forward(x.contiguous(), *self._args, meta_scale=0.0)
+        return y if self._bias is None else y + self._bias
+
+    def warmup(self, batch_sizes: list[int]) -> None:
+        """Run (and so autotune) the kernel of each batch size once."""
+        device = self._args[0].device
+        for rows in batch_sizes:
+            self(torch.zeros((rows, self.in_features), dtype=self.dtype, device=device))
+        torch.cuda.synchronize(device)
