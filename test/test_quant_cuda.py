@@ -1,0 +1,116 @@
+"""Quantized engines on a GPU: the W8A16 kernels (cuda/w8a16_gemm.cu) against the dequantizing reference,
+and GemLite export -> load -> logits. Skipped without CUDA (and the GemLite tests without gemlite)."""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from conftest import make_model_file
+from infer.checkpoint import SCALE_SUFFIX
+from infer.model import RWKV7
+from infer.ops.linear_w8a16 import W8A16Linear, dequantize_matmul, load_w8a16_kernels, w8a16_kernels_error
+from infer.quant import export_quant, export_quant_gemlite
+from infer.quant.engines import warm_up
+from infer.quant.quantize import quantize_int8
+from infer.random_model import make_config, random_state_dict
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_gemlite = pytest.mark.skipif(importlib.util.find_spec("gemlite") is None, reason="needs gemlite 0.6.x")
+ROWS = [1, 2, 3, 5, 8, 9, 16, 33, 128, 300]
+# fp16 output: one rounding (2^-11 relative) on top of fp32 sums that differ only in order
+KERNEL_TOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = load_w8a16_kernels()
+    assert loaded is not None, f"W8A16 kernels unavailable: {w8a16_kernels_error()}"
+    return loaded
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("n_out,n_in", [(256, 256), (768, 3072), (3072, 768), (4096, 4096), (65536, 2048)])
+@pytest.mark.parametrize("rows", ROWS)
+def test_kernels_match_the_dequantizing_reference(kernels, n_out, n_in, rows):
+    if rows > kernels.gemv_max_rows and not kernels.gemm_available:
+        pytest.skip("this build has no CUTLASS GEMM (nvidia-cutlass not installed)")
+    gen = torch.Generator(device="cuda").manual_seed(rows * 7 + n_in)
+    q, scale = quantize_int8(torch.randn(n_out, n_in, generator=gen, device="cuda"))
+    layer = W8A16Linear(q, scale)
+    assert "cuda gemv" in layer.kind
+    x = torch.randn(rows, n_in, generator=gen, device="cuda").half()
+    assert relative_error(layer(x), dequantize_matmul(x.float(), q, scale.float())) <= KERNEL_TOL
+
+
+def test_unaligned_rows_are_copied_not_misread(kernels):
+    q, scale = quantize_int8(torch.randn(512, 256, device="cuda"))
+    layer = W8A16Linear(q, scale)
+    flat = torch.randn(3 * 256 + 1, device="cuda").half()
+    x = flat[1:].view(3, 256)  # 2-byte offset: not 16-byte aligned
+    assert x.data_ptr() % 16
+    assert relative_error(layer(x), dequantize_matmul(x.float(), q, scale.float())) <= KERNEL_TOL
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_kernels_replay_in_a_cuda_graph(kernels, rows):
+    q, scale = quantize_int8(torch.randn(1024, 512, device="cuda"))
+    layer = W8A16Linear(q, scale)
+    x = torch.randn(rows, 512, device="cuda").half()
+    layer(x)  # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(y, dequantize_matmul(x.float(), q, scale.float())) <= KERNEL_TOL
+
+
+def test_w8a16_model_on_cuda_tracks_fp16(kernels):
+    """The cutlass engine against the fp16 engine on the same weights, within the derived int8 tolerance
+    of test_quant.py (relative logit error <= sqrt(sum of squared per-matrix weight errors))."""
+    config = make_config(2, 256, 65536)
+    sd = random_state_dict(config, seed=21, dtype=torch.float16)
+    w8 = dict(sd)
+    eps = []
+    for name in config.linear_keys():
+        w8.update(export_quant.quantize_matrix(name, sd[name]))
+        deq = w8[name].float() * w8[name + SCALE_SUFFIX].float()[:, None]
+        eps.append(((sd[name].float() - deq).norm() / sd[name].float().norm()).item())
+    fp16 = RWKV7.from_state_dict(dict(sd), device="cuda", dtype="fp16")
+    quant = RWKV7.from_state_dict(w8, device="cuda", dtype="fp16", engine="cutlass")
+    assert "cuda gemv" in quant.implementations()["linear"]
+    prompt = torch.randint(1, 65536, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = fp16.prefill([prompt], [0], fp16.new_state_pool(1), all_logits=True)
+    got = quant.prefill([prompt], [0], quant.new_state_pool(1), all_logits=True)
+    relative = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+    # fp16 activations add their own rounding on both sides: allow it on top of the int8 bound
+    assert 0 < relative <= math.sqrt(sum(e * e for e in eps)) + 5e-3, relative
+
+
+@needs_gemlite
+@pytest.mark.parametrize("fmt,tolerance", [("A16W8_INT8", 0.05), ("A16W8_FP8", 0.15), ("A16W4_HQQ_INT", 0.5)])
+def test_gemlite_export_load_and_logits(tmp_path, fmt, tolerance):
+    """Tolerances: relative logit error of the format's weight error (int8 ~0.7 %, e4m3 ~2.5 %, 4-bit
+    group 64 ~9 % per matrix) summed in quadrature over 13 matrices, with room for fp16."""
+    path = make_model_file(tmp_path, "L2-C128-V1024", torch.float16)
+    out = tmp_path / f"{fmt}.pth"
+    export_quant_gemlite.main([str(path), str(out), "--format", fmt])
+    fp16 = RWKV7.load(str(path), device="cuda", dtype="fp16", progress=False)
+    quant = RWKV7.load(str(out), device="cuda", dtype="fp16", engine="gemlite", progress=False)
+    assert "gemlite" in quant.implementations()["linear"]
+    warm_up(quant.projections(), [1, 2, 4, 8, 16, 32, 64])
+    prompt = torch.randint(1, 1024, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    want = fp16.prefill([prompt], [0], fp16.new_state_pool(1), all_logits=True)
+    got = quant.prefill([prompt], [0], quant.new_state_pool(1), all_logits=True)
+    relative = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+    assert 0 < relative <= tolerance, relative
+    decoded = quant.decode([5, 6, 7], [0, 1, 2], quant.new_state_pool(3))
+    assert torch.isfinite(decoded).all()
