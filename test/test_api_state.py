@@ -17,9 +17,12 @@ from infer.api.context import ServerContext
 from infer.api.schemas import BatchCompletion, ChatMessage, MultiStateCompletion, StateStatus
 from infer.api.server import create_app
 from infer.checkpoint import DictSource
+from infer.engine import Engine
 from infer.fingerprint import fingerprint
 from infer.model import RWKV7
 from infer.random_model import make_config, random_state_dict
+from infer.runner import ModelRunner
+from infer.tokenizer import load_world_tokenizer
 from test_api_support import LiveServer, parse_sse, reference, wait_until
 
 GREEDY = {"temperature": 0, "alpha_presence": 0, "alpha_frequency": 0, "alpha_decay": 1.0, "stop_tokens": []}
@@ -41,6 +44,13 @@ def model_a() -> tuple[RWKV7, str]:
 @pytest.fixture(scope="module")
 def model(model_a) -> RWKV7:
     return model_a[0]
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    """For requests that store nothing."""
+    with LiveServer(model) as live:
+        yield live
 
 
 class Conversation:
@@ -289,8 +299,8 @@ def test_multi_state_branches_survive_restart(tmp_path, model):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "session_id": "y" * 257},
      "session_id"),
 ])
-def test_bad_state_requests_are_named_4xx(model, path, body, param):
-    with LiveServer(model, prefix_cache=None) as server, server.client() as c:
+def test_bad_state_requests_are_named_4xx(server, path, body, param):
+    with server.client() as c:
         r = c.post(path, json=body)
         assert r.status_code == 422, r.text
         error = r.json()["error"]
@@ -298,9 +308,6 @@ def test_bad_state_requests_are_named_4xx(model, path, body, param):
 
 
 def test_state_routes_without_a_store_answer_503(model):
-    from infer.engine import Engine
-    from infer.runner import ModelRunner
-    from infer.tokenizer import load_world_tokenizer
     ctx = ServerContext(Engine(ModelRunner(model, 1), load_world_tokenizer()), load_world_tokenizer(), "m")
     with TestClient(create_app(ctx)) as c:
         r = c.post("/state/status")

@@ -127,8 +127,8 @@ def run(model, groups: list[RowGroup], cache: PrefixCache | None) -> list[RowFin
         engine.shutdown()
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.9, seed=7)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0),
+                                      SamplingParams(temperature=1.0, top_p=0.9, seed=7)], ids=["greedy", "seeded"])
 def test_hits_give_exactly_the_tokens_and_states_of_misses(model, sampling):
     tokenizer = load_world_tokenizer()
     header = tokenizer.encode("System: You are a careful assistant. Answer in one line, cite nothing.\n\n")

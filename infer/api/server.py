@@ -115,7 +115,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.add_middleware(Guard, password=ctx.password, max_body_bytes=ctx.limits.max_body_bytes,
                        public_paths=frozenset(public))
     if ctx.cors_origins:  # added last = outermost, so preflights never meet the password check
-        app.add_middleware(CORSMiddleware, allow_origins=list(ctx.cors_origins), allow_methods=["GET", "POST", "DELETE"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(ctx.cors_origins),
+                           allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
 
     def openapi() -> dict[str, Any]:

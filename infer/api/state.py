@@ -22,8 +22,8 @@ from infer.api.context import ServerContext, get_ctx
 from infer.api.errors import ApiError
 from infer.api.lightning import STREAM_DOC, options, respond, sampling
 from infer.api.schemas import (BatchChunk, BatchCompletion, LightningError, LightningRequest, MultiStateCompletion,
-                               MultiStateIndexEvent, MultiStateRequest, StateChatRequest, StateDeleteRequest, StateDeleteResult,
-                               StateSessionInfo, StateStatus, StateStatusRequest)
+                               MultiStateIndexEvent, MultiStateRequest, StateChatRequest, StateDeleteRequest,
+                               StateDeleteResult, StateSessionInfo, StateStatus, StateStatusRequest)
 from infer.api.streaming import sse_doc
 from infer.engine import GenerationOptions
 from infer.sessions import SessionNotFoundError, SessionService, Turn
@@ -93,7 +93,8 @@ async def state_chat(body: StateChatRequest, request: Request, ctx: ServerContex
 @router.post("/multi_state/chat/completions", response_model=None, responses={
     200: {"model": MultiStateCompletion, "content": sse_doc(BatchChunk, MultiStateIndexEvent)}, **ERRORS},
     summary="Continue node dialogue_idx of a conversation tree; the result becomes a new node")
-async def multi_state_chat(body: MultiStateRequest, request: Request, ctx: ServerContext = Depends(get_ctx)) -> Response:
+async def multi_state_chat(body: MultiStateRequest, request: Request,
+                           ctx: ServerContext = Depends(get_ctx)) -> Response:
     turn = await session_call(sessions(ctx).branch(ctx.namespace, body.session_id, body.dialogue_idx), "dialogue_idx")
 
     def trailer() -> list[dict]:
