@@ -19,6 +19,7 @@ from infer.checkpoint import (GEMLITE_FORMAT_KEY, GEMLITE_GROUP_SIZE_KEY, GEMLIT
 from infer.model import RWKV7
 from infer.ops.linear_w8a16 import W8A16Linear
 from infer.quant import export_quant, export_quant_gemlite
+from infer.quant.engines import ENGINES
 from infer.quant.quantize import SCALE_FLOOR, quantize_fp8, quantize_int8, quantize_uint4_groups
 from infer.random_model import make_config, random_state_dict, save_checkpoint
 
@@ -379,6 +380,11 @@ def test_gemlite_export_validates_before_needing_a_gpu(tmp_path, exported):
                                    "--group-size", "12"])
     with pytest.raises(SystemExit, match="already a W8A16"):
         export_quant_gemlite.main([str(exported[1]), str(tmp_path / "g.pth"), "--format", "A16W8_INT8"])
+
+
+def test_the_cli_offers_exactly_the_engines_that_exist():
+    import app  # the CLI keeps its own tuple so that --help does not import torch
+    assert app.INFERENCE_ENGINES == ENGINES
 
 
 def test_cpu_engines_never_import_gemlite(tmp_path):
