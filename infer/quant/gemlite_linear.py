@@ -54,7 +54,6 @@ class GemLiteLinear:
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.dtype = layer.compute_dtype
         self.kind = f"gemlite A16W{layer.W_nbits}" + (f" group {layer.group_size}" if layer.W_nbits < 8 else "")
-        self._bias = layer.bias
         self._kernels = GEMLITE_TRITON_MAPPING
         self._matmul_type = get_matmul_type
         w_q, scales, zeros, _ = layer.get_tensor_args()
@@ -70,9 +69,9 @@ class GemLiteLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._kernels[self._matmul_type(x.shape[0], self._nbits)]
-        # meta_scale is only read by NVFP4 layers (GemLite passes 0.0 for every other format).
-        y = kernel.forward(x.contiguous(), *self._args, meta_scale=0.0)
-        return y if self._bias is None else y + self._bias
+        # meta_scale is only read by NVFP4 layers (GemLite passes 0.0 for every other format). RWKV-7 has
+        # no biases (the layout validation admits no bias entry).
+        return kernel.forward(x.contiguous(), *self._args, meta_scale=0.0)
 
     def warmup(self, batch_sizes: list[int]) -> None:
         """Run (and so autotune) the kernel of each batch size once."""
