@@ -97,8 +97,17 @@ class PrefixCache:
     def split(self, prompts: Sequence[Sequence[int]], boundaries: Sequence[int] = ()) -> list[CachePart]:
         """Look up every row (all start from an empty state) and group the rows by snapshot position."""
         parts: dict[int | None, CachePart] = {}
+        plans: dict[tuple[int, ...], tuple] = {}  # a prompt repeated in the group (n choices) is one lookup
         for row, prompt in enumerate(prompts):
-            skip, state, snapshot = self._plan(prompt, boundaries)
+            tokens = tuple(prompt)
+            if tokens not in plans:
+                plans[tokens] = self._plan(prompt, boundaries)
+            skip, state, snapshot = plans[tokens]
+            if skip:
+                self.hits.inc()
+                self.hit_tokens.inc(skip)
+            else:
+                self.misses.inc()
             at, key = (snapshot[0] - skip, snapshot[1]) if snapshot else (None, None)
             part = parts.setdefault(at, CachePart([], [], [], [], at, []))
             part.rows.append(row)
@@ -119,11 +128,6 @@ class PrefixCache:
                 skip, state = n, self._entries[key]
                 self._entries.move_to_end(key)
                 break
-        if skip:
-            self.hits.inc()
-            self.hit_tokens.inc(skip)
-        else:
-            self.misses.inc()
         beyond = [(n, key) for n, key in zip(lengths, keys) if n > skip and key not in self._entries]
         shared = [c for c in beyond if c[1] in self._seen]
         hinted = [c for c in beyond if c[0] in hints]

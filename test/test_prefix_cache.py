@@ -68,6 +68,8 @@ def test_rows_are_grouped_by_snapshot_position():
     by_rows = {tuple(p.rows): p.snapshot_at for p in parts}
     assert by_rows == {(0, 2): 8, (1,): None}
     assert [p.rows[0] for p in parts] == [0, 1]
+    (part,) = cache.split([[300, 301, 302, 303, 304]] * 3)  # n choices of one new prompt: one plan
+    assert part.rows == [0, 1, 2] and part.snapshot_at is None and metric(cache, "misses") == 7  # per row
 
 
 def test_capacity_by_count_and_bytes_is_lru():
