@@ -114,6 +114,14 @@ def test_completed_status_after_a_stop():
     assert run.response()["status"] == "failed" and run.response()["error"]["code"] == "server_error"
 
 
+def test_long_input_and_many_messages(sdk):
+    long = sdk.responses.create(model="m", input="word " * 2000, max_output_tokens=1, store=False)
+    assert long.usage.input_tokens > 2000
+    many = sdk.responses.create(model="m", max_output_tokens=1, store=False,
+                                input=[{"role": "user", "content": f"m{i}"} for i in range(1024)])
+    assert many.status == "incomplete"
+
+
 def test_get_delete_and_store_false(sdk, server):
     kept = sdk.responses.create(model="m", input="Keep me.", max_output_tokens=3)
     assert sdk.responses.retrieve(kept.id).id == kept.id
@@ -140,6 +148,7 @@ def test_get_delete_and_store_false(sdk, server):
     ({"input": "x", "previous_response_id": "resp_missing"}, 404, "previous_response_id"),
     ({"input": "x", "previous_response_id": "x" * 257}, 422, "previous_response_id"),
     ({"input": "x", "temperature": -1}, 422, "temperature"),
+    ({"input": [{"role": "user", "content": "x"}] * 1025}, 422, "input"),
 ])
 def test_bad_requests_are_named_4xx(server, body, status, param):
     with server.client() as c:

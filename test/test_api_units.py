@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from infer.api.chat_template import CUE_FAST, CUE_THINK, ThinkSplitter, message_text, render_chat
 from infer.api.errors import field_name
 from infer.api.logprobs import TokenNames, VisibleTokens, char_offsets
-from infer.api.schemas import ChatMessage
+from infer.api.schemas import MAX_STOPS, ChatCompletionRequest, ChatMessage, ResponseRequest
 from infer.api.translate import Placeholders, detect_language, keep_spacing, language_name, translate_prompt
 from infer.stops import StopMatcher
 from infer.tokenizer import IncrementalDecoder, load_world_tokenizer
@@ -111,3 +112,11 @@ def test_languages():
                                        (("contents", 2), "contents[2]")])
 def test_field_name(loc, name):
     assert field_name(loc) == name
+
+
+def test_list_bounds_do_not_cap_a_single_string():
+    long_stop = "a stop string longer than sixteen characters"
+    assert ChatCompletionRequest.model_validate({"stop": long_stop}).stop == long_stop
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"stop": ["s"] * (MAX_STOPS + 1)})
+    assert len(ResponseRequest.model_validate({"input": "x" * 5000}).input) == 5000

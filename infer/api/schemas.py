@@ -20,6 +20,7 @@ MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 300
 MAX_N = 128                   # choices per prompt; rows per request are limited separately
 MAX_PAGE = 1000               # sessions per /state/status page
+MAX_INPUT_MESSAGES = 1024     # Responses API input items
 
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -171,7 +172,8 @@ class OpenAIRequest(RequestBody):
     alpha_decay: float | None = Field(None, ge=0, le=1, description="extension (rwkv_lightning)")
     seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED, description="choice j samples with seed + j")
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: StopText | list[StopText] | None = Field(None, max_length=MAX_STOPS)
+    # The bound goes on the list alone: on the union it would also cap a single string's length.
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
@@ -224,7 +226,8 @@ class ResponseRequest(RequestBody):
     """``POST /v1/responses`` (OpenAI Responses API, text subset)."""
 
     model: str | None = Field(None, max_length=256, description="echoed; any name is accepted")
-    input: str | list[ResponseInputMessage] = Field(description="a user message, or messages", max_length=1024)
+    input: str | Annotated[list[ResponseInputMessage], Field(max_length=MAX_INPUT_MESSAGES)] = Field(
+        description="a user message, or messages")
     instructions: str | None = Field(None, description="system text placed before this turn's input")
     previous_response_id: SessionId | None = Field(
         None, description="continue from that response's stored state (its history is not re-sent)")
