@@ -43,7 +43,9 @@ dirty session leaves RAM), so a hard kill loses at most that interval; ``close``
 WAL with ``synchronous=NORMAL`` survives a killed process, not a power cut. A session demoted
 to disk before its row is written keeps its state in RAM until it is. Tensor copies and
 (de)serialization run in worker threads, SQL in aiosqlite's thread: the event loop only does
-bookkeeping. One server process owns a database file (its index of rows lives in memory).
+bookkeeping. One server process owns a database file (its index of rows lives in memory): ``start``
+takes an exclusive lock on ``<path>.lock`` (released by ``close``, or by the OS when the process
+dies) and raises StateStoreError while another store holds it.
 
 Metadata and counters. ``put`` may attach a text (``meta``, e.g. JSON) that lives and dies with
 the state; a ``put`` without it clears it. It is held in RAM only until its row is written, so
@@ -70,6 +72,7 @@ shrinks without a blocking VACUUM.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import re
 import time
@@ -262,6 +265,7 @@ class SessionStore:
         self._closing = False
         self._flusher: asyncio.Task | None = None
         self._db: aiosqlite.Connection | None = None
+        self._owner = None  # the open lock file while started
 
     async def __aenter__(self) -> SessionStore:
         await self.start()
@@ -275,6 +279,13 @@ class SessionStore:
     async def start(self) -> None:
         """Open (or create) the database, index its rows and start the flusher."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._owner = open(self.path.with_name(self.path.name + ".lock"), "w")
+        try:
+            fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._owner.close()
+            raise StateStoreError(f"{self.path} is in use by another server process; give each server "
+                                  "its own database") from None
         self._db = await aiosqlite.connect(self.path)
         # auto_vacuum must precede the first table; it is a no-op on an existing database.
         await self._db.executescript(
@@ -306,6 +317,7 @@ class SessionStore:
         await self.flush()
         await self._db.executescript("PRAGMA wal_checkpoint(TRUNCATE);")
         await self._db.close()
+        self._owner.close()  # releases the lock
 
     # -- sessions --------------------------------------------------------------------------
 

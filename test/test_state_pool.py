@@ -19,7 +19,7 @@ from infer.random_model import make_config  # noqa: E402
 from infer.state import SlotState  # noqa: E402
 import state_pool  # noqa: E402
 from state_pool import (Capacity, CorruptStateError, SessionBusyError, SessionStore,  # noqa: E402
-                        StateMismatchError, parse_capacity)
+                        StateMismatchError, StateStoreError, parse_capacity)
 
 pytestmark = pytest.mark.anyio
 CONFIG = make_config(n_layer=2, n_embd=128)  # 2 heads of 64
@@ -518,3 +518,11 @@ async def test_database_without_meta_column_is_upgraded(tmp_path):
         await store.put("ns", "new", random_state(2), meta="m")
     async with open_store(db) as store:
         assert await store.get_meta("ns", "new") == "m"
+
+
+async def test_one_store_per_database(tmp_path):
+    async with open_store(tmp_path / "s.db"):
+        with pytest.raises(StateStoreError, match="another server process"):
+            await open_store(tmp_path / "s.db").start()
+    async with open_store(tmp_path / "s.db"):  # free again once closed
+        pass
