@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     from infer.fingerprint import fingerprint
     from infer.model import RWKV7, default_device
     from infer.ops.wkv_cuda import select_wkv
+    from infer.quant.engines import warm_up
     from infer.prefix_cache import PrefixCache
     from infer.random_model import data_dir, ensure_demo_model
     from infer.runner import ModelRunner
@@ -137,8 +138,6 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))
 
-    if args.inference_engine != "fp16":
-        sys.exit(f"--inference-engine {args.inference_engine} is not available in this build yet; use fp16")
     device = default_device() if args.device == "auto" else args.device
     if args.model_path:
         model_path, model_name = args.model_path, Path(args.model_path).name.removesuffix(".pth").removesuffix(
@@ -148,13 +147,16 @@ def main(argv: list[str] | None = None) -> None:
         log.warning("no --model-path given: serving the built-in DEMO model with RANDOM, UNTRAINED weights; "
                     "its output is gibberish. Pass --model-path for a real model.")
     try:
-        model = RWKV7.load(model_path, device=device, dtype=args.dtype)
+        model = RWKV7.load(model_path, device=device, dtype=args.dtype, engine=args.inference_engine)
         model_id = fingerprint(open_checkpoint(model_path))
     except (CheckpointError, RuntimeError, ValueError) as e:
         sys.exit(f"cannot load model: {e}")
     model.wkv = select_wkv(model.device, args.wkv)
     wkv_dtype = torch.float16 if args.state_dtype == "fp16" else torch.float32
     slots = args.max_batch_size or default_slots(model, device, wkv_dtype)
+    if args.inference_engine == "gemlite":  # GemLite autotunes per power-of-two row bucket on first use
+        most_rows = slots + args.prefill_chunk_size
+        warm_up(model.projections(), sorted({min(2 ** i, most_rows) for i in range(most_rows.bit_length() + 1)}))
     graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and model.device.type == "cuda")
     if graphs and model.device.type != "cuda":
         sys.exit("--cuda-graphs on needs a CUDA device")
