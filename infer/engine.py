@@ -139,6 +139,10 @@ class _Row:
         self.decoder = IncrementalDecoder(tokenizer)
         self.stops = StopMatcher(list(request.options.stop))
         self.released: list[str] = []                  # visible text so far
+        self.decoded_chars = 0
+        # per generated token: characters decoded up to and including it, or -1 when it ends
+        # inside a character (no clean cut for rebuilding a state after a stop string)
+        self.boundaries: list[int] = []
         self.initial: SlotState | None = None           # kept for REPLAY
         self.last_token_at = 0.0
         self.pending_finish: RowFinished | None = None
@@ -350,7 +354,10 @@ class Engine:
         if token == EOD_TOKEN or token in options.stop_token_ids:
             self._finish(row, "stop", matched_stop=token, logprob=logprob)
             return
-        result = row.stops.push(row.decoder.push(token))
+        piece = row.decoder.push(token)
+        row.decoded_chars += len(piece)
+        row.boundaries.append(-1 if row.decoder.pending else row.decoded_chars)
+        result = row.stops.push(piece)
         row.released.append(result.text)
         self._emit(request, RowText(row.index, result.text, token, logprob))
         if result.stopped:
@@ -398,14 +405,16 @@ class Engine:
             return False, [row.generated[-1]]
         if isinstance(matched_stop, int):
             return False, []
-        visible = "".join(row.released).encode("utf-8", "surrogatepass")
-        kept, used = 0, 0
-        for token in row.generated[:-1]:
-            piece = self.tokenizer.decode_bytes([token])
-            if visible[used:used + len(piece)] != piece:
+        # Keep the model's own tokens up to the last clean character boundary inside the visible
+        # text (so invalid bytes stay as sampled), then re-encode the visible rest of the cut token.
+        visible = "".join(row.released)
+        kept, done = 0, 0
+        for k, chars in enumerate(row.boundaries[:-1], 1):  # the fed tokens
+            if chars > len(visible):
                 break
-            kept, used = kept + 1, used + len(piece)
-        rest = self.tokenizer.encode_bytes(visible[used:])
+            if chars >= 0:
+                kept, done = k, chars
+        rest = self.tokenizer.encode(visible[done:])
         if kept == len(row.generated) - 1:  # only the unfed last token differs: extend the current state
             return False, rest
         return True, row.request.prompts[row.index] + row.generated[:kept] + rest

@@ -355,3 +355,43 @@ def test_is_running_tracks_the_worker(model, tokenizer):
     assert engine.is_running
     engine.shutdown()
     assert not engine.is_running
+
+
+class ScriptedRunner:
+    """Samples a fixed token script; records what is fed, for testing the engine's bookkeeping."""
+
+    num_slots = 2
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.fed: list[list[int]] = []
+        self.imports = 0
+
+    def start_row(self, slot, params, initial=None):
+        self.imports += initial is not None
+
+    def end_row(self, slot):
+        pass
+
+    def export_state(self, slot):
+        return "state"
+
+    def step(self, rows, slots, sample, want_logprobs=False, score=None):
+        from infer.runner import StepOutput
+        self.fed += [list(r) for r in rows]
+        return StepOutput([self.script.pop(0) for s in sample if s], None, None, None)
+
+
+def test_kept_state_keeps_invalid_byte_tokens_as_sampled(tokenizer):
+    """A reply with invalid UTF-8 (shown as U+FFFD) before a stop string: the state keeps the
+    model's own tokens, it is not rebuilt from the replacement character's bytes."""
+    hello, world, bang = tokenizer.encode("Hello"), tokenizer.encode(" world"), tokenizer.encode("!!")
+    assert len(hello) == len(world) == len(bang) == 1
+    invalid = 0xFF + 1  # the single byte 0xFF: never valid UTF-8
+    runner = ScriptedRunner([hello[0], invalid, world[0], bang[0]])
+    engine = Engine(runner, tokenizer, prefill_chunk_size=16)
+    c = submit(engine, [[5, 6]], max_tokens=10, stop=["!!"], keep_state=True)
+    drain(engine, c)
+    assert c.text() == "Hello\ufffd world" and c.finished().finish_reason == "stop"
+    assert runner.fed == [[5, 6], [hello[0]], [invalid], [world[0]]]  # no replay was needed
+    assert runner.imports == 0 and c.finished().state == "state"
