@@ -106,13 +106,24 @@ def time_steps(fn, steps: int) -> float:
     return start.elapsed_time(end) / 1000 / steps
 
 
-def bench_size(name: str, batches: list[int], steps: int, states: list[str]) -> list[dict]:
+def random_weights(config, engine: str) -> dict[str, torch.Tensor]:
+    sd = random_state_dict(config, seed=0, dtype=torch.float16, device="cuda")
+    if engine == "cutlass":  # W8A16: quantize the big matrices in memory, as export_quant would
+        from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
+        from infer.quant.export_quant import quantize_matrix
+        for key in config.linear_keys():
+            sd.update(quantize_matrix(key, sd.pop(key)))
+        sd[W8A16_MARKER] = torch.tensor(W8A16_VERSION, dtype=torch.int32)
+    return sd
+
+
+def bench_size(name: str, batches: list[int], steps: int, states: list[str], engine: str = "fp16") -> list[dict]:
     L, C = SIZES[name]
     t0 = time.time()
-    model = RWKV7.from_state_dict(random_state_dict(make_config(L, C, 65536), seed=0, dtype=torch.float16,
-                                                    device="cuda"), device="cuda", dtype="fp16")
+    model = RWKV7.from_state_dict(random_weights(make_config(L, C, 65536), engine), device="cuda", dtype="fp16",
+                                  engine=engine)
     model.wkv = select_wkv(model.device, "cuda")
-    print(f"{name}: built in {time.time() - t0:.1f}s, wkv={model.wkv.name}", flush=True)
+    print(f"{name}: built in {time.time() - t0:.1f}s, {model.implementations()}", flush=True)
     rows = []
     for B, state in [(b, s) for s in states for b in batches]:
         torch.cuda.reset_peak_memory_stats()
@@ -121,17 +132,17 @@ def bench_size(name: str, batches: list[int], steps: int, states: list[str]) -> 
         eager = time_steps(lambda: model.forward(batch, pool), steps)
         graph, _ = capture(model, batch, pool)
         replay = time_steps(graph.replay, steps)
-        row = {"size": name, "batch": B, "state": state, "eager_ms": round(eager * 1000, 3),
+        row = {"size": name, "engine": engine, "batch": B, "state": state, "eager_ms": round(eager * 1000, 3),
                "graph_ms": round(replay * 1000, 3), "eager_tok_s": round(B / eager, 1),
                "graph_tok_s": round(B / replay, 1), "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
-        limit = LIMITS.get(name, {}).get(B) if state == "fp32" else None
+        limit = LIMITS.get(name, {}).get(B) if state == "fp32" and engine == "fp16" else None
         if limit:
             row["graph_pct_of_limit"] = round(100 * row["graph_tok_s"] / limit, 1)
         rows.append(row)
         print(row, flush=True)
         del graph, pool
         torch.cuda.empty_cache()
-    if name == "1.5b":  # the portable torch WKV at one batch size, for the record
+    if name == "1.5b" and engine == "fp16":  # the portable torch WKV at one batch size, for the record
         model.wkv = TorchWKV()
         pool = model.new_state_pool(64)
         batch = static_batch(torch.randint(1, 65530, (64,)).tolist(), list(range(64)))
@@ -147,20 +158,23 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--states", default="fp32", help="WKV state storage dtypes to time: fp32,fp16")
+    ap.add_argument("--engine", default="fp16", choices=("fp16", "cutlass"), help="linear layers (cutlass = W8A16)")
+    ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks")
     ap.add_argument("--out", default="bench/results/decode_h200.json")
     args = ap.parse_args()
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": checks()}
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "checks": {} if args.no_checks else checks()}
     print(result["checks"], flush=True)
     result["decode"] = []
     for name in args.sizes.split(","):
         result["decode"] += bench_size(name, [int(b) for b in args.batches.split(",")], args.steps,
-                                       args.states.split(","))
+                                       args.states.split(","), args.engine)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'size':>5} {'batch':>6} {'state':>5} {'eager tok/s':>12} {'graph tok/s':>12} {'% limit':>8} {'peak GB':>8}")
+    print(f"\n{'size':>5} {'engine':>7} {'batch':>6} {'state':>5} {'eager tok/s':>12} {'graph tok/s':>12} {'% limit':>8} {'peak GB':>8}")
     for r in result["decode"]:
-        print(f"{r['size']:>5} {r['batch']:>6} {r['state']:>5} {r['eager_tok_s']:>12} {r.get('graph_tok_s', '-'):>12} "
+        print(f"{r['size']:>5} {r.get('engine', 'fp16'):>7} {r['batch']:>6} {r['state']:>5} {r['eager_tok_s']:>12} {r.get('graph_tok_s', '-'):>12} "
               f"{r.get('graph_pct_of_limit', '-'):>8} {r.get('peak_mem_gb', '-'):>8}  {r.get('wkv', 'cuda')}")
 
 
