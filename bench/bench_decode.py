@@ -152,22 +152,48 @@ def bench_size(name: str, batches: list[int], steps: int, states: list[str], eng
     return rows
 
 
+def bench_prefill(name: str, lengths: list[int], rows_list: list[int], engine: str = "fp16") -> list[dict]:
+    """Prefill throughput (tokens/s) and time to the first logits: one forward over ``rows`` prompts
+    of ``length`` tokens each, packed; eager (prefill chunks are not graphed)."""
+    L, C = SIZES[name]
+    model = RWKV7.from_state_dict(random_weights(make_config(L, C, 65536), engine), device="cuda", dtype="fp16",
+                                  engine=engine)
+    model.wkv = select_wkv(model.device, "cuda")
+    out = []
+    for length in lengths:
+        for rows in rows_list:
+            pool = model.new_state_pool(rows)
+            prompts = [torch.randint(1, 65530, (length,)).tolist() for _ in range(rows)]
+            batch = PackedBatch.from_rows(prompts, list(range(rows)), "cuda")
+            seconds = time_steps(lambda: model.forward(batch, pool), 3)
+            row = {"size": name, "engine": engine, "prompt_tokens": length, "rows": rows,
+                   "ms": round(seconds * 1000, 2), "tok_s": round(rows * length / seconds, 1)}
+            out.append(row)
+            print(row, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1.5b,7.2b")
-    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--batches", default="1,64,256", help="decode batch sizes ('' to skip decode)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--states", default="fp32", help="WKV state storage dtypes to time: fp32,fp16")
     ap.add_argument("--engine", default="fp16", choices=("fp16", "cutlass"), help="linear layers (cutlass = W8A16)")
     ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks")
+    ap.add_argument("--prefill", default="", help="also time prefill at these prompt lengths, e.g. 128,1024,4096")
+    ap.add_argument("--prefill-rows", default="1,16", help="prompts per prefill forward")
     ap.add_argument("--out", default="bench/results/decode_h200.json")
     args = ap.parse_args()
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "checks": {} if args.no_checks else checks()}
     print(result["checks"], flush=True)
-    result["decode"] = []
-    for name in args.sizes.split(","):
+    result["decode"], result["prefill"] = [], []
+    for name in args.sizes.split(",") if args.prefill else []:
+        result["prefill"] += bench_prefill(name, [int(x) for x in args.prefill.split(",")],
+                                           [int(x) for x in args.prefill_rows.split(",")], args.engine)
+    for name in args.sizes.split(",") if args.batches else []:
         result["decode"] += bench_size(name, [int(b) for b in args.batches.split(",")], args.steps,
                                        args.states.split(","), args.engine)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,18 @@ def decode_figures(path: Path) -> dict[str, dict]:
         key = f"decode_{batch}_{row['size']}_{ENGINE_NAMES[row.get('engine', 'fp16')]}_tok_s"
         out[key] = {"value": row["graph_tok_s"], "gpu": data["gpu"], "date": data["date"], "source": path.name,
                     "note": "model forward replayed as a CUDA graph, fp32 WKV state, no sampling"}
+    for row in data.get("prefill", []):
+        if row.get("engine", "fp16") != "fp16":
+            continue
+        base = {"gpu": data["gpu"], "date": data["date"], "source": path.name}
+        if row["rows"] == 1 and row["prompt_tokens"] == 1024:
+            out[f"ttft_1k_{row['size']}_ms"] = {**base, "value": row["ms"],
+                                                 "note": "one forward over a 1,024-token prompt (model only)"}
+        if row["rows"] > 1:
+            key = f"prefill_batched_{row['size']}_tok_s"
+            if row["tok_s"] > out.get(key, {}).get("value", 0):
+                out[key] = {**base, "value": row["tok_s"],
+                            "note": f"{row['rows']} prompts x {row['prompt_tokens']} tokens in one packed forward"}
     return out
 
 
