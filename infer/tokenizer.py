@@ -166,11 +166,6 @@ class IncrementalDecoder:
         """Add one token; return the text it completes (possibly empty)."""
         return self._decoder.decode(self._tokenizer.decode_bytes((token_id,)))
 
-    @property
-    def pending(self) -> bool:
-        """Bytes of an unfinished character are held back."""
-        return bool(self._decoder.getstate()[0])
-
     def flush(self) -> str:
         """Emit any held-back bytes (as U+FFFD) and reset for a new stream."""
         return self._decoder.decode(b"", final=True)

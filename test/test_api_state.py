@@ -19,6 +19,7 @@ from infer.api.server import create_app
 from infer.checkpoint import DictSource
 from infer.engine import Engine
 from infer.fingerprint import fingerprint
+from infer.engine import visible_byte_count
 from infer.model import RWKV7
 from infer.random_model import make_config, random_state_dict
 from infer.runner import ModelRunner
@@ -70,7 +71,8 @@ class Conversation:
             return visible
         # After a stop string the state ends at the visible text: the reply's tokens that it covers,
         # then the rest of it re-encoded (the stop string may start inside a token); never the stop.
-        data, kept = visible.encode(), []
+        raw = self.tokenizer.decode_bytes(tokens)
+        data, kept = raw[:visible_byte_count(raw, len(visible))], []  # invalid bytes stay as generated
         for token in tokens[:-1]:
             piece = self.tokenizer.decode_bytes([token])
             if not data.startswith(self.tokenizer.decode_bytes(kept) + piece):

@@ -395,3 +395,14 @@ def test_kept_state_keeps_invalid_byte_tokens_as_sampled(tokenizer):
     assert c.text() == "Hello\ufffd world" and c.finished().finish_reason == "stop"
     assert runner.fed == [[5, 6], [hello[0]], [invalid], [world[0]]]  # no replay was needed
     assert runner.imports == 0 and c.finished().state == "state"
+
+
+def test_visible_byte_count():
+    from infer.engine import visible_byte_count
+    raw = "Hello 你好".encode() + b"\xff" + b" x"
+    assert visible_byte_count(raw, 0) == 0
+    assert visible_byte_count(raw, 6) == 6            # "Hello "
+    assert visible_byte_count(raw, 7) == 9            # + 你 (3 bytes)
+    assert visible_byte_count(raw, 9) == 13           # + 好 + the invalid byte shown as U+FFFD
+    assert visible_byte_count(b"\xe4A", 1) == 1       # an incomplete character cut before the next one
+    assert visible_byte_count(raw, 99) == len(raw)
