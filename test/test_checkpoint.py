@@ -1,7 +1,6 @@
 """Checkpoint loading: formats, path forms, and a clear error for every bad input."""
 from __future__ import annotations
 
-import pickle
 
 import pytest
 import torch

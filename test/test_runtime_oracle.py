@@ -50,7 +50,6 @@ def test_prefill_and_decode_logits_match_official(pair):
 def test_earlier_tokens_change_the_logits(pair):
     """Guards the random-weights generator: the state path must carry signal."""
     model, _ = pair
-    V = model.config.vocab_size
     pool = model.new_state_pool(2)
     a = model.prefill([[5, 6, 7, 8]], [0], pool)
     b = model.prefill([[9, 6, 7, 8]], [1], pool)

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
+from typing import Callable, Generic, TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def build_directory() -> Path:
@@ -57,3 +61,30 @@ def compile_extension(name: str, sources: list[Path], cuda_flags: list[str], wha
     log.info("compiling %s in %s; the first time takes a minute", what, directory)
     return load(name=name, sources=[str(s) for s in sources], extra_cflags=["-O3"], extra_cuda_cflags=cuda_flags,
                 build_directory=str(directory), verbose=False)
+
+
+class BuildOnce(Generic[T]):
+    """A process-wide object backed by a compiled extension: built (and self-tested) on first use,
+    or, from then on, None with the reason in :attr:`error`. Never raises."""
+
+    def __init__(self, what: str):
+        self._what = what
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self.error: str | None = None  # why the object is unavailable, once a build was tried
+
+    def get(self, build: Callable[[], tuple[T | None, str | None]]) -> T | None:
+        """``build`` returns (object, None) or (None, reason); an exception counts as a failed build."""
+        with self._lock:
+            if self._value is not None or self.error is not None:
+                return self._value
+            reason = why_unavailable()
+            if reason is None:
+                try:
+                    self._value, reason = build()
+                except Exception as exc:  # noqa: BLE001 - any build/load problem means "use the fallback"
+                    reason = f"building the extension failed: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
+            if self._value is None:
+                self.error = reason or "unknown reason"
+                log.warning("%s unavailable: %s", self._what, self.error)
+            return self._value

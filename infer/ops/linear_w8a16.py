@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import threading
 from pathlib import Path
 
 import torch
 
-from infer.ops.cuda_ext import compile_extension, why_unavailable
+from infer.ops.cuda_ext import BuildOnce, compile_extension
 from infer.ops.linear import pad_rows_for_cpu
 
 log = logging.getLogger(__name__)
@@ -117,9 +116,7 @@ class W8A16Kernels:
         self.gemm_available: bool = module.gemm_available()
 
 
-_lock = threading.Lock()
-_loaded: W8A16Kernels | None = None
-_load_error: str | None = None   # why the kernels are unavailable, once a load was tried
+_kernels: BuildOnce[W8A16Kernels] = BuildOnce("W8A16 CUDA kernels")
 
 
 def cutlass_include_dir() -> Path | None:
@@ -167,31 +164,18 @@ def _check(op, rows: int) -> str | None:
 def load_w8a16_kernels(verify: bool = True) -> W8A16Kernels | None:
     """The compiled kernels, building them on the first call; None (with a logged warning) if they cannot
     be had. A CUTLASS GEMM that fails its check is switched off alone (the GEMV stays)."""
-    global _loaded, _load_error
-    with _lock:
-        if _loaded is not None or _load_error is not None:
-            return _loaded
-        reason = why_unavailable()
-        if reason is None:
-            try:
-                kernels = W8A16Kernels(_compile())
-                reason = (_check(kernels.gemv, 1) or _check(kernels.gemv, kernels.gemv_max_rows)) if verify else None
-                if reason is None:
-                    if verify and kernels.gemm_available and (gemm_error := _check(kernels.gemm, 40)):
-                        log.warning("W8A16 CUTLASS GEMM switched off: self-test failed (%s); larger batches will "
-                                    "dequantize", gemm_error)
-                        kernels.gemm_available = False
-                    _loaded = kernels
-                else:
-                    reason = f"GEMV self-test failed ({reason})"
-            except Exception as exc:  # noqa: BLE001 - any build/load problem means "use the fallback"
-                reason = f"building the extension failed: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
-        if _loaded is None:
-            _load_error = reason
-            log.warning("W8A16 CUDA kernels unavailable, dequantizing instead: %s", reason)
-        return _loaded
+    def build() -> tuple[W8A16Kernels | None, str | None]:
+        kernels = W8A16Kernels(_compile())
+        if verify and (reason := _check(kernels.gemv, 1) or _check(kernels.gemv, kernels.gemv_max_rows)):
+            return None, f"GEMV self-test failed ({reason}); dequantizing instead"
+        if verify and kernels.gemm_available and (gemm_error := _check(kernels.gemm, 40)):
+            log.warning("W8A16 CUTLASS GEMM switched off: self-test failed (%s); larger batches will dequantize",
+                        gemm_error)
+            kernels.gemm_available = False
+        return kernels, None
+    return _kernels.get(build)
 
 
 def w8a16_kernels_error() -> str | None:
     """Why :func:`load_w8a16_kernels` returned None (None if it was not tried or succeeded)."""
-    return _load_error
+    return _kernels.error

@@ -12,13 +12,12 @@ kernel cannot be had; :func:`select_wkv` picks the implementation for a device.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 import torch
 
 from infer.batch import PackedBatch
-from infer.ops.cuda_ext import compile_extension, why_unavailable
+from infer.ops.cuda_ext import BuildOnce, compile_extension
 from infer.ops.wkv import WKV, TorchWKV
 
 log = logging.getLogger(__name__)
@@ -57,9 +56,7 @@ class CudaWKV:
 
 
 # --------------------------------------------------------------------------- loading
-_lock = threading.Lock()
-_loaded: CudaWKV | None = None
-_load_error: str | None = None   # why the kernel is unavailable, once a load was tried
+_kernel: BuildOnce[CudaWKV] = BuildOnce("CUDA WKV kernel")
 
 
 def _compile():
@@ -95,28 +92,16 @@ def _self_test(kernel: CudaWKV) -> str | None:
 def load_cuda_wkv(verify: bool = True) -> CudaWKV | None:
     """The compiled kernel, building it on the first call; None (with a logged warning) if it
     cannot be had: no CUDA device, no nvcc/ninja, a failed build, or a failed self-test."""
-    global _loaded, _load_error
-    with _lock:
-        if _loaded is not None or _load_error is not None:
-            return _loaded
-        reason = why_unavailable()
-        if reason is None:
-            try:
-                kernel = CudaWKV(_compile())
-                reason = _self_test(kernel) if verify else None
-                if reason is None:
-                    _loaded = kernel
-            except Exception as exc:  # noqa: BLE001 - any build/load problem means "use the fallback"
-                reason = f"building the extension failed: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
-        if _loaded is None:
-            _load_error = reason
-            log.warning("CUDA WKV kernel unavailable: %s", reason)
-        return _loaded
+    def build() -> tuple[CudaWKV | None, str | None]:
+        kernel = CudaWKV(_compile())
+        reason = _self_test(kernel) if verify else None
+        return (None, reason) if reason else (kernel, None)
+    return _kernel.get(build)
 
 
 def cuda_wkv_error() -> str | None:
     """Why :func:`load_cuda_wkv` returned None (None if it was not tried or succeeded)."""
-    return _load_error
+    return _kernel.error
 
 
 def select_wkv(device: torch.device | str, prefer: str = "auto") -> WKV:
