@@ -10,13 +10,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-# CPU BLAS picks different kernels (and summation orders) for small row counts, so a row's
-# result would depend on how many other rows share the call. Measured on oneDNN/MKL sgemm
-# (torch 2.13, x86-64): calls of 4, 8 and >= 12 rows give every row the same bits; 1-3, 5-7
-# and 9-11 rows do not. Padding small calls up to a multiple of 4 makes every row's result
-# independent of the batch; test_runtime_oracle.py checks this bit-exactly.
-CPU_EXACT_ROWS = 12
-CPU_ROW_MULTIPLE = 4
+# CPU BLAS picks its kernel (and with it the summation order) by the shape of the call, so a row's
+# result would depend on how many other rows share it: on oneDNN/MKL sgemm (torch 2.13, x86-64) calls
+# of 1-3, 5-7 and 9-11 rows round differently from larger ones. On CPU every matrix product therefore
+# runs on blocks of exactly CPU_ROW_BLOCK rows (the last one zero-padded): every row is computed by a
+# call of the same shape whatever the batch; that relies only on one call treating its rows alike.
+# test_linear.py and test_runtime_oracle.py check the invariance bit-exactly.
+CPU_ROW_BLOCK = 16
 
 
 class Linear(Protocol):
@@ -40,15 +40,15 @@ class DenseLinear:
         self.kind = f"dense {str(weight.dtype).removeprefix('torch.')}"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(pad_rows_for_cpu(x), self.weight)[:x.shape[0]]
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight)
+        return torch.cat([F.linear(block, self.weight) for block in cpu_row_blocks(x)])[:x.shape[0]]
 
 
-def pad_rows_for_cpu(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with zero rows appended where CPU BLAS would otherwise make a row's result depend on
-    the row count (see CPU_EXACT_ROWS); the caller keeps the first ``x.shape[0]`` output rows."""
+def cpu_row_blocks(x: torch.Tensor) -> list[torch.Tensor]:
+    """``x`` cut into blocks of CPU_ROW_BLOCK rows, the last one zero-padded; the caller keeps the first
+    ``x.shape[0]`` rows of the concatenated results."""
     rows = x.shape[0]
-    if x.device.type != "cpu" or rows >= CPU_EXACT_ROWS or rows % CPU_ROW_MULTIPLE == 0:
-        return x
-    padded = x.new_zeros((rows + CPU_ROW_MULTIPLE - rows % CPU_ROW_MULTIPLE, x.shape[1]))
-    padded[:rows] = x
-    return padded
+    if rows % CPU_ROW_BLOCK:
+        x = torch.cat([x, x.new_zeros((CPU_ROW_BLOCK - rows % CPU_ROW_BLOCK, x.shape[1]))])
+    return list(x.split(CPU_ROW_BLOCK))

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from infer.ops.cuda_ext import BuildOnce, compile_extension
-from infer.ops.linear import pad_rows_for_cpu
+from infer.ops.linear import cpu_row_blocks
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,13 @@ K_MULTIPLE, N_MULTIPLE = 16, 8
 
 def dequantize_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x @ (qweight * scale[:, None]).T`` in x's dtype, converting one slice of output channels at a
-    time; on CPU each row's result is independent of the batch."""
+    time; on CPU each row's result is independent of the batch (fixed-size row blocks)."""
     rows = x.shape[0]
-    padded = pad_rows_for_cpu(x)
+    on_cpu = x.device.type == "cpu"
+    blocks = cpu_row_blocks(x) if on_cpu else [x]
     n_out, n_in = qweight.shape
-    out = padded.new_empty((padded.shape[0], n_out))
-    step = max(1, (CPU_CHUNK_ELEMENTS if x.device.type == "cpu" else GPU_CHUNK_ELEMENTS) // n_in)
+    out = x.new_empty((sum(b.shape[0] for b in blocks), n_out))
+    step = max(1, (CPU_CHUNK_ELEMENTS if on_cpu else GPU_CHUNK_ELEMENTS) // n_in)
     # Scaling the outputs instead of the weights saves a pass over every weight (decode 1.5x faster on
     # CPU), but the unscaled sums reach 127 * sum|x|, which can overflow fp16 (max 65504): fp16 scales
     # the weights first. fp32 and bf16 have the range.
@@ -63,7 +64,10 @@ def dequantize_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
         weight = qweight[begin:begin + step].to(x.dtype)
         if scale_weights:
             weight.mul_(scale[begin:begin + step, None])
-        torch.matmul(padded, weight.T, out=out[:, begin:begin + step])
+        first = 0
+        for block in blocks:
+            torch.matmul(block, weight.T, out=out[first:first + block.shape[0], begin:begin + step])
+            first += block.shape[0]
     return out[:rows] if scale_weights else out[:rows].mul_(scale)
 
 
