@@ -92,6 +92,16 @@ class EventStream:
         if hook is not None:
             await hook()
 
+    async def collect(self, on_event: Callable[[Event], None]) -> list[RowFinished]:
+        """Read the whole stream, handing every event to ``on_event``; returns each row's finish event."""
+        finished: list[RowFinished | None] = [None] * self.rows
+        async for events in self.batches():
+            for event in events:
+                on_event(event)
+                if isinstance(event, RowFinished):
+                    finished[event.index] = event
+        return finished  # type: ignore[return-value]
+
     async def batches(self) -> AsyncIterator[list[Event]]:
         """Events as they arrive, grouped by what is already waiting (rows of one engine step arrive
         together), with ``index`` numbered across the whole stream."""

@@ -22,7 +22,7 @@ from infer.api.schemas import (BatchChatRequest, BatchChunk, BatchCompletion, Bi
 from infer.api.streaming import DONE, EventSourceResponse, sse, sse_doc, unless_disconnected
 from infer.api.translate import (Placeholders, detect_language, keep_spacing, stop_strings,
                                  translate_prompt)
-from infer.engine import GenerationOptions, RowFinished, RowText
+from infer.engine import Event, GenerationOptions, RowFinished, RowText
 from infer.sampler import SamplingParams
 
 DEFAULT_MAX_TOKENS = 8192
@@ -55,14 +55,12 @@ def options(ctx: ServerContext, body: LightningRequest | BigBatchRequest, params
 async def collect(stream: EventStream) -> tuple[list[str], list[RowFinished]]:
     """Whole texts and finish events of every row."""
     texts: list[list[str]] = [[] for _ in range(stream.rows)]
-    finished: list[RowFinished | None] = [None] * stream.rows
-    async for events in stream.batches():
-        for event in events:
-            if isinstance(event, (RowText, RowFinished)):
-                texts[event.index].append(event.text)
-            if isinstance(event, RowFinished):
-                finished[event.index] = event
-    return ["".join(t) for t in texts], finished  # type: ignore[return-value]
+
+    def on_event(event: Event) -> None:
+        if isinstance(event, (RowText, RowFinished)):
+            texts[event.index].append(event.text)
+    finished = await stream.collect(on_event)
+    return ["".join(t) for t in texts], finished
 
 
 async def batch_sse(stream: EventStream, chunk_size: int, head: dict,

@@ -28,7 +28,7 @@ from infer.api.schemas import (ChatCompletion, ChatCompletionChunk, ChatCompleti
                                CompletionRequest, ModelList, OpenAIError, OpenAIRequest, PromptInput, Usage)
 from infer.api.state import continuation, session_call, sessions, start_turn
 from infer.api.streaming import DONE, EventSourceResponse, sse, sse_doc, unless_disconnected
-from infer.engine import GenerationOptions, PromptLogprobs, RowFinished, RowText, TokenLogprob
+from infer.engine import Event, GenerationOptions, PromptLogprobs, RowFinished, RowText, TokenLogprob
 from infer.sampler import SamplingParams
 
 
@@ -189,14 +189,11 @@ async def chat_completions(ctx: ServerContext, body: ChatCompletionRequest, requ
 
 async def _collect_chat(stream: EventStream, rows: list[ChatRow]) -> tuple[list[ChatDelta], list[RowFinished]]:
     totals = [ChatDelta() for _ in rows]
-    finished: list[RowFinished] = [None] * len(rows)  # type: ignore[list-item]
-    async for events in stream.batches():
-        for event in events:
-            if isinstance(event, (RowText, RowFinished)):
-                totals[event.index].add(rows[event.index].on_event(event))
-            if isinstance(event, RowFinished):
-                finished[event.index] = event
-    return totals, finished
+
+    def on_event(event: Event) -> None:
+        if isinstance(event, (RowText, RowFinished)):
+            totals[event.index].add(rows[event.index].on_event(event))
+    return totals, await stream.collect(on_event)
 
 
 async def _chat_sse(stream: EventStream, rows: list[ChatRow], head: dict, with_usage: bool,
@@ -317,14 +314,11 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
 
 async def _collect_completion(stream: EventStream, rows: list[CompletionRow]) -> tuple[list[str], list[RowFinished]]:
     texts = [""] * len(rows)
-    finished: list[RowFinished] = [None] * len(rows)  # type: ignore[list-item]
-    async for events in stream.batches():
-        for event in events:
-            if isinstance(event, COMPLETION_EVENTS):
-                texts[event.index] += rows[event.index].on_event(event)
-            if isinstance(event, RowFinished):
-                finished[event.index] = event
-    return texts, finished
+
+    def on_event(event: Event) -> None:
+        if isinstance(event, COMPLETION_EVENTS):
+            texts[event.index] += rows[event.index].on_event(event)
+    return texts, await stream.collect(on_event)
 
 
 async def _completion_sse(stream: EventStream, rows: list[CompletionRow], head: dict, with_usage: bool,
