@@ -33,6 +33,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def device_name(server_args: list[str]) -> str:
+    """The GPU the server most likely ran on (it picks CUDA when present), for the result file."""
+    if "cpu" not in server_args:
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=30).stdout.split("\n")
+            if names[0].strip():
+                return names[0].strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    import platform
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
@@ -95,8 +109,13 @@ def main() -> None:
         rows = [asyncio.run(level(base, int(n), args.max_tokens)) for n in args.levels.split(",")]
     finally:
         server.terminate()
-        server.wait(30)
-    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "server_args": server_args,
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:  # a slow shutdown must not lose the measurements
+            server.kill()
+            server.wait()
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": device_name(server_args),
+              "server_args": server_args,
               "max_tokens": args.max_tokens, "levels": rows}
     out = Path(args.out_dir) / f"serving_{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

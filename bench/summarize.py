@@ -1,19 +1,28 @@
 """Collect the headline GPU figures from bench/results/*.json into bench/results/summary.json.
 
 Stable keys (e.g. ``decode_bsz1_7.2b_fp16_tok_s``), each with its value, GPU, date and source
-file; figures not measured yet are listed under ``missing``.
+file; figures not measured yet are listed under ``missing``. Sources: ``decode_h200*.json``
+(bench_decode.py), ``official_h200.json`` (bench_official.py, the official ``rwkv`` package) and
+``serving_h200_<size>.json`` (bench_serving.py --name h200_<size>, e.g. from h200_serving.sh).
 
-    python bench/summarize.py
+    python bench/summarize.py [--results DIR]
 """
 from __future__ import annotations
 
+import argparse
 import json
+import re
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WANTED = ["decode_bsz1_7.2b_fp16_tok_s", "decode_bsz1_1.5b_fp16_tok_s", "decode_b256_7.2b_fp16_tok_s",
           "decode_b512_7.2b_fp16_tok_s", "decode_bsz1_7.2b_w8_tok_s", "decode_b256_7.2b_w8_tok_s",
-          "prefill_batched_7.2b_tok_s", "ttft_1k_7.2b_ms", "serving_256_7.2b_tok_s", "official_rwkv_bsz1_7.2b_tok_s"]
+          "prefill_batched_7.2b_tok_s", "ttft_1k_7.2b_ms", "serving_256_7.2b_tok_s", "official_rwkv_bsz1_7.2b_tok_s",
+          "official_rwkv_bsz1_1.5b_tok_s"]
+SERVING_LEVELS = (1, 32, 256)
+SERVING_STATS = ("tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
+WANTED += [f"serving_{n}_7.2b_{stat}" for n in SERVING_LEVELS for stat in SERVING_STATS
+           if f"serving_{n}_7.2b_{stat}" not in WANTED]
 ENGINE_NAMES = {"fp16": "fp16", "cutlass": "w8"}
 
 
@@ -42,13 +51,57 @@ def decode_figures(path: Path) -> dict[str, dict]:
     return out
 
 
+def official_figures(path: Path) -> dict[str, dict]:
+    """bench_official.py: the official package's batch-1 decode, one key per size."""
+    data = json.loads(path.read_text())
+    if not str(data.get("device", "")).startswith("cuda"):
+        return {}
+    out = {}
+    for row in data.get("results", []):
+        if "tok_s" not in row:
+            continue
+        out[f"official_rwkv_bsz1_{row['size']}_tok_s"] = {
+            "value": row["tok_s"], "gpu": data["gpu"], "date": data["date"], "source": path.name,
+            "note": f"official rwkv {data.get('rwkv')} ({data.get('strategy')}, {row.get('mode')}, JIT), "
+                    f"model.forward([token], state) per token, no sampling; greedy loop with a host sync per token: "
+                    f"{row.get('greedy_tok_s')} tok/s"}
+    return out
+
+
+def serving_figures(path: Path) -> dict[str, dict]:
+    """bench_serving.py --name h200_<size>: HTTP streaming tok/s, TTFT and ITL per concurrency level."""
+    match = re.fullmatch(r"serving_h200_(\d+(?:\.\d+)?b)\.json", path.name)
+    data = json.loads(path.read_text())
+    if not match or not data.get("gpu") or str(data["gpu"]).startswith("cpu"):
+        return {}
+    size, out = match.group(1), {}
+    base = {"gpu": data["gpu"], "date": data["date"], "source": path.name}
+    for row in data.get("levels", []):
+        n = row["clients"]
+        for stat in SERVING_STATS:
+            if stat in row:
+                what = "aggregate output tokens/s" if stat == "tok_s" else stat.replace("_ms_", " ms ")
+                out[f"serving_{n}_{size}_{stat}"] = {
+                    **base, "value": row[stat],
+                    "note": f"{n} concurrent streaming /v1/completions clients, {data.get('max_tokens')} tokens each, "
+                            f"{what}, client side; server {' '.join(data.get('server_args', []))}"}
+    return out
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=str(RESULTS), help="folder of the result files (summary.json goes there)")
+    results = Path(ap.parse_args().results)
     figures: dict[str, dict] = {}
-    for path in sorted(RESULTS.glob("decode_h200*.json")):
+    for path in sorted(results.glob("decode_h200*.json")):
         figures.update(decode_figures(path))
+    if (results / "official_h200.json").exists():
+        figures.update(official_figures(results / "official_h200.json"))
+    for path in sorted(results.glob("serving_h200*.json")):
+        figures.update(serving_figures(path))
     summary = {key: figures[key] for key in WANTED if key in figures}
     summary["missing"] = [key for key in WANTED if key not in figures]
-    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     for key, fig in summary.items():
         if key != "missing":
             print(f"{key:<34} {fig['value']:>10}  {fig['gpu']}  {fig['date']}")
