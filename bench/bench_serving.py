@@ -93,6 +93,12 @@ def main() -> None:
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
+    out = Path(args.out_dir) / f"serving_{args.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    copy = Path(os.environ["OUT"]) / out.name if os.environ.get("OUT") and Path(os.environ["OUT"]).is_dir() else None
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": device_name(server_args),
+              "server_args": server_args, "max_tokens": args.max_tokens, "levels": []}
+    started = time.perf_counter()
     server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port), "--log-level", "warning",
                                *server_args], env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -105,8 +111,14 @@ def main() -> None:
             if server.poll() is not None:
                 sys.exit("server exited during startup")
             time.sleep(0.5)
+        result["server_startup_s"] = round(time.perf_counter() - started, 1)
+        print(f"server up after {result['server_startup_s']}s", flush=True)
         asyncio.run(level(base, 2, 4))  # warm-up
-        rows = [asyncio.run(level(base, int(n), args.max_tokens)) for n in args.levels.split(",")]
+        for n in args.levels.split(","):
+            result["levels"].append(asyncio.run(level(base, int(n), args.max_tokens)))
+            print(result["levels"][-1], flush=True)
+            for path in [out] + ([copy] if copy else []):  # after every level: a later timeout keeps these
+                path.write_text(json.dumps(result, indent=2) + "\n")
     finally:
         server.terminate()
         try:
@@ -114,17 +126,10 @@ def main() -> None:
         except subprocess.TimeoutExpired:  # a slow shutdown must not lose the measurements
             server.kill()
             server.wait()
-    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": device_name(server_args),
-              "server_args": server_args,
-              "max_tokens": args.max_tokens, "levels": rows}
-    out = Path(args.out_dir) / f"serving_{args.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'clients':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)")
-    for r in rows:
+    for r in result["levels"]:
         print(f"{r['clients']:>7} {r['tok_s']:>9} {r['ttft_ms_p50']:>9} {r['ttft_ms_p99']:>9} {r['itl_ms_p50']:>8} "
               f"{r['itl_ms_p99']:>8}")
-
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,8 @@
 #
 #     . bench/gpu_env.sh && bash bench/h200_serving.sh
 #
-# Result: bench/results/serving_$NAME.json (+ a copy and the log in $OUT when $OUT is set).
+# Result: bench/results/serving_$NAME.json, rewritten after each level (+ a copy and the log in $OUT
+# when $OUT is set).
 # Everything is an environment variable, e.g. the CPU plumbing check with the built-in demo model:
 #     MODEL=demo LEVELS=1,2 MAX_TOKENS=16 MAX_BATCH=8 GRAPHS=off NAME=cpu_dryrun RESULTS=/tmp/dry bash bench/h200_serving.sh
 set -euo pipefail
@@ -47,5 +48,4 @@ stamp "bench_serving: levels $LEVELS, $MAX_TOKENS tokens, $MAX_BATCH slots, cuda
 # shellcheck disable=SC2086  # EXTRA_SERVER_ARGS is a word list on purpose
 $PY bench/bench_serving.py --levels "$LEVELS" --max-tokens "$MAX_TOKENS" --name "$NAME" --out-dir "$RESULTS" -- \
     "${model_args[@]}" --max-batch-size "$MAX_BATCH" --cuda-graphs "$GRAPHS" $EXTRA_SERVER_ARGS 2>&1 | tee -a "$LOG"
-if [ "$LOG" != /dev/null ]; then cp "$RESULTS/serving_$NAME.json" "$OUT/"; fi
 stamp "done: $RESULTS/serving_$NAME.json"
