@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="replay decode steps as CUDA graphs at bucketed batch sizes (auto: on for CUDA devices)")
     ap.add_argument("--wkv", choices=("auto", "cuda", "torch"), default="auto",
                     help="WKV recurrence implementation: auto picks the CUDA kernel on GPUs when it builds")
+    ap.add_argument("--fused-kernels", choices=("auto", "on", "off"), default="auto",
+                    help="fused CUDA forward (layer norm/shift/mix, time mix, grouped GEMV): auto uses it on GPUs "
+                         "with fp16 activations when it builds; off keeps the readable per-op forward")
     ap.add_argument("--max-batch-size", type=int, default=None,
                     help="state slots = rows running at once; default: 16 on CPU, from free memory on GPU")
     ap.add_argument("--prefill-chunk-size", type=int, default=512,
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     from infer.engine import Engine
     from infer.fingerprint import fingerprint
     from infer.model import RWKV7, default_device
+    from infer.ops.fused import select_fused
     from infer.ops.wkv_cuda import select_wkv
     from infer.quant.engines import warm_up
     from infer.prefix_cache import PrefixCache
@@ -151,7 +155,11 @@ def main(argv: list[str] | None = None) -> None:
         model_id = fingerprint(open_checkpoint(model_path))
     except (CheckpointError, RuntimeError, ValueError) as e:
         sys.exit(f"cannot load model: {e}")
-    model.wkv = select_wkv(model.device, args.wkv)
+    model.wkv = select_wkv(model.device, args.wkv, heads=model.config.n_head)
+    try:
+        select_fused(model, "off" if args.wkv == "torch" else args.fused_kernels)
+    except RuntimeError as e:
+        sys.exit(f"cannot start: {e}")
     wkv_dtype = torch.float16 if args.state_dtype == "fp16" else torch.float32
     slots = args.max_batch_size or default_slots(model, device, wkv_dtype)
     if args.inference_engine == "gemlite":  # GemLite autotunes per power-of-two row bucket on first use

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from infer.batch import PackedBatch  # noqa: E402
 from infer.model import RWKV7  # noqa: E402
 from infer.ops.wkv import TorchWKV  # noqa: E402
+from infer.ops.fused import select_fused  # noqa: E402
 from infer.ops.wkv_cuda import select_wkv  # noqa: E402
 from infer.random_model import make_config, random_state_dict  # noqa: E402
 
@@ -40,6 +41,7 @@ def checks() -> dict:
     cpu = RWKV7.from_state_dict({k: v.clone() for k, v in sd.items()}, device="cpu")
     gpu = RWKV7.from_state_dict(sd, device="cuda", dtype="fp16")
     gpu.wkv = select_wkv(gpu.device, "cuda")
+    select_fused(gpu, FORWARD["fused"])
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, 65530, (64,), generator=g).tolist()
     want = cpu.prefill([prompt], [0], cpu.new_state_pool(1), all_logits=True)
@@ -117,12 +119,16 @@ def random_weights(config, engine: str) -> dict[str, torch.Tensor]:
     return sd
 
 
+FORWARD = {"fused": "on", "wkv": "auto"}  # --forward: "fused" (the fused CUDA kernels) or "readable" (per-op forward)
+
+
 def bench_size(name: str, batches: list[int], steps: int, states: list[str], engine: str = "fp16") -> list[dict]:
     L, C = SIZES[name]
     t0 = time.time()
     model = RWKV7.from_state_dict(random_weights(make_config(L, C, 65536), engine), device="cuda", dtype="fp16",
                                   engine=engine)
     model.wkv = select_wkv(model.device, "cuda")
+    select_fused(model, FORWARD["fused"])
     print(f"{name}: built in {time.time() - t0:.1f}s, {model.implementations()}", flush=True)
     rows = []
     for B, state in [(b, s) for s in states for b in batches]:
@@ -132,7 +138,8 @@ def bench_size(name: str, batches: list[int], steps: int, states: list[str], eng
         eager = time_steps(lambda: model.forward(batch, pool), steps)
         graph, _ = capture(model, batch, pool)
         replay = time_steps(graph.replay, steps)
-        row = {"size": name, "engine": engine, "batch": B, "state": state, "eager_ms": round(eager * 1000, 3),
+        row = {"size": name, "engine": engine, "forward": "fused" if model.fused else "readable",
+               "gemv_rows": model.fused.gemv_rows if model.fused else None, "batch": B, "state": state, "eager_ms": round(eager * 1000, 3),
                "graph_ms": round(replay * 1000, 3), "eager_tok_s": round(B / eager, 1),
                "graph_tok_s": round(B / replay, 1), "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
         limit = LIMITS.get(name, {}).get(B) if state == "fp32" and engine == "fp16" else None
@@ -143,7 +150,7 @@ def bench_size(name: str, batches: list[int], steps: int, states: list[str], eng
         del graph, pool
         torch.cuda.empty_cache()
     if name == "1.5b" and engine == "fp16":  # the portable torch WKV at one batch size, for the record
-        model.wkv = TorchWKV()
+        model.wkv, model.fused = TorchWKV(), None
         pool = model.new_state_pool(64)
         batch = static_batch(torch.randint(1, 65530, (64,)).tolist(), list(range(64)))
         t = time_steps(lambda: model.forward(batch, pool), max(3, steps // 4))
@@ -158,15 +165,17 @@ def bench_prefill(name: str, lengths: list[int], rows_list: list[int], engine: s
     L, C = SIZES[name]
     model = RWKV7.from_state_dict(random_weights(make_config(L, C, 65536), engine), device="cuda", dtype="fp16",
                                   engine=engine)
-    model.wkv = select_wkv(model.device, "cuda")
+    model.wkv = select_wkv(model.device, FORWARD["wkv"], heads=model.config.n_head)
+    select_fused(model, FORWARD["fused"])
     out = []
     for length in lengths:
         for rows in rows_list:
             pool = model.new_state_pool(rows)
             prompts = [torch.randint(1, 65530, (length,)).tolist() for _ in range(rows)]
             batch = PackedBatch.from_rows(prompts, list(range(rows)), "cuda")
-            seconds = time_steps(lambda: model.forward(batch, pool), 3)
-            row = {"size": name, "engine": engine, "prompt_tokens": length, "rows": rows,
+            seconds = time_steps(lambda: model.forward(batch, pool), 3)  # (warm-up calls compile fla's kernels)
+            row = {"size": name, "engine": engine, "forward": "fused" if model.fused else "readable",
+                   "wkv": model.wkv.name, "prompt_tokens": length, "rows": rows,
                    "ms": round(seconds * 1000, 2), "tok_s": round(rows * length / seconds, 1)}
             out.append(row)
             print(row, flush=True)
@@ -183,8 +192,14 @@ def main() -> None:
     ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks")
     ap.add_argument("--prefill", default="", help="also time prefill at these prompt lengths, e.g. 128,1024,4096")
     ap.add_argument("--prefill-rows", default="1,16", help="prompts per prefill forward")
+    ap.add_argument("--forward", default="fused", choices=("fused", "readable"),
+                    help="fused CUDA kernels or the readable per-op forward (CUDA WKV kernel in both)")
+    ap.add_argument("--wkv", default="auto", choices=("auto", "cuda"),
+                    help="auto: the CUDA kernel, and fla-core's chunked kernel for long rows when installed")
     ap.add_argument("--out", default="bench/results/decode_h200.json")
     args = ap.parse_args()
+    FORWARD["wkv"] = args.wkv
+    FORWARD["fused"] = "on" if args.forward == "fused" else "off"
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "checks": {} if args.no_checks else checks()}
@@ -198,10 +213,13 @@ def main() -> None:
                                        args.states.split(","), args.engine)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'size':>5} {'engine':>7} {'batch':>6} {'state':>5} {'eager tok/s':>12} {'graph tok/s':>12} {'% limit':>8} {'peak GB':>8}")
+    print(f"\n{'size':>5} {'engine':>7} {'fwd':>8} {'batch':>6} {'state':>5} {'eager tok/s':>12} {'graph tok/s':>12} {'% limit':>8} {'peak GB':>8}")
     for r in result["decode"]:
-        print(f"{r['size']:>5} {r.get('engine', 'fp16'):>7} {r['batch']:>6} {r['state']:>5} {r['eager_tok_s']:>12} {r.get('graph_tok_s', '-'):>12} "
+        print(f"{r['size']:>5} {r.get('engine', 'fp16'):>7} {r.get('forward', '-'):>8} {r['batch']:>6} {r['state']:>5} {r['eager_tok_s']:>12} {r.get('graph_tok_s', '-'):>12} "
               f"{r.get('graph_pct_of_limit', '-'):>8} {r.get('peak_mem_gb', '-'):>8}  {r.get('wkv', 'cuda')}")
+    for r in result["prefill"]:
+        print(f"prefill {r['size']:>5} {r['engine']:>7} {r['forward']:>8} {r['rows']:>3} x {r['prompt_tokens']:>6}: "
+              f"{r['ms']:>9} ms {r['tok_s']:>10} tok/s  ({r['wkv']})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The packed token layout shared by the model and the WKV implementations."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -22,6 +23,7 @@ class PackedBatch:
     last: torch.Tensor     # [B] index of each row's last token
     _steps: list[torch.Tensor] | None = field(default=None, repr=False)
     _order: torch.Tensor | None = field(default=None, repr=False)
+    _prev: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[int]], slots: Sequence[int], device: torch.device | str) -> "PackedBatch":
@@ -52,6 +54,17 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    def prev_index(self) -> torch.Tensor:
+        """[T] int32 for the fused kernels: each token's previous token in its row, or ``-(row + 1)``
+        for a row's first token (whose previous input is the slot's saved state). Built once per batch
+        from the host lengths, so a CUDA graph that captured it keeps reading the same buffer."""
+        if self._prev is None:
+            prev = torch.arange(-1, self.num_tokens - 1, dtype=torch.int32)
+            starts = torch.tensor([0] + list(itertools.accumulate(self.lens))[:-1], dtype=torch.long)
+            prev[starts] = -1 - torch.arange(self.num_rows, dtype=torch.int32)
+            self._prev = prev.to(self.tokens.device)
+        return self._prev
 
     def time_steps(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """For step-by-step recurrences: rows ordered longest first, and for each time step

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from infer.ops.linear import DenseLinear, Linear
 from infer.quant.engines import LinearFactory, check_engine, linear_factory
 from infer.ops.wkv import WKV, TorchWKV
 from infer.state import StatePool
+
+if TYPE_CHECKING:
+    from infer.ops.fused import FusedKernels
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,7 @@ class RWKV7:
         self.ln_out_b = ln_out_b
         self.head = head
         self.wkv: WKV = wkv or TorchWKV()
+        self.fused: FusedKernels | None = None  # the fused CUDA forward, when infer.ops.fused.select_fused enables it
         self.source = source
         self.dtype = emb.dtype
         self.device = emb.device
@@ -172,7 +176,7 @@ class RWKV7:
     def implementations(self) -> dict[str, str]:
         """Which implementation each swappable part uses (logged at startup, checked by tests)."""
         kinds = sorted({lin.kind for lin in self.projections()[1:]})
-        return {"wkv": self.wkv.name, "linear": ", ".join(kinds), "head": self.head.kind,
+        return {"forward": self.fused.name if self.fused else "readable (per-op)", "wkv": self.wkv.name, "linear": ", ".join(kinds), "head": self.head.kind,
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
 
     def new_state_pool(self, num_slots: int, wkv_dtype: torch.dtype = torch.float32) -> StatePool:
@@ -184,8 +188,16 @@ class RWKV7:
         """Run every row's tokens from its slot's state; update the slots in place.
 
         Returns fp32 logits of each row's last token ``[B, V]``, or of every token ``[T, V]``
-        (packed order) when ``all_logits``.
+        (packed order) when ``all_logits``. Runs the fused CUDA kernels when they are enabled
+        (``infer.ops.fused``), else the readable code below; both compute the same math.
         """
+        if self.fused is not None:
+            return self.fused.forward(self, batch, state, all_logits)
+        return self.forward_reference(batch, state, all_logits)
+
+    @torch.inference_mode()
+    def forward_reference(self, batch: PackedBatch, state: StatePool, all_logits: bool = False) -> torch.Tensor:
+        """The readable forward: one torch op per step of the math (WKV and linears swappable)."""
         x = self.emb[batch.tokens]
         v_first: torch.Tensor | None = None
         for i, blk in enumerate(self.blocks):

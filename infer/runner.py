@@ -42,14 +42,15 @@ class DecodeGraphs:
         self.tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.slots = torch.full((max_rows,), scratch_slot, dtype=torch.long, device=device)
         self._rows = torch.arange(max_rows, dtype=torch.long, device=device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, its logits, its batch: kept alive, the graph reads the batch's buffers)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, PackedBatch]] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
     def warmup(self) -> None:
         for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
             self._capture(bucket)
 
-    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, PackedBatch]:
         self.slots[:bucket].fill_(self.scratch)  # warm-up runs below write only the scratch slot
         batch = PackedBatch(tokens=self.tokens[:bucket], slots=self.slots[:bucket], lens=[1] * bucket,
                             starts=self._rows[:bucket], last=self._rows[:bucket])
@@ -62,14 +63,14 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self.model.forward(batch, self.state)
-        self._graphs[bucket] = (graph, logits)
-        return graph, logits
+        self._graphs[bucket] = (graph, logits, batch)
+        return self._graphs[bucket]
 
     def run(self, tokens: Sequence[int], slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, V] and the slot-id tensor [B] of a decode step."""
         rows = len(tokens)
         bucket = next(b for b in self.buckets if b >= rows)
-        graph, logits = self._graphs.get(bucket) or self._capture(bucket)
+        graph, logits, _ = self._graphs.get(bucket) or self._capture(bucket)
         self.tokens[:rows].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
         self.slots[:rows].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
         self.slots[rows:bucket].fill_(self.scratch)

@@ -1,0 +1,189 @@
+// Torch binding of the fused forward kernels (cuda/rwkv7_fused.cu).
+//
+// Like cuda/wkv7_slots_op.cpp: only <torch/extension.h> is included (the launchers are reached
+// through a plain C interface), every launch goes to the stream handle the caller passes
+// (torch.cuda.current_stream().cuda_stream), so the ops can be captured in CUDA graphs. Shapes,
+// dtypes, devices and contiguity are checked here; the launchers check the sizes they depend on.
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, int64_t C, int64_t num_slots,
+                                         const void* x, const void* ln_w, const void* ln_b, void* shift,
+                                         const int32_t* prev, const int64_t* slots, const int64_t* lasts,
+                                         const void* const* mix, void* const* out, int count);
+extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
+                                     int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
+                                     const int64_t* starts, const int64_t* lasts, const void* const* tensors,
+                                     const void* const* params, int first_layer);
+extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
+                                 const void* const* scale, const void* const* x, void* const* y,
+                                 const void* const* residual, const int64_t* n, const int64_t* k,
+                                 const int* weight_type, const int* activation, const int* epilogue);
+extern "C" int fused_gemv_max_rows();
+extern "C" int fused_gemv_max_tasks();
+extern "C" const char* fused_error_string(int code);
+
+namespace {
+
+constexpr int64_t kHeadSize = 64;
+
+std::string num(int64_t x) { return std::to_string(x); }  // (see wkv7_slots_op.cpp: no ostream ints)
+
+std::string shape(const torch::Tensor& t) {
+    std::string out = "[";
+    for (int64_t d = 0; d < t.dim(); ++d) out += (d ? ", " : "") + num(t.size(d));
+    return out + "]";
+}
+
+void check(const torch::Tensor& t, const torch::Device& device, torch::ScalarType dtype, std::vector<int64_t> dims,
+           const char* op, const std::string& name) {
+    TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device().str(), ", expected ", device.str());
+    TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+    bool ok = t.dim() == static_cast<int64_t>(dims.size());
+    for (size_t d = 0; ok && d < dims.size(); ++d) ok = dims[d] < 0 || t.size(d) == dims[d];
+    std::string want = "[";
+    for (size_t d = 0; d < dims.size(); ++d) want += (d ? ", " : "") + (dims[d] < 0 ? std::string("*") : num(dims[d]));
+    TORCH_CHECK(ok, op, ": ", name, " must have shape ", want, "], got ", shape(t));
+    TORCH_CHECK(reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name, " must be 16-byte aligned");
+}
+
+void raise_on(int err, const char* op) {
+    TORCH_CHECK(err == 0, op, ": kernel launch failed: ", fused_error_string(err), " (error ", num(err), ")");
+}
+
+}  // namespace
+
+// out[m][t] = LN(x[t]) + (shifted - LN(x[t])) * mix[m]; the row starts' slots of `shift` get the
+// normalised input of their row's last token (see cuda/rwkv7_fused.cu).
+void ln_shift_mix(torch::Tensor x, torch::Tensor ln_w, torch::Tensor ln_b, torch::Tensor shift, torch::Tensor prev,
+                  torch::Tensor slots, torch::Tensor lasts, std::vector<torch::Tensor> mix,
+                  std::vector<torch::Tensor> out, int64_t stream) {
+    const char* op = "ln_shift_mix";
+    TORCH_CHECK(x.is_cuda() && x.dim() == 2, op, ": x must be a 2-D CUDA tensor, got ", shape(x));
+    const auto device = x.device();
+    const int64_t T = x.size(0), C = x.size(1), B = slots.numel();
+    check(x, device, torch::kFloat16, {T, C}, op, "x");
+    check(ln_w, device, torch::kFloat16, {C}, op, "ln_w");
+    check(ln_b, device, torch::kFloat16, {C}, op, "ln_b");
+    check(shift, device, torch::kFloat16, {-1, C}, op, "shift");
+    check(prev, device, torch::kInt32, {T}, op, "prev");
+    check(slots, device, torch::kInt64, {B}, op, "slots");
+    check(lasts, device, torch::kInt64, {B}, op, "lasts");
+    TORCH_CHECK(!mix.empty() && mix.size() == out.size() && mix.size() <= 6, op,
+                ": 1 to 6 mixing vectors with as many outputs, got ", num(mix.size()), " and ", num(out.size()));
+    std::vector<const void*> mix_ptr;
+    std::vector<void*> out_ptr;
+    for (size_t m = 0; m < mix.size(); ++m) {
+        check(mix[m], device, torch::kFloat16, {C}, op, "mix[" + num(m) + "]");
+        check(out[m], device, torch::kFloat16, {T, C}, op, "out[" + num(m) + "]");
+        mix_ptr.push_back(mix[m].data_ptr());
+        out_ptr.push_back(out[m].data_ptr());
+    }
+    raise_on(fused_ln_shift_mix_launch(static_cast<int>(device.index()), stream, T, C, shift.size(0), x.data_ptr(),
+                                       ln_w.data_ptr(), ln_b.data_ptr(), shift.data_ptr(), prev.data_ptr<int32_t>(),
+                                       slots.data_ptr<int64_t>(), lasts.data_ptr<int64_t>(), mix_ptr.data(),
+                                       out_ptr.data(), static_cast<int>(mix.size())),
+             op);
+}
+
+// The time-mix between the projections and the output projection, state[slots] updated in place.
+// tensors = [r, k, v, dw, da, dv, g, v_first, out] ([T, C] fp16; dv may be empty in layer 0),
+// params = [w0, r_k, lnx_w, lnx_b] fp32 [C] + [a0, v0, k_k, k_a] fp16 [C] (v0 may be empty in layer 0).
+void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, torch::Tensor lasts,
+              std::vector<torch::Tensor> tensors, std::vector<torch::Tensor> params, bool first_layer,
+              int64_t stream) {
+    const char* op = "time_mix";
+    TORCH_CHECK(state.is_cuda() && state.dim() == 4 && state.size(2) == kHeadSize && state.size(3) == kHeadSize, op,
+                ": state must be a CUDA tensor [slots, heads, 64, 64], got ", shape(state));
+    TORCH_CHECK(state.scalar_type() == torch::kFloat32 || state.scalar_type() == torch::kFloat16, op,
+                ": the state pool must be float32 or float16, got ", state.scalar_type());
+    const auto device = state.device();
+    check(state, device, state.scalar_type(), {-1, -1, kHeadSize, kHeadSize}, op, "state");
+    const int64_t H = state.size(1), C = H * kHeadSize, B = slots.numel();
+    check(slots, device, torch::kInt64, {B}, op, "slots");
+    check(starts, device, torch::kInt64, {B}, op, "starts");
+    check(lasts, device, torch::kInt64, {B}, op, "lasts");
+    TORCH_CHECK(tensors.size() == 9 && params.size() == 8, op, ": 9 tensors and 8 parameter vectors expected");
+    const int64_t T = tensors[0].dim() == 2 ? tensors[0].size(0) : -1;
+    const char* tensor_names[] = {"r", "k", "v", "dw", "da", "dv", "g", "v_first", "out"};
+    const char* param_names[] = {"w0", "r_k", "lnx_w", "lnx_b", "a0", "v0", "k_k", "k_a"};
+    std::vector<const void*> tensor_ptr, param_ptr;
+    for (int i = 0; i < 9; ++i) {
+        const bool unused = first_layer && i == 5;
+        if (!unused) check(tensors[i], device, torch::kFloat16, {T, C}, op, tensor_names[i]);
+        tensor_ptr.push_back(unused ? nullptr : tensors[i].data_ptr());
+    }
+    for (int i = 0; i < 8; ++i) {
+        const bool unused = first_layer && i == 5;
+        if (!unused) check(params[i], device, i < 4 ? torch::kFloat32 : torch::kFloat16, {C}, op, param_names[i]);
+        param_ptr.push_back(unused ? nullptr : params[i].data_ptr());
+    }
+    const int state_dtype = state.scalar_type() == torch::kFloat32 ? 0 : 1;
+    raise_on(fused_time_mix_launch(static_cast<int>(device.index()), stream, state_dtype, B, H, state.size(0), T,
+                                   state.data_ptr(), slots.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
+                                   lasts.data_ptr<int64_t>(), tensor_ptr.data(), param_ptr.data(), first_layer ? 1 : 0),
+             op);
+}
+
+// Several small-M matrix products in one launch: y[i] = act[i](x[i]) @ w[i].T (* scale[i]) (relu^2 if
+// epilogue[i]) (+ residual[i]). Empty tensors mean "none" for scale and residual.
+void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::vector<torch::Tensor> x,
+          std::vector<torch::Tensor> y, std::vector<torch::Tensor> residual, std::vector<int64_t> activation,
+          std::vector<int64_t> epilogue, int64_t stream) {
+    const char* op = "gemv";
+    const size_t count = w.size();
+    TORCH_CHECK(count >= 1 && count <= static_cast<size_t>(fused_gemv_max_tasks()), op, ": 1 to ",
+                num(fused_gemv_max_tasks()), " tasks per launch, got ", num(count));
+    TORCH_CHECK(scale.size() == count && x.size() == count && y.size() == count && residual.size() == count &&
+                    activation.size() == count && epilogue.size() == count,
+                op, ": every argument list needs one entry per task");
+    TORCH_CHECK(x[0].is_cuda() && x[0].dim() == 2, op, ": x must be 2-D CUDA tensors");
+    const auto device = x[0].device();
+    const int64_t M = x[0].size(0);
+    TORCH_CHECK(M >= 1 && M <= fused_gemv_max_rows(), op, ": 1 to ", num(fused_gemv_max_rows()), " rows, got ", num(M));
+    std::vector<const void*> w_ptr, s_ptr, x_ptr, r_ptr;
+    std::vector<void*> y_ptr;
+    std::vector<int64_t> n(count), k(count);
+    std::vector<int> wt(count), act(count), epi(count);
+    for (size_t i = 0; i < count; ++i) {
+        const std::string tag = "[" + num(i) + "]";
+        TORCH_CHECK(w[i].dim() == 2, op, ": w", tag, " must be 2-D [out, in], got ", shape(w[i]));
+        n[i] = w[i].size(0);
+        k[i] = w[i].size(1);
+        const bool int8 = w[i].scalar_type() == torch::kInt8;
+        wt[i] = int8 ? 1 : 0;
+        check(w[i], device, int8 ? torch::kInt8 : torch::kFloat16, {n[i], k[i]}, op, "w" + tag);
+        TORCH_CHECK(k[i] % (int8 ? 16 : 8) == 0, op, ": w", tag, " needs in_features % ", int8 ? "16" : "8", " == 0");
+        TORCH_CHECK(int8 == (scale[i].numel() > 0), op, ": task ", num(i), " needs a scale iff its weights are int8");
+        if (int8) check(scale[i], device, torch::kFloat16, {n[i]}, op, "scale" + tag);
+        check(x[i], device, torch::kFloat16, {M, k[i]}, op, "x" + tag);
+        check(y[i], device, torch::kFloat16, {M, n[i]}, op, "y" + tag);
+        if (residual[i].numel()) check(residual[i], device, torch::kFloat16, {M, n[i]}, op, "residual" + tag);
+        TORCH_CHECK(activation[i] >= 0 && activation[i] <= 2 && epilogue[i] >= 0 && epilogue[i] <= 1, op,
+                    ": bad activation/epilogue code");
+        w_ptr.push_back(w[i].data_ptr());
+        s_ptr.push_back(int8 ? scale[i].data_ptr() : nullptr);
+        x_ptr.push_back(x[i].data_ptr());
+        y_ptr.push_back(y[i].data_ptr());
+        r_ptr.push_back(residual[i].numel() ? residual[i].data_ptr() : nullptr);
+        act[i] = static_cast<int>(activation[i]);
+        epi[i] = static_cast<int>(epilogue[i]);
+    }
+    raise_on(fused_gemv_launch(static_cast<int>(device.index()), stream, M, static_cast<int>(count), w_ptr.data(),
+                               s_ptr.data(), x_ptr.data(), y_ptr.data(), r_ptr.data(), n.data(), k.data(), wt.data(),
+                               act.data(), epi.data()),
+             op);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "Fused RWKV-7 forward kernels: layer norm + token shift + mix, time mix, grouped GEMV";
+    m.def("ln_shift_mix", &ln_shift_mix, "ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mix, out, stream)");
+    m.def("time_mix", &time_mix, "time_mix(state, slots, starts, lasts, tensors, params, first_layer, stream)");
+    m.def("gemv", &gemv, "gemv(w, scale, x, y, residual, activation, epilogue, stream)");
+    m.def("gemv_max_rows", &fused_gemv_max_rows);
+    m.def("gemv_max_tasks", &fused_gemv_max_tasks);
+}

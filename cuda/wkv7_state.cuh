@@ -1,0 +1,128 @@
+// State staging helpers shared by the WKV-7 kernels (cuda/wkv7_slots.cu, cuda/rwkv7_fused.cu).
+//
+// A head's 64x64 state block (state[slot][h], S[value][key]) moves between global memory and one
+// register row per thread (thread i holds S[i][:]) through a padded fp32 tile in shared memory.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace wkv7 {
+
+constexpr int N = 64;  // head size; also the block size
+
+// dtype codes shared with the binding (cuda/wkv7_slots_op.cpp)
+enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// torch builds extensions with __CUDA_NO_HALF_CONVERSIONS__ & co: convert explicitly.
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// The state moves between global memory and registers through a padded fp32 staging tile in
+// shared memory. A head's 64x64 state block is contiguous in the pool (16 KB fp32, 8 KB fp16),
+// so the block reads and writes it in 16-byte vectors with consecutive threads on consecutive
+// vectors (fully coalesced); each thread then takes its row out of the tile. The row stride
+// LD = 68 floats keeps both the vector accesses and the row reads free of bank conflicts.
+constexpr int LD = N + 4;
+
+// 16 bytes of state storage <-> fp32
+template <typename S>
+struct Vec16;
+
+template <>
+struct Vec16<float> {
+    static constexpr int E = 4;  // elements per vector
+    static __device__ __forceinline__ void to_f32(const uint4& u, float (&out)[E]) {
+        memcpy(out, &u, sizeof(u));
+    }
+    static __device__ __forceinline__ uint4 from_f32(const float (&in)[E]) {
+        uint4 u;
+        memcpy(&u, in, sizeof(u));
+        return u;
+    }
+};
+
+template <>
+struct Vec16<__half> {
+    static constexpr int E = 8;
+    static __device__ __forceinline__ void to_f32(const uint4& u, float (&out)[E]) {
+        __half h[E];
+        memcpy(h, &u, sizeof(u));
+#pragma unroll
+        for (int e = 0; e < E; ++e) out[e] = __half2float(h[e]);
+    }
+    static __device__ __forceinline__ uint4 from_f32(const float (&in)[E]) {
+        __half h[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) h[e] = __float2half_rn(in[e]);
+        uint4 u;
+        memcpy(&u, h, sizeof(u));
+        return u;
+    }
+};
+
+// Global state block -> tile (fp32). Every thread of the block must call it.
+template <typename S>
+__device__ __forceinline__ void block_to_tile(const S* __restrict__ src, float (*tile)[LD]) {
+    constexpr int E = Vec16<S>::E;
+    constexpr int PER_ROW = N / E;  // vectors per state row; the block holds N * PER_ROW vectors
+    const uint4* q = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+    for (int c = 0; c < PER_ROW; ++c) {
+        const int f = threadIdx.x + N * c;  // vector index within the block
+        float vals[E];
+        Vec16<S>::to_f32(q[f], vals);
+        float* dst = &tile[f / PER_ROW][(f % PER_ROW) * E];
+#pragma unroll
+        for (int e = 0; e < E; e += 4)
+            *reinterpret_cast<float4*>(dst + e) = make_float4(vals[e], vals[e + 1], vals[e + 2], vals[e + 3]);
+    }
+}
+
+// Tile (fp32) -> global state block, rounding to the storage type. Every thread must call it.
+template <typename S>
+__device__ __forceinline__ void tile_to_block(const float (*tile)[LD], S* __restrict__ dst) {
+    constexpr int E = Vec16<S>::E;
+    constexpr int PER_ROW = N / E;
+    uint4* q = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+    for (int c = 0; c < PER_ROW; ++c) {
+        const int f = threadIdx.x + N * c;
+        const float* src = &tile[f / PER_ROW][(f % PER_ROW) * E];
+        float vals[E];
+#pragma unroll
+        for (int e = 0; e < E; e += 4) {
+            const float4 v4 = *reinterpret_cast<const float4*>(src + e);
+            vals[e] = v4.x;
+            vals[e + 1] = v4.y;
+            vals[e + 2] = v4.z;
+            vals[e + 3] = v4.w;
+        }
+        q[f] = Vec16<S>::from_f32(vals);
+    }
+}
+
+// One thread's row of the tile <-> registers.
+__device__ __forceinline__ void tile_row_to_regs(const float* __restrict__ row, float (&s)[N]) {
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c) {
+        const float4 f = reinterpret_cast<const float4*>(row)[c];
+        s[4 * c + 0] = f.x;
+        s[4 * c + 1] = f.y;
+        s[4 * c + 2] = f.z;
+        s[4 * c + 3] = f.w;
+    }
+}
+
+__device__ __forceinline__ void regs_to_tile_row(const float (&s)[N], float* __restrict__ row) {
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c)
+        reinterpret_cast<float4*>(row)[c] = make_float4(s[4 * c + 0], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3]);
+}
+
+}  // namespace wkv7

@@ -1,0 +1,259 @@
+"""The forward pass with fused CUDA kernels (``cuda/rwkv7_fused.cu``): same math as ``RWKV7.forward``,
+about nine launches per layer instead of ~60.
+
+Per layer: ``ln_shift_mix`` (layer norm + token shift + the six mixes, and the shift-state update),
+the projections and LoRAs, ``time_mix`` (decay/gates/normalisation + the WKV recurrence on the
+slot state + group norm + bonus + output gate), the output projection with the residual added,
+then ``ln_shift_mix`` and the two FFN matrices. Up to ``gemv_rows`` tokens (decode) the matrix
+products go through the kernel's grouped GEMV: seven matrices of the time-mix in one launch, the four
+LoRA second halves (with their tanh/sigmoid) in another, relu^2 and the residual add folded in.
+Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite). Batches with a row of
+``long_row`` tokens or more (prefill chunks) run the readable forward, whose WKV can be chunked.
+
+Tiers: this path when the extension builds and passes its self-test, on a CUDA device with fp16
+activations; otherwise ``RWKV7.forward``'s readable code (with the CUDA WKV kernel or torch).
+:func:`select_fused` decides and logs; nothing here raises on a missing compiler or GPU.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from infer.batch import PackedBatch
+from infer.ops.cuda_ext import BuildOnce, compile_extension
+from infer.ops.linear import DenseLinear
+from infer.ops.linear_w8a16 import W8A16Linear
+from infer.ops.wkv_cuda import LONG_ROW
+from infer.state import StatePool
+
+if TYPE_CHECKING:
+    from infer.model import RWKV7, Block
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+CUDA_SOURCES = [ROOT / "cuda" / "rwkv7_fused_op.cpp", ROOT / "cuda" / "rwkv7_fused.cu"]
+HIP_SOURCES = [ROOT / "cuda" / "rwkv7_fused_op.cpp", ROOT / "hip" / "rwkv7_fused.hip"]
+EXTENSION_NAME = "rwkv7_fused"
+PREFERENCES = ("auto", "on", "off")
+ACT_NONE, ACT_TANH, ACT_SIGMOID = 0, 1, 2
+EPI_NONE, EPI_RELU_SQUARE = 0, 1
+DEFAULT_GEMV_ROWS = 2
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+
+
+def _empty(device: torch.device) -> torch.Tensor:
+    if device not in _EMPTY:
+        _EMPTY[device] = torch.empty(0, dtype=torch.float16, device=device)
+    return _EMPTY[device]
+
+
+def gemv_operands(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, scale) when the grouped GEMV can compute this linear layer, else None."""
+    if isinstance(linear, DenseLinear) and linear.weight.dtype == torch.float16 and linear.in_features % 8 == 0:
+        return linear.weight, None
+    if isinstance(linear, W8A16Linear) and linear.scale.dtype == torch.float16 and linear.in_features % 16 == 0:
+        return linear.qweight, linear.scale
+    return None
+
+
+class FusedKernels:
+    """The compiled ops plus the fused forward built on them."""
+
+    name = "fused cuda kernels (rwkv7_fused)"
+
+    def __init__(self, module) -> None:
+        self._m = module
+        # Batches of at most this many tokens take the grouped GEMV (weights read once, CUDA cores),
+        # larger ones the model's linears (tensor cores); set from the decode grid in BENCHMARKS.md.
+        self.gemv_rows: int = min(int(os.environ.get("RWKV_GEMV_ROWS", DEFAULT_GEMV_ROWS)), module.gemv_max_rows())
+        # Rows this long (prefill chunks) run the readable forward, whose WKV is chunked (fla) when
+        # available: the fused time-mix walks a row's tokens one after another.
+        self.long_row: int = int(os.environ.get("RWKV_FUSED_LONG_ROW", LONG_ROW))
+
+    # -------------------------------------------------------------- ops
+    @staticmethod
+    def _stream(t: torch.Tensor) -> int:
+        return torch.cuda.current_stream(t.device).cuda_stream
+
+    def ln_shift_mix(self, x: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, shift: torch.Tensor,
+                     batch: PackedBatch, mixes: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        self._m.ln_shift_mix(x, ln_w, ln_b, shift, batch.prev_index(), batch.slots, batch.last, mixes, outs,
+                             self._stream(x))
+
+    def gemv(self, tasks: list[tuple]) -> None:
+        """tasks: (linear, x, y, activation, epilogue, residual or None); every x has the same rows."""
+        ws, scales, xs, ys, res, acts, epis = [], [], [], [], [], [], []
+        for linear, x, y, act, epi, residual in tasks:
+            w, scale = gemv_operands(linear)
+            ws.append(w)
+            scales.append(scale if scale is not None else _empty(x.device))
+            xs.append(x)
+            ys.append(y)
+            res.append(residual if residual is not None else _empty(x.device))
+            acts.append(act)
+            epis.append(epi)
+        self._m.gemv(ws, scales, xs, ys, res, acts, epis, self._stream(xs[0]))
+
+    def time_mix(self, state: torch.Tensor, batch: PackedBatch, blk: "Block", first_layer: bool,
+                 tensors: list[torch.Tensor]) -> None:
+        empty = _empty(state.device)
+        params = [blk.w0, blk.r_k.view(-1), blk.lnx_w, blk.lnx_b, blk.a0,
+                  blk.v0 if blk.v0 is not None else empty, blk.k_k, blk.k_a]
+        self._m.time_mix(state, batch.slots, batch.starts, batch.last, tensors, params, first_layer,
+                         self._stream(state))
+
+    # -------------------------------------------------------------- forward
+    def forward(self, model: "RWKV7", batch: PackedBatch, state: StatePool, all_logits: bool) -> torch.Tensor:
+        if max(batch.lens) >= self.long_row:
+            return model.forward_reference(batch, state, all_logits)
+        T, C = batch.num_tokens, model.config.n_embd
+        small = T <= self.gemv_rows and all(self._gemv_ok(b) for b in model.blocks)
+        cfg = model.config
+        x = model.emb[batch.tokens]
+        new = lambda *shape: x.new_empty(shape)  # noqa: E731
+        mixed = new(6, T, C)
+        xr, xw, xk, xv, xa, xg = mixed.unbind(0)
+        v_first, y = new(T, C), new(T, C)
+        if small:  # every layer writes the same buffers
+            r, k, v, dw, da, dv, g = (new(T, C) for _ in range(7))
+            hw, ha, hv, hg = new(T, cfg.rank_w), new(T, cfg.rank_a), new(T, cfg.rank_v), new(T, cfg.rank_g)
+            hidden = new(T, cfg.ffn_dim)
+        for i, blk in enumerate(model.blocks):
+            first = i == 0
+            self.ln_shift_mix(x, blk.ln1_w, blk.ln1_b, state.att_shift[i], batch,
+                              [blk.x_r, blk.x_w, blk.x_k, blk.x_v, blk.x_a, blk.x_g], list(mixed.unbind(0)))
+            if small:
+                tasks = [(blk.receptance, xr, r), (blk.key, xk, k), (blk.value, xv, v), (blk.w1, xw, hw),
+                         (blk.a1, xa, ha), (blk.g1, xg, hg)] + ([] if first else [(blk.v1, xv, hv)])
+                self.gemv([(lin, a, b, ACT_NONE, EPI_NONE, None) for lin, a, b in tasks])
+                second = [(blk.w2, hw, dw, ACT_TANH, EPI_NONE, None), (blk.a2, ha, da, ACT_NONE, EPI_NONE, None),
+                          (blk.g2, hg, g, ACT_SIGMOID, EPI_NONE, None)]
+                if not first:
+                    second.append((blk.v2, hv, dv, ACT_NONE, EPI_NONE, None))
+                self.gemv(second)
+            else:
+                r, k, v = blk.receptance(xr), blk.key(xk), blk.value(xv)
+                dw = blk.w2(torch.tanh(blk.w1(xw)))
+                da = blk.a2(blk.a1(xa))
+                dv = _empty(x.device) if first else blk.v2(blk.v1(xv))
+                g = blk.g2(torch.sigmoid(blk.g1(xg)))
+            self.time_mix(state.wkv[i], batch, blk, first, [r, k, v, dw, da, dv, g, v_first, y])
+            kf = xr  # the mix buffers are free again: reuse one for the channel-mix input
+            if small:
+                self.gemv([(blk.output, y, x, ACT_NONE, EPI_NONE, x)])
+                self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
+                self.gemv([(blk.ffn_key, kf, hidden, ACT_NONE, EPI_RELU_SQUARE, None)])
+                self.gemv([(blk.ffn_value, hidden, x, ACT_NONE, EPI_NONE, x)])
+            else:
+                x.add_(blk.output(y))
+                self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
+                x.add_(blk.ffn_value(torch.relu_(blk.ffn_key(kf)).square_()))
+        if not all_logits:
+            x = x[batch.last]
+        x = F.layer_norm(x, (C,), model.ln_out_w, model.ln_out_b, 1e-5)
+        rows = x.shape[0]
+        if rows <= self.gemv_rows and gemv_operands(model.head) is not None:
+            logits = x.new_empty(rows, model.head.out_features)
+            self.gemv([(model.head, x.contiguous(), logits, ACT_NONE, EPI_NONE, None)])
+            return logits.float()
+        return model.head(x).float()
+
+    @staticmethod
+    def _gemv_ok(blk: "Block") -> bool:
+        linears = [blk.receptance, blk.key, blk.value, blk.output, blk.ffn_key, blk.ffn_value,
+                   blk.w1, blk.w2, blk.a1, blk.a2, blk.g1, blk.g2] + [lin for lin in (blk.v1, blk.v2) if lin]
+        return all(gemv_operands(lin) is not None for lin in linears)
+
+
+# --------------------------------------------------------------------------- loading
+_kernels: BuildOnce[FusedKernels] = BuildOnce("fused CUDA kernels")
+
+
+def _compile():
+    hip = torch.version.hip is not None
+    return compile_extension(EXTENSION_NAME + ("_hip" if hip else ""), HIP_SOURCES if hip else CUDA_SOURCES,
+                             ["-O3"] if hip else ["-O3", "--use_fast_math", "-lineinfo"],
+                             f"the fused forward kernels ({'HIP' if hip else 'CUDA'})")
+
+
+def _self_test(kernels: FusedKernels) -> str | None:
+    """A tiny random model: the fused forward (GEMV and matmul paths, prefill and decode) against the
+    readable one; a reason string if they disagree beyond fp16 rounding."""
+    from infer.model import RWKV7
+    from infer.random_model import make_config, random_state_dict
+    device = torch.device("cuda", torch.cuda.current_device())
+    config = make_config(2, 128, 512)
+    model = RWKV7.from_state_dict(random_state_dict(config, seed=1, dtype=torch.float16, device=str(device)),
+                                  device=str(device), dtype="fp16")
+    from infer.ops.wkv_cuda import load_cuda_wkv
+    model.wkv = load_cuda_wkv() or model.wkv
+    rows = [[5, 9, 200, 7, 3, 11, 13, 90, 4, 2], [77, 1], [300]]
+    worst = 0.0
+    for chunk in (rows, [[1], [2], [3]]):  # a mixed prefill (matmul path), then a decode step (GEMV path)
+        slots = [0, 1, 2]
+        pools = [model.new_state_pool(3) for _ in range(2)]
+        batch = PackedBatch.from_rows(chunk, slots, device)
+        expect = model.forward_reference(batch, pools[0])
+        got = kernels.forward(model, PackedBatch.from_rows(chunk, slots, device), pools[1], False)
+        torch.cuda.synchronize(device)
+        scale = float(expect.abs().max()) + 1.0
+        worst = max(worst, float((got - expect).abs().max()) / scale,
+                    float((pools[0].wkv - pools[1].wkv).abs().max()),
+                    float((pools[0].att_shift.float() - pools[1].att_shift.float()).abs().max()))
+    if not worst <= 0.05:
+        return f"self-test against the readable forward failed (relative max |diff| {worst:.3g})"
+    return None
+
+
+def load_fused_kernels(verify: bool = True) -> FusedKernels | None:
+    """The compiled kernels, building them on the first call; None (with a logged warning) if they
+    cannot be had: no CUDA device, no nvcc/ninja, a failed build, or a failed self-test."""
+    def build() -> tuple[FusedKernels | None, str | None]:
+        kernels = FusedKernels(_compile())
+        reason = _self_test(kernels) if verify else None
+        return (None, reason) if reason else (kernels, None)
+    return _kernels.get(build)
+
+
+def fused_kernels_error() -> str | None:
+    """Why :func:`load_fused_kernels` returned None (None if it was not tried or succeeded)."""
+    return _kernels.error
+
+
+def fused_unsupported(model: "RWKV7") -> str | None:
+    """Why ``model`` cannot use the fused forward (None if it can)."""
+    if model.device.type != "cuda":
+        return f"the model runs on {model.device}"
+    if model.dtype != torch.float16:
+        return f"activations are {model.dtype}, the fused kernels take float16"
+    if model.config.head_size != 64:
+        return f"head size {model.config.head_size} (the kernels take 64)"
+    if model.config.n_embd % 8 or model.config.n_embd > 8192:
+        return f"width {model.config.n_embd} (the kernels take multiples of 8 up to 8192)"
+    return None
+
+
+def select_fused(model: "RWKV7", prefer: str = "auto") -> FusedKernels | None:
+    """Turn the fused forward on for ``model`` when possible: ``auto`` uses it when the model qualifies
+    and the kernels load, ``on`` insists (RuntimeError otherwise), ``off`` keeps the readable forward."""
+    if prefer not in PREFERENCES:
+        raise ValueError(f"unknown fused-kernel setting {prefer!r}; choose one of {', '.join(PREFERENCES)}")
+    chosen: FusedKernels | None = None
+    if prefer != "off":
+        probe = fused_unsupported(model)
+        if probe is None:
+            chosen = load_fused_kernels()
+            probe = None if chosen else fused_kernels_error()
+        if chosen is None and prefer == "on":
+            raise RuntimeError(f"the fused CUDA kernels were asked for but cannot be used: {probe}")
+        if chosen is None and probe:
+            log.info("fused kernels not used: %s", probe)
+    model.fused = chosen
+    log.info("forward on %s: %s", model.device, chosen.name if chosen else "readable (per-op) forward")
+    return chosen
