@@ -2,7 +2,8 @@
 
 Stable keys (e.g. ``decode_bsz1_7.2b_fp16_tok_s``), each with its value, GPU, date and source
 file; figures not measured yet are listed under ``missing``. Sources: ``decode_h200*.json``
-(bench_decode.py), ``official_h200.json`` (bench_official.py, the official ``rwkv`` package) and
+(bench_decode.py; the newest measurement of a figure wins; ``experiment_*.json`` are variants kept
+for the record and never summarized), ``official_h200.json`` (bench_official.py, the official ``rwkv`` package) and
 ``serving_h200_<size>.json`` (bench_serving.py --name h200_<size>, e.g. from h200_serving.sh).
 
     python bench/summarize.py [--results DIR]
@@ -35,7 +36,8 @@ def decode_figures(path: Path) -> dict[str, dict]:
         batch = "bsz1" if row["batch"] == 1 else f"b{row['batch']}"
         key = f"decode_{batch}_{row['size']}_{ENGINE_NAMES[row.get('engine', 'fp16')]}_tok_s"
         out[key] = {"value": row["graph_tok_s"], "gpu": data["gpu"], "date": data["date"], "source": path.name,
-                    "note": "model forward replayed as a CUDA graph, fp32 WKV state, no sampling"}
+                    "note": f"model forward ({row.get('forward', 'readable')}) replayed as a CUDA graph, fp32 WKV "
+                            "state, no sampling"}
     for row in data.get("prefill", []):
         if row.get("engine", "fp16") != "fp16":
             continue
@@ -93,12 +95,18 @@ def main() -> None:
     ap.add_argument("--results", default=str(RESULTS), help="folder of the result files (summary.json goes there)")
     results = Path(ap.parse_args().results)
     figures: dict[str, dict] = {}
+
+    def keep_newest(found: dict[str, dict]) -> None:  # a re-measured figure replaces an older one
+        for key, fig in found.items():
+            if key not in figures or fig["date"] >= figures[key]["date"]:
+                figures[key] = fig
+
     for path in sorted(results.glob("decode_h200*.json")):
-        figures.update(decode_figures(path))
+        keep_newest(decode_figures(path))
     if (results / "official_h200.json").exists():
-        figures.update(official_figures(results / "official_h200.json"))
+        keep_newest(official_figures(results / "official_h200.json"))
     for path in sorted(results.glob("serving_h200*.json")):
-        figures.update(serving_figures(path))
+        keep_newest(serving_figures(path))
     summary = {key: figures[key] for key in WANTED if key in figures}
     summary["missing"] = [key for key in WANTED if key not in figures]
     (results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -55,12 +55,6 @@ __device__ __forceinline__ void dependency_wait() {
 #endif
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-}
-
 __device__ __forceinline__ void load8(const __half* p, float (&out)[8]) {
     const uint4 u = *reinterpret_cast<const uint4*>(p);
     __half h[8];
@@ -435,11 +429,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 1) gemv_kernel(GemvArgs args)
     const GemvTask& task = args.task[t];
     const int lane = threadIdx.x & 31;
     const int n = (int(blockIdx.x) - task.first_block) * kGemvWarps + (threadIdx.x >> 5);
-    if (n < task.n) {  // the weights do not depend on the previous kernel: start streaming them now
-        const int64_t row_bytes = int64_t(task.k) * (task.weight_type == kWeightInt8 ? 1 : 2);
-        const char* row = static_cast<const char*>(task.w) + int64_t(n) * row_bytes;
-        for (int64_t b = int64_t(lane) * 128; b < row_bytes; b += 32 * 128) prefetch_l2(row + b);
-    }
     dependency_wait();
     if (n >= task.n) return;  // warp-uniform
 

@@ -227,3 +227,40 @@ def test_model_logits_match_torch_wkv(kernel, dtype, wkv_dtype, atol):
     assert ref_logits.abs().max() > 1.0
     torch.testing.assert_close(got_logits, ref_logits, rtol=1e-2, atol=atol)
     torch.testing.assert_close(got_state, ref_state, rtol=1e-2, atol=atol)
+
+
+def test_build_lock_clears_a_dead_builds_lock_file(tmp_path):
+    """torch's JIT loader waits forever on a `lock` file a killed build left behind."""
+    from infer.ops.cuda_ext import build_lock
+    (tmp_path / "lock").write_text("")
+    with build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+
+
+def test_build_lock_waits_for_a_live_build(tmp_path):
+    import threading
+    from infer.ops.cuda_ext import build_lock
+    building, release, seen = threading.Event(), threading.Event(), []
+
+    def first():
+        with build_lock(tmp_path):
+            (tmp_path / "lock").write_text("")  # a build in progress
+            building.set()
+            release.wait(10)
+            (tmp_path / "lock").unlink()       # the build finished
+
+    def second():
+        building.wait(10)
+        with build_lock(tmp_path):
+            seen.append("entered")
+
+    a, b = threading.Thread(target=first), threading.Thread(target=second)
+    a.start()
+    b.start()
+    building.wait(10)
+    b.join(0.3)
+    assert b.is_alive() and (tmp_path / "lock").exists()  # the second waits; the live lock is kept
+    release.set()
+    a.join(10)
+    b.join(10)
+    assert seen == ["entered"] and not (tmp_path / "lock").exists()

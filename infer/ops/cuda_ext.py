@@ -7,11 +7,12 @@ gives a reason.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 from pathlib import Path
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Iterator, TypeVar
 
 import torch
 
@@ -50,17 +51,43 @@ def why_unavailable() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold an OS file lock on ``directory`` for a build, and clear torch's own lock file there if a
+    dead process left it.
+
+    torch's JIT loader marks a build in progress with a plain ``lock`` file and, in every later
+    process, waits for that file to disappear, with no timeout. A build killed half-way (Ctrl-C,
+    OOM, a timeout) therefore made every later start hang forever (seen on the H200). The ``fcntl``
+    lock taken here is released by the OS when its holder dies, so while holding it, a ``lock``
+    file can only be a dead build's leftover.
+    """
+    import fcntl
+    with open(directory / ".rwkv7-build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("removing %s left by an interrupted build", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def compile_extension(name: str, sources: list[Path], cuda_flags: list[str], what: str):
     """Build (or load the cached build of) extension ``name``; raises on a missing source or a failed build."""
     from torch.utils.cpp_extension import load
     for src in sources:
         if not src.is_file():
             raise FileNotFoundError(f"kernel source {src} is missing")
-    directory = build_directory()
+    directory = build_directory() / name  # one folder per extension: a build never waits on another's
     directory.mkdir(parents=True, exist_ok=True)
     log.info("compiling %s in %s; the first time takes a minute", what, directory)
-    return load(name=name, sources=[str(s) for s in sources], extra_cflags=["-O3"], extra_cuda_cflags=cuda_flags,
-                build_directory=str(directory), verbose=False)
+    with build_lock(directory):
+        return load(name=name, sources=[str(s) for s in sources], extra_cflags=["-O3"],
+                    extra_cuda_cflags=cuda_flags, extra_include_paths=[str(s.parent) for s in sources],
+                    build_directory=str(directory), verbose=False)
 
 
 class BuildOnce(Generic[T]):
