@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--state-dtype", choices=("fp32", "fp16"), default="fp32", help="storage of the WKV state")
     ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                     help="replay decode steps as CUDA graphs at bucketed batch sizes (auto: on for CUDA devices)")
-    ap.add_argument("--wkv", choices=("auto", "cuda", "torch"), default="auto",
-                    help="WKV recurrence implementation: auto picks the CUDA kernel on GPUs when it builds")
+    ap.add_argument("--wkv", choices=("auto", "cuda", "fla", "torch"), default="auto",
+                    help="WKV recurrence implementation: auto picks the CUDA kernel on GPUs when it builds; fla adds "
+                         "fla-core's chunked kernel (pip install fla-core==0.6.0) for prefill chunks of 64+ tokens")
     ap.add_argument("--fused-kernels", choices=("auto", "on", "off"), default="auto",
                     help="fused CUDA forward (layer norm/shift/mix, time mix, grouped GEMV): auto uses it on GPUs "
                          "with fp16 activations when it builds; off keeps the readable per-op forward")

@@ -194,8 +194,8 @@ def main() -> None:
     ap.add_argument("--prefill-rows", default="1,16", help="prompts per prefill forward")
     ap.add_argument("--forward", default="fused", choices=("fused", "readable"),
                     help="fused CUDA kernels or the readable per-op forward (CUDA WKV kernel in both)")
-    ap.add_argument("--wkv", default="auto", choices=("auto", "cuda"),
-                    help="auto: the CUDA kernel, and fla-core's chunked kernel for long rows when installed")
+    ap.add_argument("--wkv", default="auto", choices=("auto", "cuda", "fla"),
+                    help="auto/cuda: the CUDA kernel; fla: plus fla-core's chunked kernel for long rows")
     ap.add_argument("--out", default="bench/results/decode_h200.json")
     args = ap.parse_args()
     FORWARD["wkv"] = args.wkv

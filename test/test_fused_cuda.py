@@ -195,6 +195,39 @@ def test_gemv_tasks_match_matmul(kernels):
         torch.testing.assert_close(y4, res + h @ w2.T, atol=4e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_gemv_int8_tasks_match_dequantized(kernels, rows):
+    from infer.ops.linear_w8a16 import W8A16Linear, dequantize_matmul
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    q = torch.randint(-127, 128, (264, 512), generator=gen, device="cuda", dtype=torch.int8)
+    scale = (torch.rand(264, generator=gen, device="cuda") * 0.01 + 0.001).half()
+    x = torch.randn(rows, 512, generator=gen, device="cuda").half()
+    res = torch.randn(rows, 264, generator=gen, device="cuda").half()
+    y, z = torch.empty(rows, 264, device="cuda").half(), res.clone()
+    lin = W8A16Linear(q, scale)
+    kernels.gemv([(lin, x, y, ACT_NONE, EPI_NONE, None), (lin, x, z, ACT_NONE, EPI_NONE, z)])
+    expect = dequantize_matmul(x, q, scale)
+    torch.testing.assert_close(y, expect, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(z, res + expect, atol=3e-2, rtol=1e-2)
+
+
+def test_w8a16_model_fused_matches_readable(kernels):
+    from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
+    from infer.quant.export_quant import quantize_matrix
+    config = make_config(2, 128, 1024)
+    sd = random_state_dict(config, seed=4, dtype=torch.float16)
+    for key in config.linear_keys():
+        sd.update(quantize_matrix(key, sd.pop(key)))
+    sd[W8A16_MARKER] = torch.tensor(W8A16_VERSION, dtype=torch.int32)
+    models = [RWKV7.from_state_dict(dict(sd), device="cuda", dtype="fp16", engine="cutlass") for _ in range(2)]
+    select_fused(models[1], "on")
+    for rows in ([[5], [9]], [[5, 6, 7], [9]], [[1], [2], [3], [4]]):  # GEMV, sequential prefill, matmuls
+        pools = [m.new_state_pool(4) for m in models]
+        ref, got = (m.forward(PackedBatch.from_rows(rows, list(range(len(rows))), "cuda"), p)
+                    for m, p in zip(models, pools))
+        assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
+
+
 def test_gemv_rejects_bad_arguments(kernels):
     w = DenseLinear(torch.randn(64, 64, device="cuda").half())
     x = torch.randn(9, 64, device="cuda").half()

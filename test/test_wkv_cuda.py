@@ -29,6 +29,10 @@ def test_select_cuda_on_cpu_raises_clearly():
         select_wkv(torch.device("cpu"), "cuda")
 
 
+def test_select_fla_on_cpu_is_torch():
+    assert isinstance(select_wkv("cpu", "fla", heads=4), TorchWKV)
+
+
 def test_select_rejects_unknown_preference():
     with pytest.raises(ValueError, match="unknown WKV implementation"):
         select_wkv(torch.device("cpu"), "triton")

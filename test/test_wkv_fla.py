@@ -447,3 +447,15 @@ def test_cuda_model_prefill_with_fla(fla_loaded):
     scale = logits["torch"].abs().max().item()
     print(f"\nmodel logits: max |diff| {diff:.3g} of max |logit| {scale:.3g}")
     assert diff <= 2e-2 * scale
+
+
+def test_cuda_select_fla_splits_by_row_length():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from infer.ops.wkv_cuda import CudaWKV, LONG_ROW, select_wkv
+    from infer.ops.wkv_fla import SplitWKV, load_fla_wkv
+    if load_fla_wkv(heads=2) is None:
+        pytest.skip("fla-core unavailable")
+    chosen = select_wkv("cuda", "fla", heads=2)
+    assert isinstance(chosen, SplitWKV) and isinstance(chosen.short, CudaWKV) and chosen.min_len == LONG_ROW
+    assert isinstance(select_wkv("cuda", "auto", heads=2), CudaWKV)  # fla stays opt-in

@@ -208,6 +208,22 @@ def _self_test(kernels: FusedKernels) -> str | None:
                     float((pools[0].att_shift.float() - pools[1].att_shift.float()).abs().max()))
     if not worst <= 0.05:
         return f"self-test against the readable forward failed (relative max |diff| {worst:.3g})"
+    return _self_test_int8(kernels, device)
+
+
+def _self_test_int8(kernels: FusedKernels, device: torch.device) -> str | None:
+    """The GEMV's int8 (W8A16) tasks against dequantize + matmul."""
+    from infer.ops.linear_w8a16 import dequantize_matmul
+    gen = torch.Generator(device=device).manual_seed(2)
+    q = torch.randint(-127, 128, (40, 96), generator=gen, device=device, dtype=torch.int8)
+    scale = (torch.rand(40, generator=gen, device=device) * 0.01 + 0.001).half()
+    x = torch.randn(2, 96, generator=gen, device=device).half()
+    y = torch.empty(2, 40, device=device, dtype=torch.float16)
+    kernels.gemv([(W8A16Linear(q, scale), x, y, ACT_NONE, EPI_NONE, None)])
+    expect = dequantize_matmul(x, q, scale)
+    err = float((y.float() - expect.float()).abs().max()) / (float(expect.abs().max()) + 1e-6)
+    if not err <= 1e-2:
+        return f"self-test of the int8 GEMV against dequantize + matmul failed (relative max |diff| {err:.3g})"
     return None
 
 

@@ -29,7 +29,7 @@ EXTENSION_NAME = "rwkv7_wkv7_slots"
 HEAD_SIZE = 64
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.float16)
-PREFERENCES = ("auto", "cuda", "torch")
+PREFERENCES = ("auto", "cuda", "fla", "torch")
 # Rows this long or longer (prefill chunks) go to the chunked fla kernel when it is available:
 # the per-token kernel's time grows with a row's length, the chunked one's mostly with its FLOPs.
 LONG_ROW = 64
@@ -109,10 +109,11 @@ def cuda_wkv_error() -> str | None:
 
 def select_wkv(device: torch.device | str, prefer: str = "auto", heads: int | None = None) -> WKV:
     """The WKV implementation for ``device``: ``auto`` takes the CUDA kernel on CUDA devices when it
-    loads and the torch reference otherwise, and, given the model's ``heads``, hands rows of at least
-    ``LONG_ROW`` tokens to fla-core's chunked kernel when that is installed and passes its self-test;
-    ``cuda`` insists on the kernel (RuntimeError if it cannot be had; no fla); ``torch`` always takes
-    the reference."""
+    loads and the torch reference otherwise; ``cuda`` insists on the kernel (RuntimeError if it cannot
+    be had); ``fla`` is ``auto`` plus fla-core's chunked kernel for rows of at least ``LONG_ROW``
+    tokens (given the model's ``heads``; skipped with a warning when fla is missing or fails its
+    self-test; opt-in until its prefill speed is measured against the per-token kernel); ``torch``
+    always takes the reference."""
     if prefer not in PREFERENCES:
         raise ValueError(f"unknown WKV implementation {prefer!r}; choose one of {', '.join(PREFERENCES)}")
     device = torch.device(device)
@@ -132,7 +133,7 @@ def select_wkv(device: torch.device | str, prefer: str = "auto", heads: int | No
             chosen = TorchWKV()
         else:
             chosen = kernel
-        if prefer == "auto" and heads is not None:
+        if prefer == "fla" and heads is not None:
             from infer.ops.wkv_fla import SplitWKV, load_fla_wkv  # fla/triton are imported only here
             chunked = load_fla_wkv(heads=heads)
             if chunked is not None:
