@@ -1,0 +1,727 @@
+// HIP port of cuda/rwkv7_fused.cu: the fused kernels of the RWKV-7 forward (layer norm + token shift +
+// mixes, time mix, grouped GEMV).
+//
+// Same layout, math, work split and launcher interface as the CUDA file (read its header comment); what
+// differs is the runtime API (hip*), the launches and the warp primitives:
+// - no programmatic dependent launch on ROCm: dependency_wait() is a no-op and every kernel is a plain
+//   <<<>>> launch on the caller's stream (RWKV_PDL is not read);
+// - the reductions are written for teams of 32 threads and shuffle with width 32, so a team is a whole
+//   wavefront on RDNA (wave32) and half of one on CDNA (wave64). block_sum keeps one scratch slot per
+//   32-thread team (threadIdx.x >> 5) on both; the GEMV keeps one team per output row, and a team past
+//   the last row still joins the shuffles instead of returning (a wave64 holds two teams);
+// - the weights of the GEMV are streamed with nontemporal loads (CUDA: __ldcs);
+// - the state staging helpers of cuda/wkv7_state.cuh are copied in below (as hip/wkv7_slots.hip does),
+//   since that header includes the CUDA runtime.
+//
+// Build: torch.utils.cpp_extension on a ROCm build of torch compiles this file with hipcc together with
+// cuda/rwkv7_fused_op.cpp (which only sees the C launchers below). Compile-checked, not run on ROCm.
+
+#include <hip/hip_runtime.h>
+#include <hip/hip_fp16.h>
+
+#include <climits>
+#include <cstdint>
+
+// ------------------------------------------------------------------------ state staging (wkv7_state.cuh)
+namespace wkv7 {
+
+constexpr int N = 64;  // head size; also the block size of the time mix
+
+// dtype codes shared with the binding (cuda/rwkv7_fused_op.cpp)
+enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// A head's 64x64 state block moves between global memory and one register row per thread through a
+// padded fp32 tile in shared memory (16-byte vectors, consecutive threads on consecutive vectors).
+constexpr int LD = N + 4;
+
+// 8 halves <-> 16 bytes, by bit operations (a memcpy through a __half array can leave it in private
+// memory). torch builds extensions with __HIP_NO_HALF_CONVERSIONS__ & co: convert explicitly.
+__device__ __forceinline__ void unpack8(const uint4& u, float (&out)[8]) {
+    const uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(words[i] & 0xFFFFu)));
+        out[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(words[i] >> 16)));
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&in)[8]) {
+    uint32_t words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        words[i] = uint32_t(__half_as_ushort(__float2half_rn(in[2 * i]))) |
+                   (uint32_t(__half_as_ushort(__float2half_rn(in[2 * i + 1]))) << 16);
+    uint4 u;
+    u.x = words[0];
+    u.y = words[1];
+    u.z = words[2];
+    u.w = words[3];
+    return u;
+}
+
+// 16 bytes of state storage <-> fp32
+template <typename S>
+struct Vec16;
+
+template <>
+struct Vec16<float> {
+    static constexpr int E = 4;  // elements per vector
+    static __device__ __forceinline__ void to_f32(const uint4& u, float (&out)[E]) {
+        __builtin_memcpy(out, &u, sizeof(u));
+    }
+    static __device__ __forceinline__ uint4 from_f32(const float (&in)[E]) {
+        uint4 u;
+        __builtin_memcpy(&u, in, sizeof(u));
+        return u;
+    }
+};
+
+template <>
+struct Vec16<__half> {
+    static constexpr int E = 8;
+    static __device__ __forceinline__ void to_f32(const uint4& u, float (&out)[E]) { unpack8(u, out); }
+    static __device__ __forceinline__ uint4 from_f32(const float (&in)[E]) { return pack8(in); }
+};
+
+// Global state block -> tile (fp32). Every thread of the block must call it.
+template <typename S>
+__device__ __forceinline__ void block_to_tile(const S* __restrict__ src, float (*tile)[LD]) {
+    constexpr int E = Vec16<S>::E;
+    constexpr int PER_ROW = N / E;  // vectors per state row; the block holds N * PER_ROW vectors
+    const uint4* q = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+    for (int c = 0; c < PER_ROW; ++c) {
+        const int f = threadIdx.x + N * c;  // vector index within the block
+        float vals[E];
+        Vec16<S>::to_f32(q[f], vals);
+        float* dst = &tile[f / PER_ROW][(f % PER_ROW) * E];
+#pragma unroll
+        for (int e = 0; e < E; e += 4)
+            *reinterpret_cast<float4*>(dst + e) = make_float4(vals[e], vals[e + 1], vals[e + 2], vals[e + 3]);
+    }
+}
+
+// Tile (fp32) -> global state block, rounding to the storage type. Every thread must call it.
+template <typename S>
+__device__ __forceinline__ void tile_to_block(const float (*tile)[LD], S* __restrict__ dst) {
+    constexpr int E = Vec16<S>::E;
+    constexpr int PER_ROW = N / E;
+    uint4* q = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+    for (int c = 0; c < PER_ROW; ++c) {
+        const int f = threadIdx.x + N * c;
+        const float* src = &tile[f / PER_ROW][(f % PER_ROW) * E];
+        float vals[E];
+#pragma unroll
+        for (int e = 0; e < E; e += 4) {
+            const float4 v4 = *reinterpret_cast<const float4*>(src + e);
+            vals[e] = v4.x;
+            vals[e + 1] = v4.y;
+            vals[e + 2] = v4.z;
+            vals[e + 3] = v4.w;
+        }
+        q[f] = Vec16<S>::from_f32(vals);
+    }
+}
+
+// One thread's row of the tile <-> registers.
+__device__ __forceinline__ void tile_row_to_regs(const float* __restrict__ row, float (&s)[N]) {
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c) {
+        const float4 f = reinterpret_cast<const float4*>(row)[c];
+        s[4 * c + 0] = f.x;
+        s[4 * c + 1] = f.y;
+        s[4 * c + 2] = f.z;
+        s[4 * c + 3] = f.w;
+    }
+}
+
+__device__ __forceinline__ void regs_to_tile_row(const float (&s)[N], float* __restrict__ row) {
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c)
+        reinterpret_cast<float4*>(row)[c] = make_float4(s[4 * c + 0], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3]);
+}
+
+}  // namespace wkv7
+
+namespace fused {
+
+using wkv7::N;
+
+constexpr int kTeam = 32;           // threads per reduction team (a "warp" of the CUDA file)
+constexpr int kLnThreads = 256;
+constexpr int kMaxVec = 4;          // 16-byte vectors (8 halves) per thread: C <= 256 * 4 * 8 = 8192
+constexpr int kMaxMix = 6;
+constexpr float kLnEps = 1e-5f;
+constexpr float kExpMinusHalf = 0.606531f;
+constexpr float kGroupNormEps = 64e-5f;  // head_size * 1e-5
+
+// torch builds extensions with __HIP_NO_HALF_CONVERSIONS__ & co: convert explicitly.
+__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float h2f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float round_half(float x) { return __half2float(__float2half_rn(x)); }
+
+// No programmatic dependent launch on ROCm: kernels on a stream run one after the other.
+__device__ __forceinline__ void dependency_wait() {}
+
+__device__ __forceinline__ void load8(const __half* p, float (&out)[8]) {
+    wkv7::unpack8(*reinterpret_cast<const uint4*>(p), out);
+}
+
+__device__ __forceinline__ void store8(__half* p, const float (&in)[8]) {
+    *reinterpret_cast<uint4*>(p) = wkv7::pack8(in);
+}
+
+// 16 bytes read once (weights): a nontemporal load, the counterpart of CUDA's __ldcs.
+typedef unsigned int u32x4 __attribute__((ext_vector_type(4)));
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+    const u32x4 v = __builtin_nontemporal_load(reinterpret_cast<const u32x4*>(p));
+    uint4 u;
+    u.x = v.x;
+    u.y = v.y;
+    u.z = v.z;
+    u.w = v.w;
+    return u;
+}
+
+// Sum over the 32-thread team (width 32: half a wavefront on wave64, all of it on wave32).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = kTeam / 2; o > 0; o >>= 1) v += __shfl_xor(v, o, kTeam);
+    return v;
+}
+
+// Sum over the block of TEAMS teams of 32; `scratch` holds one float per team and must not be reused by
+// another reduction until every thread has passed a later barrier.
+template <int TEAMS>
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    v = warp_sum(v);
+    if ((threadIdx.x & (kTeam - 1)) == 0) scratch[threadIdx.x / kTeam] = v;
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < TEAMS; ++w) total += scratch[w];
+    return total;
+}
+
+// ------------------------------------------------------------------------------------ ln_shift_mix
+struct MixArgs {
+    const __half* mix[kMaxMix];
+    __half* out[kMaxMix];
+    int count;
+};
+
+// Layer norm of one C-wide fp16 row held as up to kMaxVec 8-vectors per thread, rounded to fp16
+// (the stored token-shift state is fp16, so every consumer sees the same values).
+__device__ __forceinline__ void layer_norm_row(const __half* __restrict__ x, const __half* __restrict__ w,
+                                               const __half* __restrict__ b, int vecs, float (&out)[kMaxVec][8],
+                                               float* scratch) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxVec; ++j) {
+        const int v = threadIdx.x + j * kLnThreads;
+        if (v < vecs) {
+            load8(x + v * 8, out[j]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sum += out[j][e];
+        }
+    }
+    const float inv_c = 1.0f / float(vecs * 8);
+    const float mean = block_sum<kLnThreads / kTeam>(sum, scratch) * inv_c;
+    float sq = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxVec; ++j) {
+        if (threadIdx.x + j * kLnThreads < vecs) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float d = out[j][e] - mean;
+                sq += d * d;
+            }
+        }
+    }
+    const float rstd = rsqrtf(block_sum<kLnThreads / kTeam>(sq, scratch + kLnThreads / kTeam) * inv_c + kLnEps);
+#pragma unroll
+    for (int j = 0; j < kMaxVec; ++j) {
+        const int v = threadIdx.x + j * kLnThreads;
+        if (v < vecs) {
+            float wv[8], bv[8];
+            load8(w + v * 8, wv);
+            load8(b + v * 8, bv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) out[j][e] = round_half((out[j][e] - mean) * rstd * wv[e] + bv[e]);
+        }
+    }
+    __syncthreads();  // scratch is free again
+}
+
+// prev[t] >= 0: index of the previous token of t's row; prev[t] < 0: t starts row -prev[t]-1.
+__global__ void __launch_bounds__(kLnThreads)
+ln_shift_mix_kernel(int C, int64_t num_slots, const __half* __restrict__ x, const __half* __restrict__ ln_w,
+                    const __half* __restrict__ ln_b, __half* __restrict__ shift, const int32_t* __restrict__ prev,
+                    const int64_t* __restrict__ slots, const int64_t* __restrict__ lasts, MixArgs args) {
+    __shared__ float scratch[2 * kLnThreads / kTeam];
+    dependency_wait();
+    const int64_t t = blockIdx.x;
+    const int vecs = C / 8;
+    float xn[kMaxVec][8], pv[kMaxVec][8];
+    layer_norm_row(x + t * C, ln_w, ln_b, vecs, xn, scratch);
+
+    const int p = prev[t];
+    if (p >= 0) {
+        layer_norm_row(x + int64_t(p) * C, ln_w, ln_b, vecs, pv, scratch);
+    } else {
+        const int64_t row = -int64_t(p) - 1;
+        const int64_t slot = slots[row];
+        const int64_t last = lasts[row];
+        const bool ok = slot >= 0 && slot < num_slots;  // a bad slot is left alone (its row reads zeros)
+        __half* saved = shift + (ok ? slot : 0) * C;
+#pragma unroll
+        for (int j = 0; j < kMaxVec; ++j) {
+            const int v = threadIdx.x + j * kLnThreads;
+            if (v < vecs) {
+                if (ok) {
+                    load8(saved + v * 8, pv[j]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) pv[j][e] = 0.0f;
+                }
+            }
+        }
+        // The new shift state: the normalised input of the row's last token. Each thread writes
+        // exactly the elements it read above, so no barrier is needed between the two.
+        if (last == t) {
+#pragma unroll
+            for (int j = 0; j < kMaxVec; ++j) {
+                const int v = threadIdx.x + j * kLnThreads;
+                if (ok && v < vecs) store8(saved + v * 8, xn[j]);
+            }
+        } else {
+            float ln_last[kMaxVec][8];
+            layer_norm_row(x + last * C, ln_w, ln_b, vecs, ln_last, scratch);
+#pragma unroll
+            for (int j = 0; j < kMaxVec; ++j) {
+                const int v = threadIdx.x + j * kLnThreads;
+                if (ok && v < vecs) store8(saved + v * 8, ln_last[j]);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int j = 0; j < kMaxVec; ++j) {
+        const int v = threadIdx.x + j * kLnThreads;
+        if (v >= vecs) continue;
+        float d[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d[e] = pv[j][e] - xn[j][e];
+#pragma unroll
+        for (int m = 0; m < kMaxMix; ++m) {  // unrolled: constant indices keep args out of private memory
+            if (m < args.count) {            // (a guard, not a break: LLVM does not fully unroll the break)
+                float mix[8], o[8];
+                load8(args.mix[m] + v * 8, mix);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[e] = fmaf(d[e], mix[e], xn[j][e]);
+                store8(args.out[m] + t * C + v * 8, o);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------ time_mix
+struct TimeMixArgs {
+    // per token [T, C] fp16
+    const __half *r, *k, *v, *dw, *da, *dv, *g;
+    __half* v_first;  // written in layer 0, read in the others
+    __half* out;
+    // per channel [C]
+    const float *w0, *r_k, *lnx_w, *lnx_b;
+    const __half *a0, *v0, *k_k, *k_a;
+    int first_layer;  // 1: layer 0 (no value residual; v_first := v)
+};
+
+// One block of 64 threads: one wavefront on CDNA, two on RDNA; block_sum<2> works on 32-thread teams
+// either way.
+template <typename S>
+__global__ void __launch_bounds__(N)
+time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state, const int64_t* __restrict__ slots,
+                const int64_t* __restrict__ starts, const int64_t* __restrict__ lasts, TimeMixArgs p) {
+    const int64_t row = blockIdx.x / H;
+    const int h = blockIdx.x % H;
+    const int i = threadIdx.x;
+    const int64_t C = int64_t(H) * N;
+    const int64_t col = int64_t(h) * N + i;
+
+    const int64_t first = starts[row];
+    const int64_t last = lasts[row];
+    const int64_t slot = slots[row];
+    if (last < first || first < 0 || last >= num_tokens) {  // block-uniform
+        dependency_wait();
+        return;
+    }
+    if (slot < 0 || slot >= num_slots) {  // bad slot: NaN output, state untouched
+        dependency_wait();
+        for (int64_t t = first; t <= last; ++t) p.out[t * C + col] = __float2half_rn(__int_as_float(0x7fc00000));
+        return;
+    }
+
+    __shared__ __align__(16) float tile[N][wkv7::LD];
+    __shared__ __align__(16) float kr[N], kw[N], kk_[N], ka[N], kb[N];  // key-axis vectors of the token
+    __shared__ float scratch[6];
+
+    const float w0 = p.w0[col], r_k = p.r_k[col], lnx_w = p.lnx_w[col], lnx_b = p.lnx_b[col];
+    const float a0 = h2f(p.a0[col]), k_k = h2f(p.k_k[col]), k_a = h2f(p.k_a[col]);
+    const float v0 = p.first_layer ? 0.0f : h2f(p.v0[col]);
+
+    S* block = state + (slot * H + h) * N * N;
+    float s[N];
+    wkv7::block_to_tile(block, tile);
+    dependency_wait();
+    __syncthreads();
+    wkv7::tile_row_to_regs(tile[i], s);
+
+    for (int64_t t = first; t <= last; ++t) {
+        const int64_t o = t * C + col;
+        const float r = h2f(p.r[o]), k = h2f(p.k[o]);
+        float v = h2f(p.v[o]);
+        const float w = __expf(-kExpMinusHalf * sigmoidf(w0 + h2f(p.dw[o])));
+        const float a = sigmoidf(a0 + h2f(p.da[o]));
+        const float kkr = k * k_k;
+        const float kn = k * (1.0f + (a - 1.0f) * k_a);
+        if (p.first_layer) {
+            p.v_first[o] = p.v[o];
+        } else {
+            const float vf = h2f(p.v_first[o]);
+            v = v + (vf - v) * sigmoidf(v0 + h2f(p.dv[o]));
+        }
+        const float norm = sqrtf(block_sum<N / kTeam>(kkr * kkr, scratch));
+        const float kk = kkr / fmaxf(norm, 1e-12f);
+        kr[i] = r;
+        kw[i] = w;
+        kk_[i] = kn;
+        ka[i] = -kk;
+        kb[i] = kk * a;
+        __syncthreads();
+
+        const float4* a4 = reinterpret_cast<const float4*>(ka);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int c = 0; c < N / 4; ++c) {
+            const float4 av = a4[c];
+            acc.x = fmaf(s[4 * c + 0], av.x, acc.x);
+            acc.y = fmaf(s[4 * c + 1], av.y, acc.y);
+            acc.z = fmaf(s[4 * c + 2], av.z, acc.z);
+            acc.w = fmaf(s[4 * c + 3], av.w, acc.w);
+        }
+        const float sa = (acc.x + acc.y) + (acc.z + acc.w);
+        const float4 *w4 = reinterpret_cast<const float4*>(kw), *b4 = reinterpret_cast<const float4*>(kb),
+                     *k4 = reinterpret_cast<const float4*>(kk_), *r4 = reinterpret_cast<const float4*>(kr);
+        float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int c = 0; c < N / 4; ++c) {
+            const float4 wv = w4[c], bv = b4[c], kv = k4[c], rv = r4[c];
+            s[4 * c + 0] = fmaf(s[4 * c + 0], wv.x, fmaf(sa, bv.x, v * kv.x));
+            s[4 * c + 1] = fmaf(s[4 * c + 1], wv.y, fmaf(sa, bv.y, v * kv.y));
+            s[4 * c + 2] = fmaf(s[4 * c + 2], wv.z, fmaf(sa, bv.z, v * kv.z));
+            s[4 * c + 3] = fmaf(s[4 * c + 3], wv.w, fmaf(sa, bv.w, v * kv.w));
+            out.x = fmaf(s[4 * c + 0], rv.x, out.x);
+            out.y = fmaf(s[4 * c + 1], rv.y, out.y);
+            out.z = fmaf(s[4 * c + 2], rv.z, out.z);
+            out.w = fmaf(s[4 * c + 3], rv.w, out.w);
+        }
+        const float y = (out.x + out.y) + (out.z + out.w);
+
+        // group norm over the head, plus the bonus term sum_j r_j k'_j r_k_j
+        const float mean = block_sum<N / kTeam>(y, scratch + 2) * (1.0f / N);
+        const float bonus = block_sum<N / kTeam>(r * kn * r_k, scratch + 4);
+        float var_part = (y - mean) * (y - mean);
+        // reuse scratch[0..1]: every thread read it before the barrier inside the mean's block_sum
+        const float var = block_sum<N / kTeam>(var_part, scratch) * (1.0f / N);
+        const float yn = (y - mean) * rsqrtf(var + kGroupNormEps) * lnx_w + lnx_b;
+        const float res = round_half(yn + bonus * v) * h2f(p.g[o]);
+        p.out[o] = __float2half_rn(res);
+        __syncthreads();  // the key-axis buffers and scratch are rewritten by the next token
+    }
+
+    __syncthreads();
+    wkv7::regs_to_tile_row(s, tile[i]);
+    __syncthreads();
+    wkv7::tile_to_block(tile, block);
+}
+
+// ------------------------------------------------------------------------------------ gemv
+constexpr int kGemvWarps = 8;  // 32-thread teams per block, one output row each
+constexpr int kMaxTasks = 8;
+constexpr int kGemvMaxRows = 8;
+
+enum WeightType : int { kWeightHalf = 0, kWeightInt8 = 1 };
+enum Activation : int { kActNone = 0, kActTanh = 1, kActSigmoid = 2 };
+enum Epilogue : int { kEpiNone = 0, kEpiReluSquare = 1 };
+
+struct GemvTask {
+    const void* w;           // [N, K] fp16 or int8, row-major (nn.Linear layout)
+    const __half* scale;     // [N] per output channel (int8 weights), else null
+    const __half* x;         // [M, K]
+    __half* y;               // [M, N]
+    const __half* residual;  // [M, N] added to the result, or null (may alias y)
+    int n, k;
+    int weight_type, activation, epilogue;
+    int first_block;         // blocks [first_block, first_block + ceil(n / kGemvWarps)) compute this task
+};
+
+struct GemvArgs {
+    GemvTask task[kMaxTasks];
+    int count;
+};
+
+__device__ __forceinline__ float activate(float x, int act) {
+    if (act == kActTanh) return tanhf(x);
+    if (act == kActSigmoid) return sigmoidf(x);
+    return x;
+}
+
+// The activations of one 8-wide slice of x, converted and activated.
+__device__ __forceinline__ void load_x8(const __half* p, int act, float (&out)[8]) {
+    load8(p, out);
+    if (act != kActNone) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) out[e] = activate(out[e], act);
+    }
+}
+
+__device__ __forceinline__ void int8x4_to_float(uint32_t word, float* out) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[e] = float(int8_t((word >> (8 * e)) & 0xffu));
+}
+
+template <int M>
+__device__ __forceinline__ void gemv_half_row(const GemvTask& task, int n, int lane, float (&acc)[M]) {
+    const __half* row = static_cast<const __half*>(task.w) + int64_t(n) * task.k;
+#pragma unroll 4
+    for (int k = lane * 8; k < task.k; k += kTeam * 8) {
+        float wf[8];
+        wkv7::unpack8(load_stream(row + k), wf);  // weights: read once, stream
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float xf[8];
+            load_x8(task.x + int64_t(m) * task.k + k, task.activation, xf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[m] = fmaf(wf[e], xf[e], acc[m]);
+        }
+    }
+}
+
+template <int M>
+__device__ __forceinline__ void gemv_int8_row(const GemvTask& task, int n, int lane, float (&acc)[M]) {
+    const int8_t* row = static_cast<const int8_t*>(task.w) + int64_t(n) * task.k;
+#pragma unroll 2
+    for (int k = lane * 16; k < task.k; k += kTeam * 16) {
+        const uint4 packed = load_stream(row + k);
+        float wf[16];
+        int8x4_to_float(packed.x, wf);
+        int8x4_to_float(packed.y, wf + 4);
+        int8x4_to_float(packed.z, wf + 8);
+        int8x4_to_float(packed.w, wf + 12);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float xa[8], xb[8];
+            load_x8(task.x + int64_t(m) * task.k + k, task.activation, xa);
+            load_x8(task.x + int64_t(m) * task.k + k + 8, task.activation, xb);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[m] = fmaf(wf[e], xa[e], acc[m]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[m] = fmaf(wf[8 + e], xb[e], acc[m]);
+        }
+    }
+}
+
+// (No minimum-occupancy argument: HIP's second __launch_bounds__ parameter means something else.)
+template <int M>
+__global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args) {
+    int t = 0;
+#pragma unroll 1
+    while (t + 1 < args.count && int(blockIdx.x) >= args.task[t + 1].first_block) ++t;
+    const GemvTask& task = args.task[t];
+    const int lane = threadIdx.x & (kTeam - 1);
+    const int n = (int(blockIdx.x) - task.first_block) * kGemvWarps + int(threadIdx.x / kTeam);
+    dependency_wait();
+    // A team past the last row still joins the shuffles (a wave64 holds two teams) and only skips the
+    // loads and the stores.
+    const bool active = n < task.n;  // team-uniform
+
+    float acc[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+    if (active) {
+        if (task.weight_type == kWeightInt8) {
+            gemv_int8_row<M>(task, n, lane, acc);
+        } else {
+            gemv_half_row<M>(task, n, lane, acc);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
+    if (!active || lane != 0) return;
+    const float scale = task.scale ? __half2float(task.scale[n]) : 1.0f;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const int64_t o = int64_t(m) * task.n + n;
+        float val = round_half(acc[m] * scale);  // the product in fp16, as a separate matmul would give
+        if (task.epilogue == kEpiReluSquare) {
+            val = fmaxf(val, 0.0f);
+            val = val * val;
+        }
+        if (task.residual) val += __half2float(task.residual[o]);
+        task.y[o] = __float2half_rn(val);
+    }
+}
+
+// ------------------------------------------------------------------------------------ launches
+// Plain launches (no PDL), each kernel named directly; the error of the launch is returned.
+hipError_t launch_ln_shift_mix(unsigned grid, hipStream_t stream, int C, int64_t num_slots, const __half* x,
+                               const __half* ln_w, const __half* ln_b, __half* shift, const int32_t* prev,
+                               const int64_t* slots, const int64_t* lasts, const MixArgs& args) {
+    ln_shift_mix_kernel<<<dim3(grid), dim3(kLnThreads), 0, stream>>>(C, num_slots, x, ln_w, ln_b, shift, prev,
+                                                                      slots, lasts, args);
+    return hipGetLastError();
+}
+
+template <typename S>
+hipError_t launch_time_mix(unsigned grid, hipStream_t stream, int H, int64_t num_slots, int64_t num_tokens, S* state,
+                           const int64_t* slots, const int64_t* starts, const int64_t* lasts, const TimeMixArgs& p) {
+    time_mix_kernel<S><<<dim3(grid), dim3(N), 0, stream>>>(H, num_slots, num_tokens, state, slots, starts, lasts, p);
+    return hipGetLastError();
+}
+
+template <int M>
+hipError_t launch_gemv(const GemvArgs& args, int blocks, hipStream_t stream) {
+    gemv_kernel<M><<<dim3(static_cast<unsigned>(blocks)), dim3(kGemvWarps * kTeam), 0, stream>>>(args);
+    return hipGetLastError();
+}
+
+template <typename F>
+int on_device(int device, F&& launch) {
+    int previous = -1;
+    hipError_t err = hipGetDevice(&previous);
+    if (err != hipSuccess) return err;
+    if (previous != device && (err = hipSetDevice(device)) != hipSuccess) return err;
+    err = launch();
+    if (previous != device) (void)hipSetDevice(previous);
+    return static_cast<int>(err);
+}
+
+}  // namespace fused
+
+// --------------------------------------------------------------------------------- C interface
+// x [T, C] fp16; ln_w/ln_b [C]; shift [S, C] (one layer's token-shift pool, fp16); prev [T] int32;
+// slots/lasts [B] int64; mix[m] [C], out[m] [T, C] for m < count (<= 6). C % 8 == 0, C <= 8192.
+extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, int64_t C, int64_t num_slots,
+                                         const void* x, const void* ln_w, const void* ln_b, void* shift,
+                                         const int32_t* prev, const int64_t* slots, const int64_t* lasts,
+                                         const void* const* mix, void* const* out, int count) {
+    using namespace fused;
+    if (T == 0) return hipSuccess;
+    if (T < 0 || T > INT_MAX || C <= 0 || C % 8 || C > kLnThreads * kMaxVec * 8 || count < 1 || count > kMaxMix)
+        return hipErrorInvalidValue;
+    MixArgs args{};
+    for (int m = 0; m < count; ++m) {
+        args.mix[m] = static_cast<const __half*>(mix[m]);
+        args.out[m] = static_cast<__half*>(out[m]);
+    }
+    args.count = count;
+    return on_device(device, [&] {
+        return launch_ln_shift_mix(static_cast<unsigned>(T), reinterpret_cast<hipStream_t>(stream),
+                                   static_cast<int>(C), num_slots, static_cast<const __half*>(x),
+                                   static_cast<const __half*>(ln_w), static_cast<const __half*>(ln_b),
+                                   static_cast<__half*>(shift), prev, slots, lasts, args);
+    });
+}
+
+// tensors: r, k, v, dw, da, dv, g, v_first, out ([T, C] fp16; dv unused in layer 0);
+// params: w0, r_k, lnx_w, lnx_b (fp32 [C]), a0, v0, k_k, k_a (fp16 [C]; v0 unused in layer 0).
+extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
+                                     int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
+                                     const int64_t* starts, const int64_t* lasts, const void* const* tensors,
+                                     const void* const* params, int first_layer) {
+    using namespace fused;
+    if (B == 0) return hipSuccess;
+    if (B < 0 || H <= 0 || B * H > INT_MAX) return hipErrorInvalidConfiguration;
+    TimeMixArgs p{};
+    p.r = static_cast<const __half*>(tensors[0]);
+    p.k = static_cast<const __half*>(tensors[1]);
+    p.v = static_cast<const __half*>(tensors[2]);
+    p.dw = static_cast<const __half*>(tensors[3]);
+    p.da = static_cast<const __half*>(tensors[4]);
+    p.dv = static_cast<const __half*>(tensors[5]);
+    p.g = static_cast<const __half*>(tensors[6]);
+    p.v_first = static_cast<__half*>(const_cast<void*>(tensors[7]));
+    p.out = static_cast<__half*>(const_cast<void*>(tensors[8]));
+    p.w0 = static_cast<const float*>(params[0]);
+    p.r_k = static_cast<const float*>(params[1]);
+    p.lnx_w = static_cast<const float*>(params[2]);
+    p.lnx_b = static_cast<const float*>(params[3]);
+    p.a0 = static_cast<const __half*>(params[4]);
+    p.v0 = static_cast<const __half*>(params[5]);
+    p.k_k = static_cast<const __half*>(params[6]);
+    p.k_a = static_cast<const __half*>(params[7]);
+    p.first_layer = first_layer;
+    const int h = static_cast<int>(H);
+    const hipStream_t s = reinterpret_cast<hipStream_t>(stream);
+    return on_device(device, [&] {
+        const unsigned grid = static_cast<unsigned>(B * H);
+        if (state_dtype == wkv7::kFloat32)
+            return launch_time_mix<float>(grid, s, h, num_slots, num_tokens, static_cast<float*>(state), slots,
+                                          starts, lasts, p);
+        if (state_dtype == wkv7::kFloat16)
+            return launch_time_mix<__half>(grid, s, h, num_slots, num_tokens, static_cast<__half*>(state), slots,
+                                           starts, lasts, p);
+        return hipErrorInvalidValue;
+    });
+}
+
+extern "C" int fused_gemv_max_rows() { return fused::kGemvMaxRows; }
+extern "C" int fused_gemv_max_tasks() { return fused::kMaxTasks; }
+
+// One launch computing `count` tasks y_i = act(x_i) W_i^T (see GemvTask) for M rows each.
+// Weight k must be a multiple of 8 (fp16) or 16 (int8); every pointer 16-byte aligned.
+extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
+                                 const void* const* scale, const void* const* x, void* const* y,
+                                 const void* const* residual, const int64_t* n, const int64_t* k,
+                                 const int* weight_type, const int* activation, const int* epilogue) {
+    using namespace fused;
+    if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return hipErrorInvalidValue;
+    GemvArgs args{};
+    int blocks = 0;
+    for (int i = 0; i < count; ++i) {
+        const int multiple = weight_type[i] == kWeightInt8 ? 16 : 8;
+        if (n[i] <= 0 || k[i] <= 0 || n[i] > INT_MAX / 2 || k[i] > INT_MAX / 2 || k[i] % multiple)
+            return hipErrorInvalidValue;
+        GemvTask& t = args.task[i];
+        t.w = w[i];
+        t.scale = static_cast<const __half*>(scale[i]);
+        t.x = static_cast<const __half*>(x[i]);
+        t.y = static_cast<__half*>(y[i]);
+        t.residual = static_cast<const __half*>(residual[i]);
+        t.n = static_cast<int>(n[i]);
+        t.k = static_cast<int>(k[i]);
+        t.weight_type = weight_type[i];
+        t.activation = activation[i];
+        t.epilogue = epilogue[i];
+        t.first_block = blocks;
+        blocks += (t.n + kGemvWarps - 1) / kGemvWarps;
+    }
+    args.count = count;
+    const hipStream_t s = reinterpret_cast<hipStream_t>(stream);
+    return on_device(device, [&] {
+        switch (M) {
+            case 1: return launch_gemv<1>(args, blocks, s);
+            case 2: return launch_gemv<2>(args, blocks, s);
+            case 3: return launch_gemv<3>(args, blocks, s);
+            case 4: return launch_gemv<4>(args, blocks, s);
+            case 5: return launch_gemv<5>(args, blocks, s);
+            case 6: return launch_gemv<6>(args, blocks, s);
+            case 7: return launch_gemv<7>(args, blocks, s);
+            default: return launch_gemv<8>(args, blocks, s);
+        }
+    });
+}
+
+extern "C" const char* fused_error_string(int code) { return hipGetErrorString(static_cast<hipError_t>(code)); }
