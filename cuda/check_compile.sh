@@ -5,6 +5,8 @@
 #                    nvidia-cutlass wheel are installed (found like the JIT build finds them)
 #   cuda/*_op.cpp    g++ -fsyntax-only against torch's headers (a CPU build of torch is enough)
 #   hip/*.hip        hipcc -c for two AMD targets (HIP_PLATFORM=amd)
+#   cuda/sampler.cu and hip/sampler.hip once more with the flags of their JIT build
+#                    (infer/ops/sampler_cuda.py: no fast math, no FMA contraction), spills as errors
 # Each tool that is missing is skipped with a note. Exits non-zero if anything fails to compile.
 # Usage: bash cuda/check_compile.sh   (PYTHON=... to pick the interpreter that has torch)
 set -uo pipefail
@@ -100,6 +102,24 @@ if command -v hipcc >/dev/null 2>&1; then
         run "$src  gfx90a,gfx1030" env HIP_PLATFORM=amd hipcc -std=c++17 -O3 --offload-arch=gfx90a \
             --offload-arch=gfx1030 "${TORCH_HIP_DEFINES[@]}" -Wall -c "$src" -o "$TMP/$base.hip.o"
     done
+else
+    echo "  hipcc not found, skipping"
+fi
+
+echo "sampler kernel with its JIT flags (infer/ops/sampler_cuda.py):"
+if command -v nvcc >/dev/null 2>&1; then
+    for arch in 90 80; do
+        run "cuda/sampler.cu --fmad=false  sm_$arch" nvcc -std=c++17 -O3 --fmad=false -arch=sm_$arch \
+            "${TORCH_NVCC_DEFINES[@]}" -Xptxas -warn-spills,-warn-lmem-usage,--warning-as-error -Werror all-warnings \
+            -c cuda/sampler.cu -o "$TMP/sampler.jit.sm$arch.o"
+    done
+else
+    echo "  nvcc not found, skipping"
+fi
+if command -v hipcc >/dev/null 2>&1; then
+    run "hip/sampler.hip -ffp-contract=off  gfx90a,gfx1030" env HIP_PLATFORM=amd hipcc -std=c++17 -O3 \
+        -ffp-contract=off --offload-arch=gfx90a --offload-arch=gfx1030 "${TORCH_HIP_DEFINES[@]}" -Wall \
+        -c hip/sampler.hip -o "$TMP/sampler.jit.hip.o"
 else
     echo "  hipcc not found, skipping"
 fi

@@ -49,10 +49,19 @@ a step does O(1) Python work and no device->host sync on CUDA.  A finished slot 
 released or reset only makes steps take a wider (still correct) path: call ``release_slot``.
 
 Slots in one ``sample`` call must be distinct (the penalty pool is updated by index_put).
+
+On CUDA the keep threshold and the draw (the top-k/top-p truncation and the inverse CDF above) run
+in one kernel without sorting (``infer/ops/sampler_cuda.py``, ``cuda/sampler.cu``) when it builds;
+``Sampler.name`` tells which path a sampler takes (``impl``/``RWKV_SAMPLER``: auto, cuda, torch).
+The kernel sums probabilities exactly (fixed point) where this torch path uses an fp64 cumsum: the
+results are identical whenever those fp64 sums are exact (all kept probabilities >= 2^-29 or so),
+otherwise they differ only by the fp64 rounding (see cuda/sampler.cu).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
 from collections import Counter
 from dataclasses import dataclass
@@ -61,6 +70,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["SamplingParams", "SampleOutput", "Sampler", "uniform_reference"]
+
+log = logging.getLogger(__name__)
 
 _FMAX = torch.finfo(torch.float32).max
 _NEG_INF = float("-inf")
@@ -155,6 +166,18 @@ def uniform_reference(seed: int, step: int) -> float:
     return (_hash_step(k1, k2, step, _mix32_py) >> 8) / float(1 << 24)
 
 
+def _draw(p: Tensor, tau: Tensor, u: Tensor) -> Tensor:
+    """Inverse CDF over the kept probabilities (p >= tau) in vocabulary order at uniforms u (overwrites p)."""
+    V = p.shape[1]
+    # A parallel fp32 scan (CUDA) errs by ~1e-6, as large as tail-token probabilities, so use fp64
+    # there; the CPU kernel is sequential and already accumulates fp32 in double.
+    p.masked_fill_(p < tau[:, None], 0.0)
+    cdf = p.cumsum_(dim=1) if p.device.type == "cpu" else p.to(torch.float64).cumsum_(dim=1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=V - 1)
+
+
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _RowInfo:  # host mirror of one slot's parameters: drives O(1) per-step path decisions
@@ -172,7 +195,10 @@ _I_GREEDY, _I_TOPK, _I_K1, _I_K2 = range(4)
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, max_slots: int, device, valid_vocab: int = 65530):
+    IMPLEMENTATIONS = ("auto", "cuda", "torch")
+
+    def __init__(self, vocab_size: int, max_slots: int, device, valid_vocab: int = 65530,
+                 impl: str | None = None):
         self.vocab_size = int(vocab_size)
         self.max_slots = int(max_slots)
         self.device = torch.device(device)
@@ -198,6 +224,24 @@ class Sampler:
         self._n_bias = 0
         self._topks: Counter[int] = Counter()  # top_k of sampled slots with top_k in (1, _TOPK_MAX]
         self._lps: Counter[int] = Counter()  # logprobs > 0
+        self._kernel = self._select_kernel(impl or os.environ.get("RWKV_SAMPLER") or "auto")
+        self.name = "torch" if self._kernel is None else self._kernel.name
+
+    def _select_kernel(self, impl: str):
+        """The CUDA threshold-and-draw kernel, or None for the torch path (see the module doc)."""
+        if impl not in self.IMPLEMENTATIONS:
+            raise ValueError(f"unknown sampler implementation {impl!r}; "
+                             f"choose one of {', '.join(self.IMPLEMENTATIONS)}")
+        kernel = None
+        if impl != "torch" and self.device.type == "cuda":
+            from infer.ops.sampler_cuda import cuda_sampler_error, load_cuda_sampler
+            kernel = load_cuda_sampler()
+            if kernel is None and impl == "cuda":
+                raise RuntimeError(f"the CUDA sampler kernel was asked for but is unavailable: {cuda_sampler_error()}")
+        elif impl == "cuda":
+            raise RuntimeError(f"the CUDA sampler kernel was asked for, but the sampler runs on {self.device}")
+        log.info("sampler on %s: %s", self.device, "torch" if kernel is None else kernel.name)
+        return kernel
 
     # ---------------------------------------------------------------- slot management
     def _account(self, info: _RowInfo, sign: int) -> None:
@@ -321,6 +365,26 @@ class Sampler:
         tau = torch.where(no_trunc, 0.0, tau)
         return tau, resolved | no_trunc
 
+    def _torch_draw(self, p: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> Tensor:
+        """The torch path of the top-k/top-p threshold and the draw of the sampled rows (overwrites p)."""
+        B, V = p.shape
+        if self._n_sort:
+            if p.device.type == "cpu":
+                # Full CPU sorts are slow; look in the top candidates first and sort only
+                # the rows whose nucleus extends beyond them (exactly the same tau).
+                K = max(_CPU_STAGE_K, max(self._topks, default=0))
+                tau, ok = self._thresholds(p, top_k, top_p, min(K, V))
+                bad = (~ok).nonzero().squeeze(1)
+                if bad.numel():
+                    tau[bad] = self._thresholds(p[bad], top_k[bad], top_p[bad], V)[0]
+            else:
+                tau = self._thresholds(p, top_k, top_p, V)[0]
+        elif self._topks:
+            tau = self._thresholds(p, top_k, top_p, min(max(self._topks), V))[0]
+        else:
+            tau = torch.zeros(B, dtype=torch.float32, device=p.device)
+        return _draw(p, tau, u)
+
     def sample(self, logits: Tensor, slots: Tensor, want_logprob: bool = False) -> SampleOutput:
         B, V = logits.shape
         if V != self.vocab_size:
@@ -364,31 +428,12 @@ class Sampler:
             p = torch.softmax(s, dim=1)
             del s
             top_k, top_p = ip[:, _I_TOPK], fp[:, _F_TOPP]
-            if self._n_sort:
-                if cpu:
-                    # Full CPU sorts are slow; look in the top candidates first and sort only
-                    # the rows whose nucleus extends beyond them (exactly the same tau).
-                    K = max(_CPU_STAGE_K, max(self._topks, default=0))
-                    tau, ok = self._thresholds(p, top_k, top_p, min(K, V))
-                    bad = (~ok).nonzero().squeeze(1)
-                    if bad.numel():
-                        tau[bad] = self._thresholds(p[bad], top_k[bad], top_p[bad], V)[0]
-                else:
-                    tau = self._thresholds(p, top_k, top_p, V)[0]
-            elif self._topks:
-                tau = self._thresholds(p, top_k, top_p, min(max(self._topks), V))[0]
-            else:
-                tau = torch.zeros(B, dtype=torch.float32, device=dev)
-            # Inverse CDF over the kept probabilities in vocabulary order.  A parallel fp32
-            # scan (CUDA) errs by ~1e-6, as large as tail-token probabilities, so use fp64
-            # there; the CPU kernel is sequential and already accumulates fp32 in double.
-            p.masked_fill_(p < tau[:, None], 0.0)
-            cdf = p.cumsum_(dim=1) if cpu else p.to(torch.float64).cumsum_(dim=1)
-            del p
-            total = cdf[:, -1:]
             u = _uniform(ip[:, _I_K1], ip[:, _I_K2], self.step[slots])
-            target = torch.minimum(u.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-            drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=V - 1)
+            if self._kernel is not None:  # threshold and draw in one kernel, no sort
+                drawn = self._kernel(p, top_k, top_p, u, ip[:, _I_GREEDY])[1]
+            else:
+                drawn = self._torch_draw(p, top_k, top_p, u)
+            del p
             tok = torch.where(ip[:, _I_GREEDY].bool(), tok, drawn)
         if any_dead:
             tok = torch.where(dead, fallback, tok)

@@ -1,0 +1,508 @@
+// HIP port of cuda/sampler.cu: the token sampler's top-k / top-p keep threshold and inverse-CDF draw,
+// without sorting.
+//
+// Same semantics, algorithm, shared-memory layout and launcher interface as the CUDA file (read its
+// header comment); only the runtime API (hip*), the launch bounds and the warp primitives differ:
+// warps are warpSize wide (64 on CDNA, 32 on RDNA), so the block helpers loop to warpSize and the
+// per-warp scratch is sized for the narrowest warp. Shuffles of 64-bit values and 64-bit shared
+// atomics are native on both.
+//
+// Build: torch.utils.cpp_extension on a ROCm build of torch compiles this file with hipcc together
+// with cuda/sampler_op.cpp (which only sees the C launcher below). Compile-checked, not run.
+
+#include <hip/hip_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+namespace rwkv_sampler {
+
+typedef unsigned long long u64;
+
+constexpr int kThreads = 512;
+constexpr int kMaxWarps = kThreads / 32;  // warps of a block (fewer where warps are wider)
+constexpr int kBinBits = 11;
+constexpr int kBins = 1 << kBinBits;
+constexpr int kBinsPerThread = kBins / kThreads;
+constexpr uint32_t kCap = 2048;          // keys gathered into shared memory
+constexpr uint32_t kOneKey = 0x3F800000u;  // bits of 1.0f: keys are clamped to [0, 1]
+static_assert(kBins % kThreads == 0, "bins per thread");
+
+struct Range {
+    uint32_t lo, hi;    // the answer lies in [lo, hi]
+    uint32_t n;         // keys of the row in [lo, hi]
+    uint32_t above_n;   // keys of the row above hi (up to the row's largest)
+    u64 above_q;        // their q-sum
+};
+
+struct Cands {          // shared-memory copy of every key in [lo, hi] when valid
+    bool valid;
+    uint32_t lo, hi, n;
+};
+
+struct Shared {
+    u64 bin_q[kBins];
+    uint32_t bin_n[kBins];
+    uint32_t cand[kCap];
+    u64 red_q[kMaxWarps];
+    uint32_t red_a[kMaxWarps], red_b[kMaxWarps], red_n[kMaxWarps];
+    Range range;
+    uint32_t ncand;
+    long long drawn;
+};
+
+// ------------------------------------------------------------------------------------------ keys
+__device__ __forceinline__ uint32_t key_of(float x) {
+    const uint32_t b = __float_as_uint(x);
+    if (b & 0x80000000u) return 0u;  // negative: not produced by softmax; counted as 0
+    return b < kOneKey ? b : kOneKey;  // > 1, inf, NaN: not produced by softmax; counted as 1
+}
+
+// q(key) = floor(value * 2^62), exact for values >= 2^-39; at least 1 for a positive value, so that
+// every kept token of positive probability still starts a step of the CDF (u = 0 draws the first
+// one, as exact arithmetic does).
+__device__ __forceinline__ u64 q62(uint32_t key) {
+    const int e = static_cast<int>(key >> 23);
+    if (e == 0) return key != 0;  // zero, or subnormal (< 2^-126)
+    const u64 m = (key & 0x7FFFFFu) | 0x800000u;  // value = m * 2^(e - 150)
+    const int sh = e - 88;
+    if (sh >= 0) return m << sh;  // sh <= 39: <= 2^62
+    const u64 q = sh > -24 ? (m >> -sh) : 0;
+    return q ? q : 1;
+}
+
+// R(q): q * 2^-62 rounded to the nearest double (the scaling by a power of two is exact)
+__device__ __forceinline__ double to_prob(u64 q) { return __ull2double_rn(q) * 0x1p-62; }
+
+__device__ __forceinline__ int bit_length(uint32_t x) { return x ? 32 - __clz(static_cast<int>(x)) : 0; }
+
+// f(key) for every element of the row; coalesced, float4 when kVec
+template <bool kVec, typename F>
+__device__ __forceinline__ void for_each_key(const float* __restrict__ row, int64_t V, F&& f) {
+    if (kVec) {
+        const float4* r4 = reinterpret_cast<const float4*>(row);
+        const int n4 = static_cast<int>(V >> 2);
+#pragma unroll 4
+        for (int i = threadIdx.x; i < n4; i += kThreads) {
+            const float4 v = __ldg(r4 + i);
+            f(key_of(v.x));
+            f(key_of(v.y));
+            f(key_of(v.z));
+            f(key_of(v.w));
+        }
+    } else {
+        const int n = static_cast<int>(V);
+#pragma unroll 1
+        for (int i = threadIdx.x; i < n; i += kThreads) f(key_of(__ldg(row + i)));
+    }
+}
+
+// ------------------------------------------------------------------------------------------ warps (differ from CUDA)
+__device__ __forceinline__ int warp_size() { return warpSize; }
+template <typename T>
+__device__ __forceinline__ T shfl_xor(T v, int o) { return __shfl_xor(v, o); }
+template <typename T>
+__device__ __forceinline__ T shfl_up(T v, int o) { return __shfl_up(v, static_cast<unsigned>(o)); }
+template <typename T>
+__device__ __forceinline__ T shfl_down(T v, int o) { return __shfl_down(v, static_cast<unsigned>(o)); }
+
+// ------------------------------------------------------------------------------------------ block helpers
+__device__ __forceinline__ int lane_id() { return threadIdx.x % warp_size(); }
+__device__ __forceinline__ int warp_id() { return threadIdx.x / warp_size(); }
+__device__ __forceinline__ int num_warps() { return kThreads / warp_size(); }
+
+template <typename T>
+__device__ __forceinline__ T warp_add(T v) {
+    for (int o = warp_size() / 2; o > 0; o >>= 1) v += shfl_xor(v, o);
+    return v;
+}
+
+// Exclusive prefix sum over the block's threads (in thread order); *total = the block's sum.
+__device__ __forceinline__ u64 block_exclusive_sum(Shared& sh, u64 v, u64* total) {
+    const int lane = lane_id(), w = warp_id();
+    u64 incl = v;
+    for (int o = 1; o < warp_size(); o <<= 1) {
+        const u64 y = shfl_up(incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == warp_size() - 1) sh.red_q[w] = incl;
+    __syncthreads();
+    u64 before = 0, all = 0;
+    for (int i = 0; i < num_warps(); ++i) {
+        const u64 t = sh.red_q[i];
+        before += i < w ? t : 0;
+        all += t;
+    }
+    __syncthreads();
+    *total = all;
+    return before + incl - v;
+}
+
+// Sums over the threads after this one (reverse exclusive scan) of a (count, q) pair.
+__device__ __forceinline__ void block_suffix_after(Shared& sh, uint32_t n, u64 q, uint32_t* n_after, u64* q_after) {
+    const int lane = lane_id(), w = warp_id();
+    uint32_t in = n;
+    u64 iq = q;
+    for (int o = 1; o < warp_size(); o <<= 1) {
+        const uint32_t yn = shfl_down(in, o);
+        const u64 yq = shfl_down(iq, o);
+        if (lane + o < warp_size()) {
+            in += yn;
+            iq += yq;
+        }
+    }
+    if (lane == 0) {
+        sh.red_n[w] = in;
+        sh.red_q[w] = iq;
+    }
+    __syncthreads();
+    uint32_t an = 0;
+    u64 aq = 0;
+    for (int i = w + 1; i < num_warps(); ++i) {
+        an += sh.red_n[i];
+        aq += sh.red_q[i];
+    }
+    __syncthreads();
+    *n_after = an + in - n;
+    *q_after = aq + iq - q;
+}
+
+// ------------------------------------------------------------------------------------------ passes
+struct RowStats {
+    uint32_t min_pos;  // smallest positive key (UINT_MAX when none)
+    uint32_t max_key;  // largest key
+    uint32_t n_pos;    // positive keys
+    u64 total;         // q-sum of the row
+};
+
+template <bool kVec>
+__device__ RowStats row_stats(Shared& sh, const float* __restrict__ row, int64_t V) {
+    uint32_t mn = UINT_MAX, mx = 0, n = 0;
+    u64 tot = 0;
+    for_each_key<kVec>(row, V, [&](uint32_t k) {
+        if (k != 0) {
+            mn = min(mn, k);
+            mx = max(mx, k);
+            ++n;
+            tot += q62(k);
+        }
+    });
+    for (int o = warp_size() / 2; o > 0; o >>= 1) {
+        mn = min(mn, shfl_xor(mn, o));
+        mx = max(mx, shfl_xor(mx, o));
+    }
+    n = warp_add(n);
+    tot = warp_add(tot);
+    const int w = warp_id();
+    if (lane_id() == 0) {
+        sh.red_a[w] = mn;
+        sh.red_b[w] = mx;
+        sh.red_n[w] = n;
+        sh.red_q[w] = tot;
+    }
+    __syncthreads();
+    RowStats st{UINT_MAX, 0, 0, 0};
+    for (int i = 0; i < num_warps(); ++i) {
+        st.min_pos = min(st.min_pos, sh.red_a[i]);
+        st.max_key = max(st.max_key, sh.red_b[i]);
+        st.n_pos += sh.red_n[i];
+        st.total += sh.red_q[i];
+    }
+    __syncthreads();
+    return st;
+}
+
+// Copy every key in [lo, hi] into sh.cand (the caller knows there are at most kCap).
+template <bool kVec>
+__device__ Cands gather(Shared& sh, const float* __restrict__ row, int64_t V, uint32_t lo, uint32_t hi) {
+    if (threadIdx.x == 0) sh.ncand = 0;
+    __syncthreads();
+    for_each_key<kVec>(row, V, [&](uint32_t k) {
+        if (k >= lo && k <= hi) {
+            const uint32_t i = atomicAdd(&sh.ncand, 1u);
+            if (i < kCap) sh.cand[i] = k;
+        }
+    });
+    __syncthreads();
+    return Cands{true, lo, hi, min(sh.ncand, kCap)};
+}
+
+// Histogram of the keys in [lo, hi] (from the row or the gathered keys): bin (key - lo) >> s.
+template <bool kVec>
+__device__ void histogram(Shared& sh, const float* __restrict__ row, int64_t V, bool from_cand, uint32_t ncand,
+                          uint32_t lo, uint32_t hi, int s) {
+    for (int i = threadIdx.x; i < kBins; i += kThreads) {
+        sh.bin_n[i] = 0;
+        sh.bin_q[i] = 0;
+    }
+    __syncthreads();
+    auto add = [&](uint32_t k) {
+        if (k >= lo && k <= hi) {
+            const uint32_t b = (k - lo) >> s;
+            atomicAdd(&sh.bin_n[b], 1u);
+            atomicAdd(&sh.bin_q[b], q62(k));
+        }
+    };
+    if (from_cand) {
+        for (uint32_t i = threadIdx.x; i < ncand; i += kThreads) add(sh.cand[i]);
+    } else {
+        for_each_key<kVec>(row, V, add);
+    }
+    __syncthreads();
+}
+
+// The bin holding the answer: the largest bin b whose lower bound t satisfies the property
+// (kCount: count(key >= t) >= k; else R(q-sum(key >= t)) >= need). The property holds at lo and
+// fails above hi (invariants of Range), and is monotone, so exactly one thread sees it switch.
+template <bool kCount>
+__device__ Range choose_bin(Shared& sh, const Range& r, int s, u64 k, double need) {
+    const int t = threadIdx.x;
+    const int b0 = t * kBinsPerThread;
+    uint32_t lc = 0;
+    u64 lm = 0;
+#pragma unroll
+    for (int j = 0; j < kBinsPerThread; ++j) {
+        lc += sh.bin_n[b0 + j];
+        lm += sh.bin_q[b0 + j];
+    }
+    if (t == 0) sh.range = Range{r.lo, r.lo, 1, r.above_n, r.above_q};  // never used unless the invariants broke
+    uint32_t an;
+    u64 aq;
+    block_suffix_after(sh, lc, lm, &an, &aq);
+    auto holds = [&](uint32_t sn, u64 sq) {
+        return kCount ? static_cast<u64>(r.above_n) + sn >= k : to_prob(r.above_q + sq) >= need;
+    };
+    bool next = holds(an, aq);
+#pragma unroll
+    for (int j = kBinsPerThread - 1; j >= 0; --j) {  // the bins are read again: fewer live registers
+        const uint32_t c = sh.bin_n[b0 + j];
+        const uint32_t sn = an + c;
+        const u64 sq = aq + sh.bin_q[b0 + j];
+        const bool here = holds(sn, sq);
+        if (here && !next) {
+            const u64 base = static_cast<u64>(r.lo) + (static_cast<u64>(b0 + j) << s);
+            const u64 top = base + ((1ull << s) - 1);
+            sh.range = Range{static_cast<uint32_t>(base), static_cast<uint32_t>(top < r.hi ? top : r.hi), c,
+                             r.above_n + an, r.above_q + aq};
+        }
+        next = here;
+        an = sn;
+        aq = sq;
+    }
+    __syncthreads();
+    return sh.range;  // rewritten only after later barriers
+}
+
+template <bool kCount, bool kVec>
+__device__ Range select_key(Shared& sh, const float* __restrict__ row, int64_t V, Range r, uint32_t max_key,
+                            Cands& cd, u64 k, double need) {
+    for (int round = 0; round < 8 && r.lo < r.hi; ++round) {
+        bool covered = cd.valid && cd.lo <= r.lo && r.hi <= cd.hi;
+        if (!covered && r.n <= kCap) {
+            // take every larger key along when they fit too: a later top-p search above kth reuses them
+            const uint32_t ghi = r.n + r.above_n <= kCap ? max_key : r.hi;
+            cd = gather<kVec>(sh, row, V, r.lo, ghi);
+            covered = true;
+        }
+        const int s = max(0, bit_length(r.hi - r.lo) - kBinBits);
+        histogram<kVec>(sh, row, V, covered, cd.n, r.lo, r.hi, s);
+        r = choose_bin<kCount>(sh, r, s, k, need);
+    }
+    return r;
+}
+
+// ------------------------------------------------------------------------------------------ draw
+__device__ __forceinline__ u64 kept_q(float x, uint32_t tau_key) {
+    const uint32_t k = key_of(x);
+    return k >= tau_key ? q62(k) : 0;
+}
+
+template <bool kVec>
+__device__ long long draw(Shared& sh, const float* __restrict__ row, int64_t V, uint32_t tau_key, double u) {
+    const int lane = lane_id(), w = warp_id(), nw = num_warps();
+    const int64_t n_items = kVec ? V >> 2 : V;  // float4s or floats
+    const int64_t seg = (n_items + nw - 1) / nw;
+    const float4* r4 = reinterpret_cast<const float4*>(row);
+    auto item_q = [&](int64_t i) -> u64 {
+        if (kVec) {
+            const float4 v = __ldg(r4 + i);
+            return kept_q(v.x, tau_key) + kept_q(v.y, tau_key) + kept_q(v.z, tau_key) + kept_q(v.w, tau_key);
+        }
+        return kept_q(__ldg(row + i), tau_key);
+    };
+
+    // 1. the warp segments' sums, and the segment where the kept CDF first exceeds the target
+    {
+        const int64_t a = min(n_items, w * seg), b = min(n_items, a + seg);
+        u64 local = 0;
+#pragma unroll 4
+        for (int64_t i = a + lane; i < b; i += warp_size()) local += item_q(i);
+        local = warp_add(local);
+        if (lane == 0) sh.red_q[w] = local;
+    }
+    __syncthreads();
+    u64 total = 0;
+    for (int i = 0; i < nw; ++i) total += sh.red_q[i];
+    const double total_p = to_prob(total);
+    const double target = fmin(__dmul_rn(u, total_p), nextafter(total_p, 0.0));
+    int cw = nw;
+    u64 before = 0;
+    {
+        u64 acc = 0;
+        for (int i = 0; i < nw; ++i) {
+            const u64 next = acc + sh.red_q[i];
+            if (cw == nw && to_prob(next) > target) {
+                cw = i;
+                before = acc;
+            }
+            acc = next;
+        }
+    }
+    __syncthreads();
+    if (cw == nw) return V - 1;  // nothing kept has positive mass (not a probability row)
+
+    // 2. that segment in contiguous per-thread pieces; the piece holding the crossing is walked
+    const int64_t a = min(n_items, cw * seg), b = min(n_items, a + seg);
+    const int64_t per = (b - a + kThreads - 1) / kThreads;
+    const int64_t pa = min(b, a + threadIdx.x * per), pb = min(b, pa + per);
+    u64 mine = 0;
+    for (int64_t i = pa; i < pb; ++i) mine += item_q(i);
+    u64 unused;
+    const u64 start = before + block_exclusive_sum(sh, mine, &unused);
+    if (threadIdx.x == 0) sh.drawn = V - 1;
+    __syncthreads();
+    if (mine != 0 && to_prob(start) <= target && target < to_prob(start + mine)) {
+        u64 run = start;
+        auto crosses = [&](float x, int64_t index) {
+            const uint32_t k = key_of(x);
+            if (k < tau_key) return false;
+            run += q62(k);
+            if (!(to_prob(run) > target)) return false;
+            sh.drawn = index;
+            return true;
+        };
+        for (int64_t i = pa; i < pb; ++i) {
+            if (kVec) {
+                const float4 v = __ldg(r4 + i);
+                if (crosses(v.x, 4 * i) || crosses(v.y, 4 * i + 1) || crosses(v.z, 4 * i + 2) ||
+                    crosses(v.w, 4 * i + 3))
+                    break;
+            } else if (crosses(__ldg(row + i), i)) {
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    return sh.drawn;
+}
+
+// ------------------------------------------------------------------------------------------ kernel
+template <bool kVec>
+__global__ void __launch_bounds__(kThreads)
+sampler_kernel(int64_t V, int64_t p_stride, const float* __restrict__ p, const int64_t* __restrict__ top_k,
+               int64_t k_stride, const float* __restrict__ top_p, int64_t tp_stride, const float* __restrict__ u,
+               int64_t u_stride, const int64_t* __restrict__ greedy, int64_t g_stride, float* __restrict__ tau_out,
+               int64_t* __restrict__ drawn_out) {
+    __shared__ Shared sh;
+    const int64_t rowi = blockIdx.x;
+    if (greedy[rowi * g_stride] != 0) {  // the caller takes the argmax
+        if (threadIdx.x == 0) {
+            tau_out[rowi] = 0.0f;
+            drawn_out[rowi] = 0;
+        }
+        return;
+    }
+    const float* row = p + rowi * p_stride;
+    const int64_t k_raw = top_k[rowi * k_stride];
+    const float tp = top_p[rowi * tp_stride];
+    const bool has_k = k_raw > 0;
+    const u64 k = has_k ? static_cast<u64>(k_raw < V ? k_raw : V) : 0;
+
+    uint32_t tau_key = 0;
+    if (has_k || tp < 1.0f) {
+        const RowStats st = row_stats<kVec>(sh, row, V);
+        const uint32_t row_min = st.n_pos < static_cast<u64>(V) ? 0u : st.min_pos;  // vals[V-1]
+        Cands cd{false, 0, 0, 0};
+        if (!has_k) {
+            const double need = static_cast<double>(tp);
+            if (!(need > 0.0)) {
+                tau_key = st.max_key;
+            } else if (to_prob(st.total) < need) {
+                tau_key = row_min;
+            } else {
+                const Range r0{st.min_pos, st.max_key, st.n_pos, 0, 0};
+                tau_key = select_key<false, kVec>(sh, row, V, r0, st.max_key, cd, 0, need).lo;
+            }
+        } else {
+            uint32_t kth, n_gt;
+            u64 q_gt;
+            if (k > st.n_pos) {  // kth is a zero
+                kth = 0;
+                n_gt = st.n_pos;
+                q_gt = st.total;
+            } else {
+                const Range r0{st.min_pos, st.max_key, st.n_pos, 0, 0};
+                const Range r = select_key<true, kVec>(sh, row, V, r0, st.max_key, cd, k, 0.0);
+                kth = r.lo;
+                n_gt = r.above_n;
+                q_gt = r.above_q;
+            }
+            const double mass = to_prob(q_gt + (k - n_gt) * q62(kth));
+            const double need = __dmul_rn(static_cast<double>(tp), mass);
+            if (mass < need) {  // top_p > 1: no prefix reaches it
+                tau_key = row_min;
+            } else if (!(need > 0.0)) {
+                tau_key = st.max_key;
+            } else if (to_prob(q_gt) < need) {
+                tau_key = kth;
+            } else {
+                const uint32_t lo = max(kth + 1, st.min_pos);
+                const Range r0{lo, st.max_key, n_gt, 0, 0};
+                tau_key = select_key<false, kVec>(sh, row, V, r0, st.max_key, cd, 0, need).lo;
+            }
+        }
+    }
+    const long long d = draw<kVec>(sh, row, V, tau_key, static_cast<double>(u[rowi * u_stride]));
+    if (threadIdx.x == 0) {
+        tau_out[rowi] = __uint_as_float(tau_key);
+        drawn_out[rowi] = d;
+    }
+}
+
+}  // namespace rwkv_sampler
+
+// Launch on `stream` (a hipStream_t passed as an integer) of HIP device `device`: one block per
+// row of p [B, V] (row stride p_stride floats, unit column stride); top_k/greedy int64 and
+// top_p/u fp32 are 1-D with the given element strides; tau [B] fp32 and drawn [B] int64 are written
+// (0 and 0 for greedy rows). Returns the hipError_t of the launch (0 = success); nothing is
+// launched when B == 0.
+extern "C" int sampler_launch(int device, int64_t stream, int64_t B, int64_t V, int64_t p_stride, const float* p,
+                              const int64_t* top_k, int64_t k_stride, const float* top_p, int64_t tp_stride,
+                              const float* u, int64_t u_stride, const int64_t* greedy, int64_t g_stride, float* tau,
+                              int64_t* drawn) {
+    using namespace rwkv_sampler;
+    if (B == 0) return hipSuccess;
+    if (B < 0 || B > INT_MAX || V <= 0 || V > INT_MAX) return hipErrorInvalidConfiguration;
+
+    int previous = -1;
+    hipError_t err = hipGetDevice(&previous);
+    if (err != hipSuccess) return err;
+    if (previous != device && (err = hipSetDevice(device)) != hipSuccess) return err;
+
+    const hipStream_t s = reinterpret_cast<hipStream_t>(stream);
+    const bool vec = V % 4 == 0 && p_stride % 4 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+    const dim3 grid(static_cast<unsigned>(B)), block(kThreads);
+    if (vec) {
+        sampler_kernel<true><<<grid, block, 0, s>>>(V, p_stride, p, top_k, k_stride, top_p, tp_stride, u, u_stride,
+                                                    greedy, g_stride, tau, drawn);
+    } else {
+        sampler_kernel<false><<<grid, block, 0, s>>>(V, p_stride, p, top_k, k_stride, top_p, tp_stride, u, u_stride,
+                                                     greedy, g_stride, tau, drawn);
+    }
+    err = hipGetLastError();
+
+    if (previous != device) (void)hipSetDevice(previous);
+    return err;
+}
+
+extern "C" const char* sampler_error_string(int code) { return hipGetErrorString(static_cast<hipError_t>(code)); }

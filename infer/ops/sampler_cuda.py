@@ -1,0 +1,118 @@
+"""The sampler's top-k/top-p keep threshold and inverse-CDF draw as one CUDA kernel (``cuda/sampler.cu``).
+
+:class:`infer.sampler.Sampler` on a CUDA device hands the softmax probabilities of its sampled
+rows to this kernel instead of sorting them: one thread block per row finds the k-th largest
+probability and the nucleus boundary by range refinement over the float bit patterns, with exact
+fixed-point sums, then draws the token. Same semantics as the torch path (see ``cuda/sampler.cu``
+for the one documented difference: the torch path's fp64 cumsum rounding). Launched on the current
+stream, no host sync, graph-capturable.
+
+The extension is JIT-compiled on first use and cached (``infer.ops.cuda_ext``); on a ROCm build of
+torch the HIP port (``hip/sampler.hip``) is compiled instead. :func:`load_cuda_sampler` never
+raises: it logs why and returns None when the kernel cannot be had (no CUDA device, no toolkit, a
+failed build, or a failed self-test against the torch path).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from infer.ops.cuda_ext import BuildOnce, compile_extension
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+CUDA_SOURCES = [ROOT / "cuda" / "sampler_op.cpp", ROOT / "cuda" / "sampler.cu"]
+HIP_SOURCES = [ROOT / "cuda" / "sampler_op.cpp", ROOT / "hip" / "sampler.hip"]
+EXTENSION_NAME = "rwkv7_sampler"
+
+
+class CudaSampler:
+    """``(tau, drawn) = kernel(p, top_k, top_p, u, greedy)`` for the sampled rows of a step.
+
+    p [B, V] fp32 (unit column stride), top_k [B] int64 (0 = off), top_p [B] fp32 (>= 1 = off),
+    u [B] fp32, greedy [B] int64 (non-zero: row skipped, 0 returned). tau [B] fp32 is the keep
+    threshold (keep p >= tau), drawn [B] int64 the token.
+    """
+
+    name = "cuda kernel (sampler)"
+
+    def __init__(self, module) -> None:
+        self._op = module.sampler_tau_draw
+
+    def __call__(self, p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
+                 greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B = p.shape[0]
+        tau = torch.empty(B, dtype=torch.float32, device=p.device)
+        drawn = torch.empty(B, dtype=torch.int64, device=p.device)
+        stream = torch.cuda.current_stream(p.device).cuda_stream
+        self._op(p, top_k, top_p, u, greedy, tau, drawn, stream)
+        return tau, drawn
+
+
+# --------------------------------------------------------------------------- loading
+_kernel: BuildOnce[CudaSampler] = BuildOnce("CUDA sampler kernel")
+
+
+def _compile():
+    hip = torch.version.hip is not None
+    # No fast math and no FMA contraction: the kernel's doubles must round exactly like torch's.
+    return compile_extension(EXTENSION_NAME + ("_hip" if hip else ""), HIP_SOURCES if hip else CUDA_SOURCES,
+                             ["-O3", "-ffp-contract=off"] if hip else ["-O3", "-lineinfo", "--fmad=false"],
+                             f"the sampler kernel ({'HIP' if hip else 'CUDA'})")
+
+
+def self_test_batch(device: torch.device, V: int, seed: int = 0):
+    """A small batch (p, top_k, top_p, u, greedy) on ``device`` whose torch-path sums are exact
+    (every probability is well above 2^-29), covering ties, top-k, top-p, both, neither and greedy."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = 12
+    x = torch.randn(rows, V, generator=gen)
+    x[1] = (x[1] * 2).round() / 2  # many exact ties
+    x[2] = 0.0  # uniform
+    x[3, : V // 2] += 2.0  # two levels
+    x[:, -3:] = float("-inf")  # masked ids (p = 0)
+    p = torch.softmax(x, dim=1)
+    top_k = torch.tensor([0, 5, 0, 40, 1, 7, 0, V - 1, 3, 0, 2, 100][:rows], dtype=torch.int64)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.8, 1.0, 0.95, 1.0, 0.7, 0.3, 0.99, 1.0, 1.0][:rows], dtype=torch.float32)
+    u = torch.rand(rows, generator=gen)
+    u[0] = 0.0
+    greedy = torch.zeros(rows, dtype=torch.int64)
+    greedy[10] = 1
+    return tuple(t.to(device) for t in (p, top_k, top_p, u, greedy))
+
+
+def _self_test(kernel: CudaSampler) -> str | None:
+    """Compare small batches (both the vectorized and the scalar path) with the torch path."""
+    from infer.sampler import Sampler, _draw
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    for V in (1000, 4099):
+        p, top_k, top_p, u, greedy = self_test_batch(device, V)
+        ref = Sampler(V, 1, device, valid_vocab=V, impl="torch")
+        tau_ref = ref._thresholds(p, top_k, top_p, V)[0]
+        drawn_ref = _draw(p.clone(), tau_ref, u)
+        tau, drawn = kernel(p, top_k, top_p, u, greedy)
+        torch.cuda.synchronize(device)
+        live = greedy == 0
+        if not torch.equal(tau[live], tau_ref[live]) or not torch.equal(drawn[live], drawn_ref[live]):
+            return (f"self-test against the torch path failed (V={V}): tau {tau.tolist()} vs {tau_ref.tolist()}, "
+                    f"tokens {drawn.tolist()} vs {drawn_ref.tolist()}")
+    return None
+
+
+def load_cuda_sampler(verify: bool = True) -> CudaSampler | None:
+    """The compiled kernel, building it on the first call; None (with a logged warning) if it
+    cannot be had: no CUDA device, no nvcc/ninja, a failed build, or a failed self-test."""
+    def build() -> tuple[CudaSampler | None, str | None]:
+        kernel = CudaSampler(_compile())
+        reason = _self_test(kernel) if verify else None
+        return (None, reason) if reason else (kernel, None)
+    return _kernel.get(build)
+
+
+def cuda_sampler_error() -> str | None:
+    """Why :func:`load_cuda_sampler` returned None (None if it was not tried or succeeded)."""
+    return _kernel.error
