@@ -212,14 +212,15 @@ def test_kernel_rejects_bad_arguments(kernel):
 @needs_cuda
 def test_kernel_is_chosen_and_logged(kernel, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="infer.sampler"):
-        s = Sampler(65536, 4, "cuda")
+        s = Sampler(65536, 4, "cuda", impl="auto")
     assert s.name == CudaSampler.name == "cuda kernel (sampler)"
     assert getattr(s, "name", "torch") == CudaSampler.name  # what ModelRunner.implementations() reports
     assert any("sampler on cuda" in r.getMessage() and CudaSampler.name in r.getMessage() for r in caplog.records)
     assert Sampler(65536, 4, "cuda", impl="cuda").name == CudaSampler.name
     assert Sampler(65536, 4, "cuda", impl="torch").name == "torch"
-    monkeypatch.setenv("RWKV_SAMPLER", "torch")
-    assert Sampler(65536, 4, "cuda").name == "torch"
+    assert Sampler(65536, 4, "cuda").name == "torch"  # opt-in until timed on a GPU
+    monkeypatch.setenv("RWKV_SAMPLER", "auto")
+    assert Sampler(65536, 4, "cuda").name == CudaSampler.name
 
 
 ROW_PARAMS = [
