@@ -285,33 +285,7 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
         kb[i] = kk * a;
         __syncthreads();
 
-        const float4* a4 = reinterpret_cast<const float4*>(ka);
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int c = 0; c < N / 4; ++c) {
-            const float4 av = a4[c];
-            acc.x = fmaf(s[4 * c + 0], av.x, acc.x);
-            acc.y = fmaf(s[4 * c + 1], av.y, acc.y);
-            acc.z = fmaf(s[4 * c + 2], av.z, acc.z);
-            acc.w = fmaf(s[4 * c + 3], av.w, acc.w);
-        }
-        const float sa = (acc.x + acc.y) + (acc.z + acc.w);
-        const float4 *w4 = reinterpret_cast<const float4*>(kw), *b4 = reinterpret_cast<const float4*>(kb),
-                     *k4 = reinterpret_cast<const float4*>(kk_), *r4 = reinterpret_cast<const float4*>(kr);
-        float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int c = 0; c < N / 4; ++c) {
-            const float4 wv = w4[c], bv = b4[c], kv = k4[c], rv = r4[c];
-            s[4 * c + 0] = fmaf(s[4 * c + 0], wv.x, fmaf(sa, bv.x, v * kv.x));
-            s[4 * c + 1] = fmaf(s[4 * c + 1], wv.y, fmaf(sa, bv.y, v * kv.y));
-            s[4 * c + 2] = fmaf(s[4 * c + 2], wv.z, fmaf(sa, bv.z, v * kv.z));
-            s[4 * c + 3] = fmaf(s[4 * c + 3], wv.w, fmaf(sa, bv.w, v * kv.w));
-            out.x = fmaf(s[4 * c + 0], rv.x, out.x);
-            out.y = fmaf(s[4 * c + 1], rv.y, out.y);
-            out.z = fmaf(s[4 * c + 2], rv.z, out.z);
-            out.w = fmaf(s[4 * c + 3], rv.w, out.w);
-        }
-        const float y = (out.x + out.y) + (out.z + out.w);
+        const float y = wkv7::token_step(s, ka, kw, kk_, kb, kr, v);
 
         // group norm over the head, plus the bonus term sum_j r_j k'_j r_k_j
         const float mean = block_sum<2>(y, scratch + 2) * (1.0f / N);

@@ -115,39 +115,7 @@ wkv7_slots_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ 
             nb = to_f32(b[o]);
         }
 
-        const float4* a4 = reinterpret_cast<const float4*>(cur.a);
-        const float4* b4 = reinterpret_cast<const float4*>(cur.b);
-        const float4* w4 = reinterpret_cast<const float4*>(cur.w);
-        const float4* k4 = reinterpret_cast<const float4*>(cur.k);
-        const float4* r4 = reinterpret_cast<const float4*>(cur.r);
-
-        // sa = S_old[i] . a   (four partial sums for instruction-level parallelism)
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int c = 0; c < N / 4; ++c) {
-            const float4 av = a4[c];
-            acc.x = fmaf(s[4 * c + 0], av.x, acc.x);
-            acc.y = fmaf(s[4 * c + 1], av.y, acc.y);
-            acc.z = fmaf(s[4 * c + 2], av.z, acc.z);
-            acc.w = fmaf(s[4 * c + 3], av.w, acc.w);
-        }
-        const float sa = (acc.x + acc.y) + (acc.z + acc.w);
-
-        // S[i][j] = S[i][j]*w[j] + sa*b[j] + v[i]*k[j];  y[i] = S_new[i] . r
-        float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int c = 0; c < N / 4; ++c) {
-            const float4 wv = w4[c], bv = b4[c], kv = k4[c], rv = r4[c];
-            s[4 * c + 0] = fmaf(s[4 * c + 0], wv.x, fmaf(sa, bv.x, vi * kv.x));
-            s[4 * c + 1] = fmaf(s[4 * c + 1], wv.y, fmaf(sa, bv.y, vi * kv.y));
-            s[4 * c + 2] = fmaf(s[4 * c + 2], wv.z, fmaf(sa, bv.z, vi * kv.z));
-            s[4 * c + 3] = fmaf(s[4 * c + 3], wv.w, fmaf(sa, bv.w, vi * kv.w));
-            out.x = fmaf(s[4 * c + 0], rv.x, out.x);
-            out.y = fmaf(s[4 * c + 1], rv.y, out.y);
-            out.z = fmaf(s[4 * c + 2], rv.z, out.z);
-            out.w = fmaf(s[4 * c + 3], rv.w, out.w);
-        }
-        y[t * C + col] = (out.x + out.y) + (out.z + out.w);
+        y[t * C + col] = token_step(s, cur.a, cur.w, cur.k, cur.b, cur.r, vi);
         p ^= 1;
     }
 
