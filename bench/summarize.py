@@ -3,7 +3,7 @@
 Stable keys (e.g. ``decode_bsz1_7.2b_fp16_tok_s``), each with its value, GPU, date and source
 file; figures not measured yet are listed under ``missing``. Sources: ``decode_h200*.json``
 (bench_decode.py; the newest measurement of a figure wins; ``experiment_*.json`` are variants kept
-for the record and never summarized), ``official_h200.json`` (bench_official.py, the official ``rwkv`` package) and
+for the record and never summarized), ``official_h200*.json`` (bench_official.py, the official ``rwkv`` package) and
 ``serving_h200_<size>.json`` (bench_serving.py --name h200_<size>, e.g. from h200_serving.sh).
 
     python bench/summarize.py [--results DIR]
@@ -103,8 +103,8 @@ def main() -> None:
 
     for path in sorted(results.glob("decode_h200*.json")):
         keep_newest(decode_figures(path))
-    if (results / "official_h200.json").exists():
-        keep_newest(official_figures(results / "official_h200.json"))
+    for path in sorted(results.glob("official_h200*.json")):
+        keep_newest(official_figures(path))
     for path in sorted(results.glob("serving_h200*.json")):
         keep_newest(serving_figures(path))
     summary = {key: figures[key] for key in WANTED if key in figures}
