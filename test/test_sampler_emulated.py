@@ -2,17 +2,15 @@
 definition and the torch path.
 
 The kernel code is compiled with g++ against a small emulation of the device features it uses
-(test/sampler_emu: a block's 512 threads are fibers run in a random order between barriers,
-shuffles go through per-warp buffers), so its logic, block reductions and barriers are exercised
-without a GPU; the HIP port runs with 64-wide (CDNA) and 32-wide (RDNA) warps. Memory-model and
-performance questions need the real device: test_sampler_cuda.py. Skipped without g++ (C++20,
-<ucontext.h>).
+(test/kernel_emu, shared with test_fused_emulated.py: a block's 512 threads are fibers run in a random
+order between barriers, shuffles go through per-warp buffers), so its logic, block reductions and
+barriers are exercised without a GPU; the HIP port runs with 64-wide (CDNA) and 32-wide (RDNA) warps.
+Memory-model and performance questions need the real device: test_sampler_cuda.py. Skipped without g++
+(C++20, <ucontext.h>).
 """
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 import zlib
 from pathlib import Path
 
@@ -21,28 +19,19 @@ import torch
 
 from infer.ops.sampler_cuda import self_test_batch
 from infer.sampler import Sampler, _draw
+from kernel_emu import emu_build
 from sampler_model import exact_tau_draw, probability_rows, row_params, torch_sums_exact
 
-ROOT = Path(__file__).resolve().parent.parent
-EMU = ROOT / "test" / "sampler_emu"
 VARIANTS = {"cuda": ("cuda/sampler.cu", 32), "hip-wave64": ("hip/sampler.hip", 64),
             "hip-wave32": ("hip/sampler.hip", 32)}
 
 
-def _compiler() -> str | None:
-    return shutil.which("g++")
-
-
 @pytest.fixture(scope="session")
 def emu_dir(tmp_path_factory) -> Path:
-    cxx = _compiler()
-    if cxx is None:
-        pytest.skip("g++ not found")
     d = tmp_path_factory.mktemp("sampler_emu")
-    probe = d / "probe.cpp"
-    probe.write_text("#include <ucontext.h>\nint main() { ucontext_t c; return getcontext(&c); }\n")
-    if subprocess.run([cxx, "-std=c++20", str(probe), "-o", str(d / "probe")], capture_output=True).returncode:
-        pytest.skip("g++ without C++20 or <ucontext.h>")
+    reason = emu_build.usable(d)
+    if reason:
+        pytest.skip(reason)
     return d
 
 
@@ -53,16 +42,8 @@ def emulated(variant: str, emu_dir: Path):
     """Build (once) the kernel source of ``variant`` for the CPU emulation; a callable like CudaSampler."""
     if variant not in _libs:
         src, warp = VARIANTS[variant]
-        text = (ROOT / src).read_text()
-        cut = text.index('extern "C" int sampler_launch')  # the launcher is host code for the real runtime
-        part = emu_dir / f"{variant}.inc"
-        part.write_text(text[:cut])
-        lib = emu_dir / f"{variant}.so"
-        cmd = [_compiler(), "-std=c++20", "-O2", "-shared", "-fPIC", "-Wall", "-Wno-unknown-pragmas",
-               f"-I{EMU}", f"-DEMU_WARP={warp}", f'-DKERNEL_SOURCE="{part}"', str(EMU / "emu_sampler.cpp"),
-               "-o", str(lib)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        assert res.returncode == 0, f"emulation build of {src} failed:\n{res.stderr[-4000:]}"
+        cmd, lib = emu_build.build_command(src, "emu_sampler.cpp", warp, emu_dir, variant)
+        emu_build.build_all({variant: (cmd, lib)})
         so = ctypes.CDLL(str(lib))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         so.emu_sampler.argtypes = [i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr]

@@ -1,0 +1,54 @@
+// Stand-in for <cuda_runtime.h> when a kernel source is compiled for the CPU emulation (emu_device.h).
+// The runtime API part is only what the launchers of the kernel files name, so that the helpers above
+// their `extern "C"` interface compile; the harnesses launch the kernels themselves (emu::run_grid), and
+// these stubs launch nothing.
+#pragma once
+#include "emu_device.h"
+
+template <typename T>
+T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) { return emu::shfl_xor(v, mask, width); }
+template <typename T>
+T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) { return emu::shfl_up(v, delta, width); }
+template <typename T>
+T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) { return emu::shfl_down(v, delta, width); }
+
+enum cudaError_t : int {
+    cudaSuccess = 0,
+    cudaErrorInvalidValue = 1,
+    cudaErrorInvalidConfiguration = 9,
+    cudaErrorNotSupported = 801,
+};
+typedef struct CUstream_st* cudaStream_t;
+enum cudaDeviceAttr : int { cudaDevAttrComputeCapabilityMajor = 75 };
+enum cudaLaunchAttributeID : int { cudaLaunchAttributeProgrammaticStreamSerialization = 5 };
+struct cudaLaunchAttributeValue {
+    int programmaticStreamSerializationAllowed;
+};
+struct cudaLaunchAttribute {
+    cudaLaunchAttributeID id;
+    cudaLaunchAttributeValue val;
+};
+struct cudaLaunchConfig_t {
+    dim3 gridDim, blockDim;
+    size_t dynamicSmemBytes;
+    cudaStream_t stream;
+    cudaLaunchAttribute* attrs;
+    unsigned numAttrs;
+};
+
+inline cudaError_t cudaGetDevice(int* device) {
+    *device = 0;
+    return cudaSuccess;
+}
+inline cudaError_t cudaSetDevice(int) { return cudaSuccess; }
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
+    *value = 0;
+    return cudaErrorNotSupported;
+}
+inline cudaError_t cudaGetLastError() { return cudaErrorNotSupported; }
+inline const char* cudaGetErrorString(cudaError_t) { return "CPU emulation: no CUDA runtime"; }
+template <typename... KernelArgs, typename... Args>
+cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t*, void (*)(KernelArgs...), Args&&...) {
+    return cudaErrorNotSupported;
+}
+

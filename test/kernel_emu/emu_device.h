@@ -1,0 +1,336 @@
+// CPU emulation of the CUDA/HIP device features that the project's kernels use (cuda/sampler.cu,
+// cuda/rwkv7_fused.cu, cuda/wkv7_slots.cu + cuda/wkv7_state.cuh and their HIP ports), for the tests
+// test_sampler_emulated.py and test_fused_emulated.py. The stand-in runtime headers of this folder
+// (cuda_runtime.h, cuda_fp16.h, cuda_bf16.h, hip/hip_runtime.h, hip/hip_fp16.h) include it, so the
+// kernel sources compile unchanged with g++ (see emu_build.py for the two textual adaptations).
+//
+// Not a general GPU emulator:
+// - A thread block is `threads` fibers (ucontext) on one OS thread, resumed in a fresh random order
+//   on every sweep: a fiber runs until it waits at a barrier. __syncthreads is a barrier of all of the
+//   block's threads; a warp shuffle is an exchange through a per-warp buffer between two barriers of
+//   the warp's EMU_WARP fibers (every lane of the warp must call it together, as on a GPU where the
+//   lanes run in lockstep). A thread that returns early never arrives, so a block whose threads end up
+//   at different barriers is reported as deadlocked instead of hanging.
+// - Shared memory (`__shared__` becomes `static`) is one object: the blocks of a grid run one after
+//   another, in a shuffled order (a kernel may not depend on the order of its blocks).
+// - Arithmetic: IEEE fp32 with round-to-nearest; fmaf is a real fused multiply-add and nothing else is
+//   contracted (x86-64 g++ without -mfma). The fast-math intrinsics (__expf, rsqrtf) are the exact
+//   libm functions here, while the GPU build (--use_fast_math) approximates them to a few ulp: the
+//   tests' tolerances are stated against that.
+// - __half and __nv_bfloat16 are 16-bit storage types with explicit conversions only (torch builds its
+//   extensions with __CUDA_NO_HALF_CONVERSIONS__ & co.), converting with IEEE round-to-nearest-even.
+#pragma once
+
+#include <math.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+
+#ifndef EMU_WARP
+#define EMU_WARP 32
+#endif
+
+#define EMU_EXPORT extern "C" __attribute__((visibility("default")))
+
+struct dim3 {
+    unsigned x, y, z;
+    constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+static_assert(sizeof(float4) == 16 && sizeof(uint4) == 16, "vector types");
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+
+inline dim3 threadIdx;  // set by the scheduler before it resumes a fiber
+inline dim3 blockIdx;
+inline dim3 blockDim;
+inline dim3 gridDim;
+
+// ------------------------------------------------------------------------------------ 16-bit floats
+namespace emu {
+
+inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+inline float f32_from_bits(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// IEEE binary16, round to nearest even (overflow to infinity, subnormals, NaN stays NaN).
+inline uint16_t f32_to_f16(float f) {
+    const uint32_t x = f32_bits(f);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));  // NaN
+    if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 (and inf): infinity
+    if (ax < 0x38800000u) {  // below 2^-14: subnormal (or zero); the scaling by 2^24 is exact
+        const float scaled = f32_from_bits(ax) * 16777216.0f;
+        return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(scaled)));  // ties to even
+    }
+    const uint32_t r = ax - 0x38000000u;  // rebias the exponent (127 -> 15)
+    return static_cast<uint16_t>(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+}
+
+inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const int e = (h >> 10) & 0x1f;
+    const uint32_t m = h & 0x3ffu;
+    if (e == 0) {
+        const float v = static_cast<float>(m) * (1.0f / 16777216.0f);  // exact
+        return f32_from_bits(f32_bits(v) | sign);
+    }
+    if (e == 31) return f32_from_bits(sign | 0x7f800000u | (m << 13));
+    return f32_from_bits(sign | (static_cast<uint32_t>(e + 112) << 23) | (m << 13));
+}
+
+// bfloat16: the upper half of an fp32 (round to nearest even on the way down).
+inline uint16_t f32_to_bf16(float f) {
+    const uint32_t x = f32_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+    return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+inline float bf16_to_f32(uint16_t b) { return f32_from_bits(static_cast<uint32_t>(b) << 16); }
+
+}  // namespace emu
+
+// ------------------------------------------------------------------------------------ scheduling
+namespace emu {
+
+void yield();  // back to the scheduler (below)
+inline unsigned long long progress = 0;  // barrier arrivals and returns; the scheduler detects deadlocks
+
+struct Barrier {
+    int expected = 0, arrived = 0;
+    unsigned generation = 0;
+    void wait() {
+        const unsigned g = generation;
+        ++progress;
+        if (++arrived == expected) {
+            arrived = 0;
+            ++generation;
+            return;
+        }
+        while (generation == g) yield();
+    }
+};
+
+struct Warp {
+    Barrier bar;
+    uint64_t buf[EMU_WARP];
+};
+inline Barrier block_barrier;
+inline Warp* warps = nullptr;
+
+inline int lane() { return static_cast<int>(threadIdx.x) % EMU_WARP; }
+
+// Every lane of the warp publishes v; each gets lane src's value (its own when !valid).
+template <typename T>
+T exchange(T v, int src, bool valid) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffle of a wide type");
+    Warp& w = warps[threadIdx.x / EMU_WARP];
+    uint64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    w.buf[lane()] = bits;
+    w.bar.wait();
+    T out = v;
+    if (valid) std::memcpy(&out, &w.buf[src], sizeof(T));
+    w.bar.wait();
+    return out;
+}
+
+// The shuffles with a segment width (a power of two <= EMU_WARP), as HIP defines them; CUDA's agree.
+template <typename T>
+T shfl_xor(T v, int mask, int width = EMU_WARP) {
+    const int self = lane();
+    const int src = self ^ mask;
+    return exchange(v, src, src < ((self + width) & ~(width - 1)));
+}
+template <typename T>
+T shfl_up(T v, unsigned delta, int width = EMU_WARP) {
+    const int self = lane();
+    const int src = self - static_cast<int>(delta);
+    return exchange(v, src, src >= (self & ~(width - 1)));
+}
+template <typename T>
+T shfl_down(T v, unsigned delta, int width = EMU_WARP) {
+    const int self = lane();
+    return exchange(v, self + static_cast<int>(delta), (self & (width - 1)) + static_cast<int>(delta) < width);
+}
+
+namespace sched {
+constexpr size_t kStack = 256 * 1024;
+inline ucontext_t scheduler;
+inline std::vector<ucontext_t> fibers;
+inline std::vector<char> stacks;
+inline std::vector<char> finished;
+inline int current = 0;
+inline const std::function<void()>* body = nullptr;
+
+inline void fiber_main() {
+    (*body)();
+    finished[current] = 1;  // returns to `scheduler` through uc_link
+    ++progress;
+}
+}  // namespace sched
+
+inline void yield() { swapcontext(&sched::fibers[sched::current], &sched::scheduler); }
+
+// Runs one block (blockIdx must be set) of `threads` threads; false when it deadlocked: its threads
+// wait at barriers that can no longer complete (they took different paths, or some returned while
+// others wait). The waiting fibers are then abandoned.
+inline bool run_block(const std::function<void()>& kernel, int threads) {
+    using namespace sched;
+    fibers.assign(threads, ucontext_t{});
+    if (stacks.size() < static_cast<size_t>(threads) * kStack) stacks.resize(static_cast<size_t>(threads) * kStack);
+    finished.assign(threads, 0);
+    std::vector<Warp> block_warps((threads + EMU_WARP - 1) / EMU_WARP);
+    for (size_t w = 0; w < block_warps.size(); ++w)
+        block_warps[w].bar.expected = std::min(EMU_WARP, threads - static_cast<int>(w) * EMU_WARP);
+    warps = block_warps.data();
+    block_barrier = Barrier{};
+    block_barrier.expected = threads;
+    blockDim = dim3(static_cast<unsigned>(threads));
+    body = &kernel;
+    for (int t = 0; t < threads; ++t) {
+        getcontext(&fibers[t]);
+        fibers[t].uc_stack.ss_sp = &stacks[t * kStack];
+        fibers[t].uc_stack.ss_size = kStack;
+        fibers[t].uc_link = &scheduler;
+        makecontext(&fibers[t], fiber_main, 0);
+    }
+    // Sweeps in a fresh random order until every fiber has returned, so that the kernel's result
+    // cannot lean on one particular interleaving between its barriers.
+    std::vector<int> order(threads);
+    std::iota(order.begin(), order.end(), 0);
+    std::mt19937 rng(blockIdx.x * 7919u + 1u);
+    for (int left = threads; left > 0;) {
+        const unsigned long long before = progress;
+        left = 0;
+        std::shuffle(order.begin(), order.end(), rng);
+        for (const int t : order) {
+            if (finished[t]) continue;
+            current = t;
+            threadIdx = dim3(static_cast<unsigned>(t));
+            swapcontext(&scheduler, &fibers[t]);
+            left += !finished[t];
+        }
+        if (left > 0 && progress == before) return false;  // a whole sweep of waiting only
+    }
+    return true;
+}
+
+// Runs a 1-D grid block by block in a shuffled order (seeded by `seed`). Returns 0, or 1 + the index
+// of the first block that deadlocked.
+inline int run_grid(unsigned grid, int threads, const std::function<void()>& kernel, unsigned seed = 1) {
+    std::vector<unsigned> order(grid);
+    std::iota(order.begin(), order.end(), 0u);
+    std::mt19937 rng(seed);
+    std::shuffle(order.begin(), order.end(), rng);
+    gridDim = dim3(grid);
+    for (const unsigned b : order) {
+        blockIdx = dim3(b);
+        if (!run_block(kernel, threads)) return 1 + static_cast<int>(b);
+    }
+    return 0;
+}
+
+// What emu_build.py turns a `kernel<<<grid, block, smem, stream>>>(args...)` launch into (the launchers
+// are not run: the harnesses launch the kernels with run_grid): nothing is launched, and the runtime
+// stand-ins' cudaGetLastError()/hipGetLastError() report "not supported".
+template <typename Stream, typename... KernelArgs, typename... Args>
+void no_launch(dim3, dim3, size_t, Stream, void (*)(KernelArgs...), Args&&...) {}
+
+}  // namespace emu
+
+// ------------------------------------------------------------------------------------ device functions
+inline void __syncthreads() { emu::block_barrier.wait(); }
+
+template <typename T>
+T __ldg(const T* p) { return *p; }
+template <typename T>
+T __ldcs(const T* p) { return *p; }
+inline unsigned __float_as_uint(float x) { return emu::f32_bits(x); }
+inline float __uint_as_float(unsigned u) { return emu::f32_from_bits(u); }
+inline int __float_as_int(float x) { return static_cast<int>(emu::f32_bits(x)); }
+inline float __int_as_float(int i) { return emu::f32_from_bits(static_cast<uint32_t>(i)); }
+inline double __ull2double_rn(unsigned long long x) { return static_cast<double>(x); }
+inline double __dmul_rn(double a, double b) {
+    volatile double r = a * b;  // never contracted
+    return r;
+}
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
+inline unsigned atomicAdd(unsigned* a, unsigned v) {
+    const unsigned old = *a;
+    *a = old + v;
+    return old;
+}
+inline unsigned long long atomicAdd(unsigned long long* a, unsigned long long v) {
+    const unsigned long long old = *a;
+    *a = old + v;
+    return old;
+}
+
+// fp32 math: the intrinsics as their exactly rounded (or libm) counterparts.
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }
+// expf, fmaf, fmaxf, fminf, sqrtf, tanhf: <math.h>'s (correctly rounded fmaf and sqrtf).
+
+template <typename A, typename B>
+inline std::common_type_t<A, B> min(A a, B b) {
+    using C = std::common_type_t<A, B>;
+    return static_cast<C>(a) < static_cast<C>(b) ? static_cast<C>(a) : static_cast<C>(b);
+}
+template <typename A, typename B>
+inline std::common_type_t<A, B> max(A a, B b) {
+    using C = std::common_type_t<A, B>;
+    return static_cast<C>(a) < static_cast<C>(b) ? static_cast<C>(b) : static_cast<C>(a);
+}
+using std::fmin;
+using std::nextafter;
+
+// ------------------------------------------------------------------------------------ half / bfloat16
+// Storage types without implicit conversions (as the kernels are built by torch).
+struct __half {
+    uint16_t __x;
+};
+struct __nv_bfloat16 {
+    uint16_t __x;
+};
+static_assert(sizeof(__half) == 2 && sizeof(__nv_bfloat16) == 2, "16-bit types");
+
+inline float __half2float(__half h) { return emu::f16_to_f32(h.__x); }
+inline __half __float2half_rn(float f) { return __half{emu::f32_to_f16(f)}; }
+inline __half __float2half(float f) { return __float2half_rn(f); }
+inline unsigned short __half_as_ushort(__half h) { return h.__x; }
+inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
+inline float __bfloat162float(__nv_bfloat16 b) { return emu::bf16_to_f32(b.__x); }
+inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16{emu::f32_to_bf16(f)}; }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __float2bfloat16(f); }

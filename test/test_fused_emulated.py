@@ -1,0 +1,529 @@
+"""The fused forward kernels (cuda/rwkv7_fused.cu: ln_shift_mix, time_mix, the grouped GEMV) and the WKV
+slot kernel (cuda/wkv7_slots.cu), and their HIP ports, run on the CPU against the torch reference math.
+
+The kernel sources are compiled with g++ against the emulation in test/kernel_emu (shared with
+test_sampler_emulated.py): a block's threads are fibers run in a random order between barriers, warp
+shuffles go through per-warp buffers, the blocks of a grid run one after another in a shuffled order,
+and a block whose threads end at different barriers is reported as deadlocked. The HIP ports run with
+64-wide (CDNA) and 32-wide (RDNA) wavefronts. So the kernels' indexing, reductions, barriers, fp16
+packing, early exits (bad slots, empty rows) and state round trip are checked without a GPU;
+test_fused_cuda.py and test_wkv_cuda.py check the compiled kernels on a device.
+
+References and tolerances (ulp: the spacing of fp16 numbers at the magnitude compared):
+- ln_shift_mix: infer/model.py's own steps (F.layer_norm in fp16, _token_shift, ``xin + dx * mix`` in
+  fp16). The kernel computes LN(x) in fp32 and rounds it once, as F.layer_norm's fp16 result is; fp32
+  statistics summed in another order can flip that rounding: the LN values (and so the new shift
+  state) within 1 ulp, also of a float64 layer norm. The kernel rounds each mix once, the model rounds
+  dx, dx * mix and the sum: within 4 ulp of max(|LN(x)|, |prev|) (three roundings of values up to
+  twice that, plus the LN flips), and within 2 ulp, mostly identical, of the mix in fp32 rounded once.
+  Plus 2^-20 absolute: the fp32 LN's error where its result is tiny (cancellation against the bias).
+- time_mix: RWKV7._time_mix itself (stand-in linears return the projections) with TorchWKV. The
+  model rounds a, kk, k', v' and y * g to fp16 (2^-11 relative each) and feeds them through the
+  recurrence and the group norm, the kernel keeps them in fp32: outputs (size up to ~10) and state
+  within 1e-2 + 1e-2 relative (seen: 0.016 and 0.007). Held tightly to the same math with fp32
+  intermediates (the kernel's rounding points): outputs within 2 ulp and >99% identical (fp32
+  summation order only moves values across an fp16 rounding boundary), state within 1e-5 (+1e-5
+  relative) for an fp32 pool, 1 ulp (+2^-20 where a state value is tiny) for an fp16 pool.
+- gemv: act(x) @ W^T (* scale) in float64; the kernel's fp16 product must lie between the fp16
+  roundings of the exact product -/+ a bound on its fp32 accumulation error (K * 2^-23 * sum|w x|), and
+  relu^2 and the residual add must follow exactly (both monotone and exact in fp32 before the final
+  rounding); >95% of the outputs are the exact product rounded.
+- wkv7_slots: TorchWKV (fp32 math): y within 3e-5 (+1e-5 relative) and an fp32 state within 1e-5
+  (+1e-5 relative): summation order (seen: 8e-6, 1e-6); an fp16 state pool within 1 ulp (+2^-20),
+  >99% identical.
+On a GPU the kernels are built with --use_fast_math (approximate __expf, rsqrtf, division): this
+emulation computes those exactly, so it checks the logic, not the last bits of the device's math.
+Skipped without g++ (C++20, <ucontext.h>).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer.batch import PackedBatch
+from infer.model import EXP_MINUS_HALF, GROUPNORM_EPS_PER_CHANNEL, LN_EPS, RWKV7, _token_shift
+from infer.ops.wkv import TorchWKV
+from kernel_emu import emu_build
+
+N = 64
+ACT_NONE, ACT_TANH, ACT_SIGMOID = 0, 1, 2
+EPI_NONE, EPI_RELU_SQUARE = 0, 1
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+FUSED = {"cuda": ("cuda/rwkv7_fused.cu", 32, ()), "hip-wave64": ("hip/rwkv7_fused.hip", 64, ()),
+         "hip-wave32": ("hip/rwkv7_fused.hip", 32, ())}
+VARIANTS = ("cuda", "hip-wave64", "hip-wave32")
+SLOTS = {"cuda": ("cuda/wkv7_slots.cu", 32, ()), "hip-wave64": ("hip/wkv7_slots.hip", 64, ("EMU_HIP",)),
+         "hip-wave32": ("hip/wkv7_slots.hip", 32, ("EMU_HIP",))}
+
+
+# --------------------------------------------------------------------------------------------- build
+@pytest.fixture(scope="session")
+def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
+    d = tmp_path_factory.mktemp("kernel_emu")
+    reason = emu_build.usable(d)
+    if reason:
+        pytest.skip(reason)
+    jobs = {}
+    for v, (src, warp, defines) in FUSED.items():
+        jobs[f"fused-{v}"] = emu_build.build_command(src, "emu_fused.cpp", warp, d, f"fused-{v}", defines)
+    for v, (src, warp, defines) in SLOTS.items():
+        jobs[f"slots-{v}"] = emu_build.build_command(src, "emu_wkv7_slots.cpp", warp, d, f"slots-{v}", defines)
+    out = {}
+    for name, path in emu_build.build_all(jobs).items():
+        so = ctypes.CDLL(str(path))
+        i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        if name.startswith("fused"):
+            so.emu_fused_ln_shift_mix.argtypes = [i64, i64, i64, p, p, p, p, p, p, p, p, p, i32]
+            so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32]
+            so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p]
+            so.emu_f32_to_f16.argtypes = [p, p, i64]
+            so.emu_f16_to_f32.argtypes = [p, p, i64]
+        else:
+            so.emu_wkv7_slots.argtypes = [i32, i32, i64, i64, i64, i64, p, p, p, p, p, p, p, p, p, p, p]
+        out[name] = so
+    return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    assert t.is_contiguous() and t.data_ptr() % 16 == 0
+    return t.data_ptr()
+
+
+def _ptrs(ts) -> ctypes.Array:
+    return (ctypes.c_void_p * len(ts))(*[_ptr(t) for t in ts])
+
+
+def _ints(values, ctype):
+    return (ctype * len(values))(*values)
+
+
+def _check_rc(rc: int) -> None:
+    assert rc != -1, "the harness refused the arguments"
+    assert rc == 0, f"block {rc - 1} deadlocked: its threads reached different barriers"
+
+
+# --------------------------------------------------------------------------------------------- fp16
+def ulp16(t: torch.Tensor) -> torch.Tensor:
+    """The spacing of fp16 numbers at |t| (2^-24 in the subnormal range)."""
+    a = t.double().abs()
+    _, e = torch.frexp(a)
+    return torch.where(a < 2.0 ** -14, torch.full_like(a, 2.0 ** -24), torch.ldexp(torch.ones_like(a), e - 11))
+
+
+def assert_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float, what: str, scale: torch.Tensor | None = None,
+                atol: float = 0.0):
+    got, want = got.double(), want.double()
+    scale = torch.maximum(got.abs(), want.abs()) if scale is None else scale.double().abs()
+    err = (got - want).abs()
+    bad = ~(err <= ulps * ulp16(scale) + atol)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} values beyond {ulps} fp16 ulp, e.g. "
+                           f"{got[bad][:4].tolist()} vs {want[bad][:4].tolist()}")
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float, what: str):
+    got, want = got.double(), want.double()
+    err = (got - want).abs()
+    bad = ~(err <= atol + rtol * want.abs())
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} values differ, worst {float(err.max()):.3g}: "
+                           f"{got[bad][:4].tolist()} vs {want[bad][:4].tolist()}")
+
+
+def f16_step(h: torch.Tensor, up: bool) -> torch.Tensor:
+    """The fp16 neighbour of each finite fp16 value of h, above or below."""
+    bits = h.view(torch.int16).to(torch.int32) & 0xFFFF
+    magnitude = bits & 0x7FFF
+    ordered = torch.where(bits >= 0x8000, -magnitude, magnitude) + (1 if up else -1)  # -0 and +0 are both 0
+    bits = torch.where(ordered < 0, (-ordered) | 0x8000, ordered)
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.float16)
+
+
+def f16_floor(x: torch.Tensor) -> torch.Tensor:
+    h = x.to(torch.float16)
+    return torch.where(h.double() > x, f16_step(h, False), h)
+
+
+def f16_ceil(x: torch.Tensor) -> torch.Tensor:
+    h = x.to(torch.float16)
+    return torch.where(h.double() < x, f16_step(h, True), h)
+
+
+def test_half_conversions_match_torch(libs):
+    """The emulation's __half2float / __float2half_rn against torch's .float() / .half(): every fp16
+    bit pattern, the midpoints between neighbouring fp16 numbers (ties to even) and their fp32
+    neighbours, and random fp32 bit patterns around and beyond the fp16 range."""
+    so = libs["fused-cuda"]
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    halves = bits.view(torch.float16)
+    widened = torch.empty(bits.numel(), dtype=torch.float32)
+    so.emu_f16_to_f32(_ptr(bits), _ptr(widened), bits.numel())
+    want = halves.float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(widened), nan) and torch.equal(widened[~nan].view(torch.int32),
+                                                                    want[~nan].view(torch.int32))
+
+    finite = want[torch.isfinite(want)].double().unique()  # sorted; -0.0 and 0.0 collapse
+    mids = ((finite[1:] + finite[:-1]) / 2).float()  # exact in fp32
+    gen = torch.Generator().manual_seed(0)
+    rand_bits = torch.randint(0x2E000000, 0x48000000, (1 << 20,), generator=gen, dtype=torch.int32)  # ~1e-11..131072
+    rand_bits[::2] |= torch.tensor(-(1 << 31), dtype=torch.int32)
+    wild = torch.randint(-(1 << 31), (1 << 31) - 1, (1 << 18,), generator=gen, dtype=torch.int32).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, float("inf"), -float("inf"),
+                            float("nan"), 2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * 1.0000001, 2.0 ** -26, 6.1e-5])
+    values = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, math.inf)),
+                        torch.nextafter(mids, torch.full_like(mids, -math.inf)), rand_bits.view(torch.float32), wild,
+                        special]).contiguous()
+    got = torch.empty(values.numel(), dtype=torch.int16)
+    so.emu_f32_to_f16(_ptr(values), _ptr(got), values.numel())
+    want = values.half()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got.view(torch.float16)), nan)
+    diff = (got != want.view(torch.int16)) & ~nan
+    assert not diff.any(), f"fp16 rounding differs from torch for {values[diff][:8].tolist()}"
+
+
+# --------------------------------------------------------------------------------------------- ln_shift_mix
+def run_ln_shift_mix(so, x, ln_w, ln_b, shift, batch: PackedBatch, mixes):
+    T, C = x.shape
+    outs = [torch.full((T, C), float("nan"), dtype=torch.float16) for _ in mixes]
+    prev = batch.prev_index()
+    _check_rc(so.emu_fused_ln_shift_mix(T, C, shift.shape[0], _ptr(x), _ptr(ln_w), _ptr(ln_b), _ptr(shift),
+                                        _ptr(prev), _ptr(batch.slots), _ptr(batch.last), _ptrs(mixes), _ptrs(outs),
+                                        len(mixes)))
+    return outs
+
+
+def ln_shift_mix_reference(x, ln_w, ln_b, shift, batch: PackedBatch, mixes):
+    """forward_reference's steps: F.layer_norm (fp16), infer.model._token_shift, the mixes in fp16. A row
+    whose slot is out of range reads a zero shift state and stores none (the kernel's contract): it gets
+    a zero slot of its own past the end of a copy of the pool."""
+    S, C = shift.shape
+    xin = F.layer_norm(x, (C,), ln_w, ln_b, LN_EPS)
+    bad = (batch.slots < 0) | (batch.slots >= S)
+    slots = batch.slots.clone()
+    slots[bad] = S + torch.arange(int(bad.sum()))
+    pool = torch.cat([shift, torch.zeros(int(bad.sum()), C, dtype=shift.dtype)])
+    prev = _token_shift(xin, pool, PackedBatch(batch.tokens, slots, batch.lens, batch.starts, batch.last))
+    dx = prev - xin
+    return xin, prev, [xin + dx * m for m in mixes], pool[:S]
+
+
+# LN(x) = (x - mean) * rstd * w + b in fp32, evaluated in another order than torch's: the difference (a few
+# fp32 ulp of terms up to ~4) only shows beside the fp16 ulp where the result is tiny (cancellation with b)
+LN_ATOL = 2.0 ** -20
+LN_ROWS = [3, 1, 4, 1, 2]
+LN_SLOTS = [2, 1, 5, -1, 3]  # a pool of 5: slots 5 and -1 are out of range, 0 and 4 are not in the batch
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("C,count", [(128, 6), (192, 1), (2112, 2), (8192, 3)])
+def test_ln_shift_mix(variant, C, count, libs):
+    """Layer norm + token shift + 1 or 6 mixes, rows of 1-4 tokens on a nonzero shift pool, two rows
+    with out-of-range slots; C = 2112 gives some threads a second 8-vector, C = 8192 (the largest) four."""
+    gen = torch.Generator().manual_seed(C + count)
+    T, S = sum(LN_ROWS), 5
+    spread, offset = torch.rand(T, 1, generator=gen) * 3, torch.randn(T, 1, generator=gen)  # per token
+    x = (torch.randn(T, C, generator=gen) * spread + offset).half()
+    ln_w = (torch.randn(C, generator=gen) * 0.1 + 1).half()
+    ln_b = (torch.randn(C, generator=gen) * 0.1).half()
+    shift = torch.randn(S, C, generator=gen).half()
+    mixes = [torch.rand(C, generator=gen).half() for _ in range(count)]
+    batch = PackedBatch.from_rows([[0] * n for n in LN_ROWS], LN_SLOTS, "cpu")
+
+    got_shift = shift.clone()
+    outs = run_ln_shift_mix(libs[f"fused-{variant}"], x, ln_w, ln_b, got_shift, batch, mixes)
+    xin, prev, want, want_shift = ln_shift_mix_reference(x, ln_w, ln_b, shift.clone(), batch, mixes)
+
+    untouched = [0, 4]
+    assert torch.equal(got_shift[untouched], shift[untouched]), "a slot outside the batch was written"
+    assert_ulps(got_shift, want_shift, 1, "new shift state (LN of each row's last token)", atol=LN_ATOL)
+    exact_ln = F.layer_norm(x.double(), (C,), ln_w.double(), ln_b.double(), LN_EPS).half()
+    assert_ulps(got_shift[[2, 1, 3]], exact_ln[batch.last[[0, 1, 4]]], 1, "shift state vs float64 layer norm",
+                atol=LN_ATOL)
+    scale = torch.maximum(xin.abs(), prev.abs())
+    for m in range(count):
+        assert not torch.isnan(outs[m]).any()
+        assert_ulps(outs[m], want[m], 4, f"mix {m}", scale=scale, atol=LN_ATOL)
+        once = (xin.float() + (prev.float() - xin.float()) * mixes[m].float()).half()  # rounded once, as the kernel
+        assert_ulps(outs[m], once, 2, f"mix {m} (fp32 mix)", scale=scale, atol=LN_ATOL)
+        assert (outs[m] == once).float().mean() > 0.98
+
+
+# --------------------------------------------------------------------------------------------- time_mix
+class Fixed:
+    """A stand-in linear layer: returns what the real projection produced (its input is ignored)."""
+
+    def __init__(self, out: torch.Tensor):
+        self.out = out
+
+    def __call__(self, _x: torch.Tensor) -> torch.Tensor:
+        return self.out
+
+
+def time_mix_inputs(C: int, T: int, layer: int, gen: torch.Generator) -> dict:
+    h = lambda *s, std=1.0, mean=0.0: (torch.randn(*s, generator=gen) * std + mean).half()  # noqa: E731
+    u = lambda *s, lo=0.0, hi=1.0: torch.rand(*s, generator=gen) * (hi - lo) + lo  # noqa: E731
+    p = dict(r=h(T, C), k=h(T, C), v=h(T, C), dw=h(T, C), da=h(T, C), g=h(T, C, std=0.5, mean=0.5),
+             dv=h(T, C) if layer else None, v_first=h(T, C) if layer else None,
+             w0=u(C, lo=-6.0, hi=3.0), r_k=torch.randn(C, generator=gen) * 0.3,
+             lnx_w=torch.randn(C, generator=gen) * 0.1 + 1, lnx_b=torch.randn(C, generator=gen) * 0.1,
+             a0=h(C, std=0.5), v0=h(C, std=0.5) if layer else None, k_k=u(C, lo=0.5, hi=1.2).half(),
+             k_a=u(C, lo=0.5, hi=1.5).half())
+    return p
+
+
+def run_time_mix(so, layer, p, pool, slots, starts, lasts):
+    T, C = p["r"].shape
+    v_first = p["v_first"].clone() if layer else torch.full((T, C), -7.0, dtype=torch.float16)
+    out = torch.full((T, C), 1234.0, dtype=torch.float16)
+    tensors = [p["r"], p["k"], p["v"], p["dw"], p["da"], p["dv"], p["g"], v_first, out]
+    params = [p["w0"], p["r_k"], p["lnx_w"], p["lnx_b"], p["a0"], p["v0"], p["k_k"], p["k_a"]]
+    B = len(slots)
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    slots_t, starts_t, lasts_t = ints(slots), ints(starts), ints(lasts)
+    _check_rc(so.emu_fused_time_mix(DTYPE_CODE[pool.dtype], B, C // N, pool.shape[0], T, _ptr(pool), _ptr(slots_t),
+                                    _ptr(starts_t), _ptr(lasts_t), _ptrs(tensors), _ptrs(params), int(layer == 0)))
+    return out, v_first
+
+
+def time_mix_model(layer, p, batch, pool):
+    """RWKV7._time_mix itself on the projections in ``p`` (the stand-in linears return them; the output
+    projection is the identity, so the result is ``y.to(fp16) * g``, what the kernel writes)."""
+    T, C = p["r"].shape
+    H = C // N
+    zeros, hidden = torch.zeros(C, dtype=torch.float16), torch.zeros(T, 1, dtype=torch.float16)
+    blk = SimpleNamespace(x_r=zeros, x_w=zeros, x_k=zeros, x_v=zeros, x_a=zeros, x_g=zeros, w0=p["w0"], a0=p["a0"],
+                          v0=p["v0"], k_k=p["k_k"], k_a=p["k_a"], r_k=p["r_k"].view(H, N), w1=Fixed(hidden),
+                          w2=Fixed(p["dw"]), a1=Fixed(hidden), a2=Fixed(p["da"]), v1=Fixed(hidden), v2=Fixed(p["dv"]),
+                          g1=Fixed(hidden), g2=Fixed(p["g"]), receptance=Fixed(p["r"]), key=Fixed(p["k"]),
+                          value=Fixed(p["v"]), output=lambda y: y, lnx_w=p["lnx_w"], lnx_b=p["lnx_b"])
+    model = SimpleNamespace(config=SimpleNamespace(n_head=H, head_size=N), wkv=TorchWKV())
+    state = SimpleNamespace(att_shift={layer: torch.zeros(pool.shape[0], C, dtype=torch.float16)}, wkv={layer: pool})
+    xin = torch.zeros(T, C, dtype=torch.float16)
+    return RWKV7._time_mix(model, layer, blk, xin, batch, state, p["v_first"])
+
+
+def time_mix_fp32(layer, p, batch, pool):
+    """The same math with every intermediate in fp32 and the kernel's two fp16 roundings at the end."""
+    T, C = p["r"].shape
+    H = C // N
+    r, k, v = p["r"].float(), p["k"].float(), p["v"].float()
+    w = torch.exp(-EXP_MINUS_HALF * torch.sigmoid(p["w0"] + p["dw"].float()))
+    a = torch.sigmoid(p["a0"].float() + p["da"].float())
+    kkr = (k * p["k_k"].float()).view(T, H, N)
+    kk = (kkr / kkr.norm(dim=-1, keepdim=True).clamp_min(1e-12)).view(T, C)
+    kn = k * (1 + (a - 1) * p["k_a"].float())
+    if layer:
+        v = v + (p["v_first"].float() - v) * torch.sigmoid(p["v0"].float() + p["dv"].float())
+    y = TorchWKV()(pool, batch, r, w, kn, v, -kk, kk * a).view(T, H, N)
+    mean = y.mean(-1, keepdim=True)
+    var = ((y - mean) ** 2).mean(-1, keepdim=True)
+    yn = ((y - mean) / torch.sqrt(var + GROUPNORM_EPS_PER_CHANNEL * N)).view(T, C) * p["lnx_w"] + p["lnx_b"]
+    bonus = (r * kn * p["r_k"]).view(T, H, N).sum(-1, keepdim=True)
+    res = yn + (bonus * v.view(T, H, N)).view(T, C)
+    return (res.half().float() * p["g"].float()).half()
+
+
+# The state in fp32 in another summation order differs by ~1e-6 at most: beside the fp16 ulp, that only
+# shows where a state value is tiny (cancellation)
+STATE_ATOL = 2.0 ** -20
+
+# rows of 4, 1, 3, 2 tokens (T = 10) on slots 3, 0, 9 (out of range: NaN output), 1; then an empty row on
+# slot 2 and a row whose tokens run past T on slot 4 (the kernel's guards: both leave everything alone)
+TM_LENS, TM_SLOTS = [4, 1, 3, 2], [3, 0, 9, 1]
+TM_EXTRA = [(2, 10, 9), (4, 8, 10)]  # (slot, start, last)
+TM_POOL = 5
+
+
+def _sub(p: dict, idx: torch.Tensor) -> dict:
+    return {name: (t[idx].contiguous() if t is not None and t.dim() == 2 else t) for name, t in p.items()}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("C,layer,state_dtype", [(128, 0, torch.float32), (192, 3, torch.float16),
+                                                 (192, 0, torch.float16), (128, 1, torch.float32)])
+def test_time_mix(variant, C, layer, state_dtype, libs):
+    gen = torch.Generator().manual_seed(C * 10 + layer)
+    T = sum(TM_LENS)
+    p = time_mix_inputs(C, T, layer, gen)
+    H = C // N
+    pool = (torch.randn(TM_POOL, H, N, N, generator=gen) * 0.3).to(state_dtype)
+    starts = [sum(TM_LENS[:i]) for i in range(len(TM_LENS))]
+    lasts = [s + n - 1 for s, n in zip(starts, TM_LENS)]
+    slots = TM_SLOTS + [e[0] for e in TM_EXTRA]
+    got_pool = pool.clone()
+    out, v_first = run_time_mix(libs[f"fused-{variant}"], layer, p, got_pool, slots, starts + [e[1] for e in TM_EXTRA],
+                                lasts + [e[2] for e in TM_EXTRA])
+
+    good = [i for i, s in enumerate(TM_SLOTS) if 0 <= s < TM_POOL]
+    idx = torch.cat([torch.arange(starts[i], lasts[i] + 1) for i in good])
+    bad_tokens = torch.arange(starts[2], lasts[2] + 1)
+    sub = _sub(p, idx)
+    batch = PackedBatch.from_rows([[0] * TM_LENS[i] for i in good], [TM_SLOTS[i] for i in good], "cpu")
+    model_pool, fp32_pool = pool.clone(), pool.clone()
+    want, want_v_first = time_mix_model(layer, sub, batch, model_pool)
+    want32 = time_mix_fp32(layer, sub, batch, fp32_pool)
+
+    assert torch.isnan(out[bad_tokens]).all(), "a row on an out-of-range slot must get NaN outputs"
+    touched = [TM_SLOTS[i] for i in good]
+    untouched = [s for s in range(TM_POOL) if s not in touched]
+    assert torch.equal(got_pool[untouched], pool[untouched]), "a slot of a skipped row was written"
+    if layer == 0:
+        assert torch.equal(v_first[idx], p["v"][idx]), "layer 0 must store v as v_first"
+        assert (v_first[bad_tokens] == -7.0).all()
+    else:
+        assert torch.equal(v_first, p["v_first"]), "v_first is read-only after layer 0"
+
+    assert_close(out[idx], want, 1e-2, 1e-2, "output vs RWKV7._time_mix")
+    assert_close(got_pool[touched], model_pool[touched], 1e-2, 1e-2, "state vs RWKV7._time_mix")
+    assert_ulps(out[idx], want32, 2, "output vs the fp32-intermediate math")
+    assert (out[idx] == want32).float().mean() > 0.99
+    if state_dtype == torch.float32:
+        assert_close(got_pool[touched], fp32_pool[touched], 1e-5, 1e-5, "state vs the fp32-intermediate math")
+    else:
+        assert_ulps(got_pool[touched], fp32_pool[touched], 1, "fp16 state vs the fp32-intermediate math",
+                    atol=STATE_ATOL)
+
+
+# --------------------------------------------------------------------------------------------- gemv
+def gemv_task(gen, M, n, k, int8=False, act=ACT_NONE, epi=EPI_NONE, residual=False) -> dict:
+    if int8:
+        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = (torch.rand(n, generator=gen) * 0.02 + 0.001).half()
+    else:
+        w, scale = (torch.randn(n, k, generator=gen) * k ** -0.5).half(), None
+    x = (torch.randn(M, k, generator=gen) * (2.0 if act else 1.0)).half()
+    res = torch.randn(M, n, generator=gen).half() if residual else None
+    return dict(w=w, scale=scale, x=x, residual=res, act=act, epi=epi)
+
+
+def run_gemv(so, tasks, M):
+    ys = []
+    for t in tasks:
+        n = t["w"].shape[0]
+        # a residual task adds into y in place (the fused forward's x += W y): residual aliases y
+        ys.append(t["residual"].clone() if t["residual"] is not None else torch.full((M, n), 777.0).half())
+    residual = [y if t["residual"] is not None else None for t, y in zip(tasks, ys)]
+    _check_rc(so.emu_fused_gemv(M, len(tasks), _ptrs([t["w"] for t in tasks]), _ptrs([t["scale"] for t in tasks]),
+                                _ptrs([t["x"] for t in tasks]), _ptrs(ys), _ptrs(residual),
+                                _ints([t["w"].shape[0] for t in tasks], ctypes.c_int64),
+                                _ints([t["w"].shape[1] for t in tasks], ctypes.c_int64),
+                                _ints([int(t["w"].dtype == torch.int8) for t in tasks], ctypes.c_int),
+                                _ints([t["act"] for t in tasks], ctypes.c_int),
+                                _ints([t["epi"] for t in tasks], ctypes.c_int)))
+    return ys
+
+
+def check_gemv(t: dict, y: torch.Tensor, what: str) -> None:
+    """y = fp16(epi(fp16(act(x) W^T * scale)) + residual), the inner fp16 product being one of the fp16
+    numbers around the exact product +- a bound on the fp32 accumulation (and activation) error."""
+    x = t["x"].double()
+    x = torch.tanh(x) if t["act"] == ACT_TANH else torch.sigmoid(x) if t["act"] == ACT_SIGMOID else x
+    w = t["w"].double()
+    scale = t["scale"].double() if t["scale"] is not None else torch.ones(w.shape[0], dtype=torch.float64)
+    exact = (x @ w.T) * scale
+    K = w.shape[1]
+    err = (x.abs() @ w.abs().T) * scale * (K + 4) * 2.0 ** -23 + 1e-30
+
+    def finish(val16: torch.Tensor) -> torch.Tensor:
+        val = val16.float()
+        if t["epi"] == EPI_RELU_SQUARE:
+            val = val.clamp_min(0.0) ** 2
+        if t["residual"] is not None:
+            val = val + t["residual"].float()
+        return val.half()
+
+    lo, hi = finish(f16_floor(exact - err)).double(), finish(f16_ceil(exact + err)).double()
+    got = y.double()
+    bad = ~((lo <= got) & (got <= hi))
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} outputs outside their fp16 rounding range, "
+                           f"e.g. {got[bad][:4].tolist()} not in [{lo[bad][:4].tolist()}, {hi[bad][:4].tolist()}]")
+    exact_share = (got == finish(exact.float().half()).double()).float().mean()
+    assert exact_share > 0.95, f"{what}: only {float(exact_share):.3f} of the outputs are the rounded exact value"
+
+
+GEMV_CASES = {
+    # M, tasks: (n, k, int8, act, epi, residual)
+    "one-row": (1, [(37, 136, False, ACT_NONE, EPI_NONE, False)]),  # a partly idle last block, lanes past k
+    "lora-and-ffn": (2, [(64, 128, False, ACT_TANH, EPI_NONE, False), (40, 160, True, ACT_SIGMOID, EPI_NONE, False),
+                         (48, 96, False, ACT_NONE, EPI_RELU_SQUARE, False), (24, 512, True, ACT_NONE, EPI_NONE, True),
+                         (20, 264, False, ACT_NONE, EPI_NONE, True)]),
+    "eight-rows": (8, [(9, 8, False, ACT_NONE, EPI_NONE, False), (16, 16, True, ACT_TANH, EPI_RELU_SQUARE, True),
+                       (33, 272, True, ACT_NONE, EPI_RELU_SQUARE, False), (8, 1032, False, ACT_SIGMOID, EPI_NONE, True),
+                       (3, 64, False, ACT_NONE, EPI_NONE, False), (5, 48, True, ACT_NONE, EPI_NONE, False),
+                       (17, 24, False, ACT_TANH, EPI_NONE, False), (2, 32, True, ACT_SIGMOID, EPI_NONE, True)]),
+    "three-rows": (3, [(11, 40, False, ACT_NONE, EPI_RELU_SQUARE, True), (13, 32, True, ACT_NONE, EPI_NONE, False)]),
+    "five-rows": (5, [(7, 56, False, ACT_SIGMOID, EPI_NONE, False)]),
+    "seven-rows": (7, [(10, 48, True, ACT_TANH, EPI_NONE, True)]),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", GEMV_CASES)
+def test_gemv(variant, case, libs):
+    """Grouped GEMV: fp16 and int8 (+ scale) weights, tanh/sigmoid inputs, relu^2, residual add (in place),
+    1-8 rows, up to 8 tasks per launch, widths that leave warps of the last block without a row."""
+    M, specs = GEMV_CASES[case]
+    gen = torch.Generator().manual_seed(len(case) * 31 + M)
+    tasks = [gemv_task(gen, M, *spec) for spec in specs]
+    ys = run_gemv(libs[f"fused-{variant}"], tasks, M)
+    for i, (t, y) in enumerate(zip(tasks, ys)):
+        check_gemv(t, y, f"task {i}")
+
+
+# --------------------------------------------------------------------------------------------- wkv7_slots
+def run_wkv7_slots(so, pool, slots, starts, lasts, r, w, k, v, a, b):
+    T, C = r.shape
+    y = torch.full((T, C), 4321.0)
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    slots_t, starts_t, lasts_t = ints(slots), ints(starts), ints(lasts)
+    _check_rc(so.emu_wkv7_slots(DTYPE_CODE[r.dtype], DTYPE_CODE[pool.dtype], len(slots), C // N, pool.shape[0], T,
+                                _ptr(pool), _ptr(slots_t), _ptr(starts_t), _ptr(lasts_t), _ptr(r), _ptr(w), _ptr(k),
+                                _ptr(v), _ptr(a), _ptr(b), _ptr(y)))
+    return y
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("act,state_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float16),
+                                             (torch.float32, torch.float32), (torch.float16, torch.float16)])
+def test_wkv7_slots(variant, act, state_dtype, libs):
+    """The slot kernel against TorchWKV: rows of 4, 1, 3, 2 tokens on a nonzero pool (C = 192), a row on
+    an out-of-range slot (NaN y, no state write), an empty row and a row running past T (both touch
+    nothing)."""
+    gen = torch.Generator().manual_seed(DTYPE_CODE[act] * 2 + DTYPE_CODE[state_dtype])
+    C, T = 192, sum(TM_LENS)
+    H = C // N
+    r, k, v = (torch.randn(T, C, generator=gen).to(act) for _ in range(3))
+    w = torch.rand(T, C, generator=gen) * 0.45 + 0.55
+    kk = F.normalize(torch.randn(T, H, N, generator=gen), dim=-1).view(T, C).to(act)
+    gate = torch.rand(T, C, generator=gen).to(act)
+    a, b = (-kk.float()).to(act), (kk.float() * gate.float()).to(act)
+    pool = (torch.randn(TM_POOL, H, N, N, generator=gen) * 0.3).to(state_dtype)
+    starts = [sum(TM_LENS[:i]) for i in range(len(TM_LENS))]
+    lasts = [s + n - 1 for s, n in zip(starts, TM_LENS)]
+    got_pool = pool.clone()
+    y = run_wkv7_slots(libs[f"slots-{variant}"], got_pool, TM_SLOTS + [e[0] for e in TM_EXTRA],
+                       starts + [e[1] for e in TM_EXTRA], lasts + [e[2] for e in TM_EXTRA], r, w, k, v, a, b)
+
+    good = [i for i, s in enumerate(TM_SLOTS) if 0 <= s < TM_POOL]
+    idx = torch.cat([torch.arange(starts[i], lasts[i] + 1) for i in good])
+    batch = PackedBatch.from_rows([[0] * TM_LENS[i] for i in good], [TM_SLOTS[i] for i in good], "cpu")
+    want_pool = pool.clone()
+    want = TorchWKV()(want_pool, batch, *(t[idx] for t in (r, w, k, v, a, b)))
+
+    assert torch.isnan(y[starts[2]:lasts[2] + 1]).all(), "a row on an out-of-range slot must get NaN outputs"
+    touched = [TM_SLOTS[i] for i in good]
+    untouched = [s for s in range(TM_POOL) if s not in touched]
+    assert torch.equal(got_pool[untouched], pool[untouched]), "a slot of a skipped row was written"
+    assert_close(y[idx], want, 3e-5, 1e-5, "y vs TorchWKV")
+    if state_dtype == torch.float32:
+        assert_close(got_pool[touched], want_pool[touched], 1e-5, 1e-5, "state vs TorchWKV")
+    else:
+        assert_ulps(got_pool[touched], want_pool[touched], 1, "fp16 state vs TorchWKV", atol=STATE_ATOL)
+        assert (got_pool[touched] == want_pool[touched]).float().mean() > 0.99
