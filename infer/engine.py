@@ -9,6 +9,7 @@ Knows requests, rows and slots; tensors stay inside the runner.
 from __future__ import annotations
 
 import codecs
+import inspect
 import itertools
 import logging
 import queue
@@ -19,8 +20,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Sequence
 
-from infer.metrics import EngineMetrics
-from infer.runner import ModelRunner
+from infer.metrics import EngineMetrics, observe_many
+from infer.runner import ModelRunner, StepOutput
 from infer.sampler import SamplingParams
 from infer.state import SlotState
 from infer.stops import StopMatcher
@@ -180,6 +181,12 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self._gaps: dict[float, int] = {}  # this step's inter-token gaps: previous token time -> rows
+        self._at_flush: list[Callable[[], None]] = []
+        try:
+            self._runner_flushes = "on_launched" in inspect.signature(runner.step).parameters
+        except (TypeError, ValueError):
+            self._runner_flushes = False
         self.metrics.free_slots.set(len(self._free_slots))
 
     # ------------------------------------------------------------------ public, any thread
@@ -209,6 +216,15 @@ class Engine:
         request.cancelled = True
         self._wake.set()
 
+    def call_at_flush(self, fn: Callable[[], None]) -> None:
+        """Engine thread only (an event sink): call ``fn`` once at the next flush point: when the
+        runner has queued the next model step (``on_launched`` of ``ModelRunner.step``: after a
+        graphed decode step is launched, while the device computes it; before an eager forward),
+        or before the step for a runner without that hook, or when the engine goes idle. A sink
+        that hands events to another thread uses it to wake that thread once per step instead of
+        once per event, at a time when the engine thread does not need the GIL."""
+        self._at_flush.append(fn)
+
     @property
     def is_running(self) -> bool:
         """The worker thread is alive (health checks)."""
@@ -232,6 +248,15 @@ class Engine:
             if not self.run_once():
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
+        self._flush()
+
+    def _flush(self) -> None:
+        hooks, self._at_flush = self._at_flush, []
+        for fn in hooks:
+            try:
+                fn()
+            except Exception:  # a broken consumer must not take the engine down
+                log.exception("event flush hook failed")
 
     def run_once(self) -> bool:
         """One scheduling round and, if any row is running, one model step. Returns False when idle.
@@ -242,6 +267,7 @@ class Engine:
         self._drop_cancelled()
         self._admit()
         if not self._running:
+            self._flush()
             return False
         started = time.monotonic()
         try:
@@ -250,6 +276,7 @@ class Engine:
             log.exception("engine step failed; failing every running row")
             for row in list(self._running):
                 self._finish(row, "error", replay=False)
+            self._flush()
         self.steps += 1
         self.metrics.step_seconds.observe(time.monotonic() - started)
         return True
@@ -302,8 +329,9 @@ class Engine:
             if row.phase is Phase.DECODE:
                 feeds.append([row.next_input])
                 slots.append(row.slot)
-                samples.append(True)
                 rows.append(row)
+        decoding = len(rows)
+        samples = [True] * decoding
         budget = self.prefill_chunk_size
         score: dict[int, tuple[list[int], int]] = {}
         for row in self._running:
@@ -326,51 +354,86 @@ class Engine:
             if row.phase is Phase.PREFILL:
                 self.metrics.prompt_tokens.inc(n)
         want_logprobs = any(r.request.options.logprobs for r, s in zip(rows, samples) if s)
-        out = self.runner.step(feeds, slots, samples, want_logprobs=want_logprobs, score=score)
+        if self._runner_flushes:  # events of the previous step go out while this one computes
+            out = self.runner.step(feeds, slots, samples, want_logprobs=want_logprobs, score=score,
+                                   on_launched=self._flush)
+        else:
+            self._flush()
+            out = self.runner.step(feeds, slots, samples, want_logprobs=want_logprobs, score=score)
+        if self._at_flush:  # a runner that never called on_launched
+            self._flush()
         self.metrics.step_rows.observe(len(rows))
+        self.metrics.generated_tokens.inc(len(out.tokens))  # every sampled token goes through _on_token
         now = time.monotonic()
-        sampled = iter(range(len(out.tokens)))
-        for position, (row, sample) in enumerate(zip(rows, samples)):
-            if position in out.scores:
-                row.prompt_scores += [TokenLogprob(t, lp, top) for t, (lp, top) in
-                                      zip(score[position][0], out.scores[position])]
-            prompt_done = row.phase is Phase.PREFILL and row.pos == len(row.feed)
-            if row.phase is Phase.PREFILL and row.pos == row.request.options.snapshot_at:
-                self._emit(row.request, StateSnapshot(row.index, row.pos, self.runner.export_state(row.slot)))
-            if prompt_done and row.request.options.prompt_logprobs is not None:
-                self._emit(row.request, PromptLogprobs(row.index, row.prompt_scores))
-            if sample:
-                i = next(sampled)
+        tokens = out.tokens
+        try:
+            # Decoding rows come first, each samples: their sampled index is their position.
+            for i in range(decoding):
+                row = rows[i]
                 lp = None
-                if row.request.options.logprobs and out.logprobs is not None:
-                    top = list(zip(out.top_ids[i], out.top_logprobs[i])) if out.top_ids is not None else []
-                    lp = TokenLogprob(out.tokens[i], out.logprobs[i], top[: row.request.options.sampling.logprobs])
-                self._on_token(row, out.tokens[i], lp, now)
-            elif prompt_done:  # max_tokens == 0: scoring only
-                self._finish(row, "length")
-            elif row.phase is Phase.REPLAY and row.pos == len(row.feed):
-                finished = row.pending_finish
-                finished.state = self.runner.export_state(row.slot)
-                self._release(row, finished)
+                if out.logprobs is not None and row.request.options.logprobs:
+                    lp = self._logprob(row, out, i)
+                self._on_token(row, tokens[i], lp, now)
+            sampled = iter(range(decoding, len(tokens)))
+            for position in range(decoding, len(rows)):
+                row, sample = rows[position], samples[position]
+                if position in out.scores:
+                    row.prompt_scores += [TokenLogprob(t, lp, top) for t, (lp, top) in
+                                          zip(score[position][0], out.scores[position])]
+                prompt_done = row.phase is Phase.PREFILL and row.pos == len(row.feed)
+                if row.phase is Phase.PREFILL and row.pos == row.request.options.snapshot_at:
+                    self._emit(row.request, StateSnapshot(row.index, row.pos, self.runner.export_state(row.slot)))
+                if prompt_done and row.request.options.prompt_logprobs is not None:
+                    self._emit(row.request, PromptLogprobs(row.index, row.prompt_scores))
+                if sample:
+                    i = next(sampled)
+                    lp = None
+                    if row.request.options.logprobs and out.logprobs is not None:
+                        lp = self._logprob(row, out, i)
+                    self._on_token(row, tokens[i], lp, now)
+                elif prompt_done:  # max_tokens == 0: scoring only
+                    self._finish(row, "length")
+                elif row.phase is Phase.REPLAY and row.pos == len(row.feed):
+                    finished = row.pending_finish
+                    finished.state = self.runner.export_state(row.slot)
+                    self._release(row, finished)
+        finally:
+            self._observe_gaps(now)
+
+    @staticmethod
+    def _logprob(row: _Row, out: StepOutput, i: int) -> TokenLogprob:
+        top = list(zip(out.top_ids[i], out.top_logprobs[i])) if out.top_ids is not None else []
+        return TokenLogprob(out.tokens[i], out.logprobs[i], top[: row.request.options.sampling.logprobs])
+
+    def _observe_gaps(self, now: float) -> None:
+        """Inter-token latency of this step's tokens: rows that last sampled in the same step share
+        the value, so it is observed once per distinct previous step."""
+        gaps, self._gaps = self._gaps, {}
+        for last, count in gaps.items():
+            observe_many(self.metrics.inter_token_latency, now - last, count)
 
     def _on_token(self, row: _Row, token: int, logprob: TokenLogprob | None, now: float) -> None:
         request, options = row.request, row.request.options
-        if not row.generated:
-            self.metrics.time_to_first_token.observe(now - request.submitted_at)
+        generated = row.generated
+        if generated:
+            last = row.last_token_at
+            self._gaps[last] = self._gaps.get(last, 0) + 1
         else:
-            self.metrics.inter_token_latency.observe(now - row.last_token_at)
+            self.metrics.time_to_first_token.observe(now - request.submitted_at)
         row.last_token_at = now
-        row.generated.append(token)
-        self.metrics.generated_tokens.inc()
+        generated.append(token)
         if token == EOD_TOKEN or token in options.stop_token_ids:
             self._finish(row, "stop", matched_stop=token, logprob=logprob)
             return
-        result = row.stops.push(row.decoder.push(token))
-        row.released.append(result.text)
-        self._emit(request, RowText(row.index, result.text, token, logprob))
-        if result.stopped:
+        text = row.decoder.push(token)
+        result = row.stops.push(text) if row.stops.stops else None  # without stop strings nothing is held
+        if result is not None:
+            text = result.text
+        row.released.append(text)
+        self._emit(request, RowText(row.index, text, token, logprob))
+        if result is not None and result.stopped:
             self._finish(row, "stop", matched_stop=result.stop)
-        elif len(row.generated) >= options.max_tokens:
+        elif len(generated) >= options.max_tokens:
             self._finish(row, "length")
         else:
             row.phase = Phase.DECODE

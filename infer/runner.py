@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -108,13 +108,22 @@ class ModelRunner:
         return self.state.export_slot(slot)
 
     def step(self, rows: Sequence[Sequence[int]], slots: Sequence[int], sample: Sequence[bool],
-             want_logprobs: bool = False, score: dict[int, tuple[Sequence[int], int]] | None = None) -> StepOutput:
+             want_logprobs: bool = False, score: dict[int, tuple[Sequence[int], int]] | None = None,
+             on_launched: Callable[[], None] | None = None) -> StepOutput:
         """Feed each row its tokens; sample the next token for rows with ``sample[i]``.
 
         ``score`` maps a row position to (targets, top_n): the log-probability of ``targets[j]``
         given the row's tokens up to position j (raw model distribution), for prompt logprobs.
+        ``on_launched`` is called once, when the host may hand the previous step's events to the
+        event loop without slowing this step down: after the decode graph and the sampler are
+        queued (the device is busy for the whole forward, the host only waits), or, for an eager
+        forward (long to launch, or run by the host on the CPU), before it starts.
         """
-        if self.graphs is not None and not score and all(len(r) == 1 for r in rows):
+        graphed = self.graphs is not None and not score and all(len(r) == 1 for r in rows)
+        if on_launched is not None and not graphed:
+            on_launched()
+            on_launched = None
+        if graphed:
             logits, slot_ids = self.graphs.run([r[0] for r in rows], slots)
         else:
             batch = PackedBatch.from_rows(rows, slots, self.model.device)
@@ -130,6 +139,8 @@ class ModelRunner:
                 scores[i] = self._score(all_logits[starts[i]:starts[i] + len(targets)], targets, top_n)
         picked = [i for i, s in enumerate(sample) if s]
         if not picked:
+            if on_launched is not None:
+                on_launched()
             return StepOutput([], None, None, None, scores)
         if len(picked) < len(rows):
             index = torch.tensor(picked, dtype=torch.long, device=logits.device)
@@ -137,6 +148,8 @@ class ModelRunner:
         else:
             sample_slots = slot_ids
         out: SampleOutput = self.sampler.sample(logits, sample_slots, want_logprob=want_logprobs)
+        if on_launched is not None:
+            on_launched()
         return StepOutput(
             tokens=out.tokens.tolist(),  # the one host sync of the step
             logprobs=out.logprobs.tolist() if out.logprobs is not None else None,

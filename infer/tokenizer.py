@@ -142,6 +142,17 @@ class WorldTokenizer:
                 f"token id {e.args[0]!r} is not in the vocabulary (valid ids are 0..{_MAX_ID})"
             ) from None
 
+    @functools.cached_property
+    def token_texts(self) -> dict[int, str]:
+        """Text of every id whose bytes are complete, valid UTF-8 (most of them; EOD is "")."""
+        texts = {}
+        for token_id, data in self._id_to_bytes.items():
+            try:
+                texts[token_id] = data.decode("utf-8")
+            except UnicodeDecodeError:
+                pass
+        return texts
+
     def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
         """Decode `ids` to text; invalid UTF-8 is handled per `errors` (as in bytes.decode)."""
         return self.decode_bytes(ids).decode("utf-8", errors=errors)
@@ -158,12 +169,17 @@ class IncrementalDecoder:
 
     def __init__(self, tokenizer: WorldTokenizer) -> None:
         self._tokenizer = tokenizer
+        self._texts = tokenizer.token_texts
         # The stdlib incremental UTF-8 decoder buffers only an incomplete trailing
         # sequence and replaces invalid bytes exactly like bytes.decode(errors="replace").
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
+        if not self._decoder.buffer:  # nothing pending: a token of whole characters is its own text
+            text = self._texts.get(token_id)
+            if text is not None:
+                return text
         return self._decoder.decode(self._tokenizer.decode_bytes((token_id,)))
 
     def flush(self) -> str:

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from typing import AsyncIterator, Awaitable, Callable, Sequence
@@ -10,6 +13,62 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 from infer.engine import Engine, Event, GenerationOptions, QueueFullError, Request, RowFinished, StateSnapshot
 from infer.prefix_cache import CachePart, PrefixCache, whole_group
 from infer.state import SlotState
+
+log = logging.getLogger(__name__)
+
+
+class _Mailbox:
+    """The events one engine sends to the streams of one event loop.
+
+    The engine thread appends to a deque; the loop is woken once per engine step, at the engine's
+    flush point (``Engine.call_at_flush``: after the next step is launched), instead of one
+    ``call_soon_threadsafe`` (a self-pipe write, a GIL hand-off) per event. Order is kept: one
+    deque, drained in order on the loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._items: deque[tuple[EventStream, int, Event]] = deque()
+        self._armed = False  # a wake-up is registered with the engine or scheduled on the loop
+
+    def post(self, engine: Engine, stream: "EventStream", request: int, event: Event) -> None:  # engine thread
+        self._items.append((stream, request, event))
+        if not self._armed:  # read after the append: a drain that cleared it will still see the item
+            self._armed = True
+            engine.call_at_flush(self._wake)
+
+    def _wake(self) -> None:  # engine thread, at its flush point
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nobody reads these streams any more
+            log.warning("event loop closed; cancelling the requests of %d undelivered events", len(self._items))
+            while self._items:
+                stream, request, _ = self._items.popleft()
+                stream.requests[request].cancelled = True
+            self._armed = False
+
+    def _drain(self) -> None:  # loop thread
+        self._armed = False  # before reading: an event appended from now on arms a new wake-up
+        items = self._items
+        while items:
+            stream, request, event = items.popleft()
+            stream._deliver(request, event)
+
+
+# engine -> event loop -> mailbox (an engine that is gone takes its mailboxes along)
+_MAILBOXES: "weakref.WeakKeyDictionary[Engine, dict[asyncio.AbstractEventLoop, _Mailbox]]" = weakref.WeakKeyDictionary()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop, engine: Engine) -> _Mailbox:
+    boxes = _MAILBOXES.get(engine)
+    if boxes is None:
+        boxes = _MAILBOXES[engine] = {}
+    box = boxes.get(loop)
+    if box is None:
+        for old in [old for old in boxes if old.is_closed()]:
+            del boxes[old]
+        box = boxes[loop] = _Mailbox(loop)
+    return box
 
 
 @dataclass
@@ -42,7 +101,9 @@ class EventStream:
         self._cache = prefix_cache
         self._on_finish, self._on_close = on_finish, on_close
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self._mailbox = _mailbox(self._loop, engine)
+        self._inbox: list[tuple[int, Event]] = []   # delivered, not yet read (loop side)
+        self._waiter: asyncio.Future | None = None  # set while batches() waits for the inbox
         self.requests: list[Request] = []
         self._parts: list[tuple[list[int], CachePart]] = []  # per request: stream row numbers, cache plan
         offset = 0
@@ -66,7 +127,13 @@ class EventStream:
         return [whole_group(group.prompts, group.initial_states)]
 
     def _sink(self, request: int, event: Event) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (request, event))
+        self._mailbox.post(self._engine, self, request, event)
+
+    def _deliver(self, request: int, event: Event) -> None:  # loop thread
+        self._inbox.append((request, event))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def submit(self) -> None:
         """All or nothing: raises QueueFullError (with nothing left queued) when the engine is full."""
@@ -107,22 +174,29 @@ class EventStream:
         together), with ``index`` numbered across the whole stream."""
         try:
             while any(self._open):
-                items = [await self._queue.get()]
-                while not self._queue.empty():
-                    items.append(self._queue.get_nowait())
+                if not self._inbox:
+                    self._waiter = self._loop.create_future()
+                    try:
+                        await self._waiter
+                    finally:
+                        self._waiter = None
+                items, self._inbox = self._inbox, []
                 events = []
                 for request, event in items:
                     rows, part = self._parts[request]
                     if isinstance(event, StateSnapshot):
                         self._cache.store(part.keys[event.index], event.state)
                         continue
-                    changes: dict = {"index": rows[event.index]}
+                    index = rows[event.index]
                     if isinstance(event, RowFinished):
                         self._open[request] -= 1
-                        changes["prompt_tokens"] = event.prompt_tokens + part.skipped[event.index]
-                    event = dataclasses.replace(event, **changes)
-                    if isinstance(event, RowFinished) and self._on_finish is not None:
-                        await self._on_finish(event)
+                        skipped = part.skipped[event.index]
+                        if index != event.index or skipped:
+                            event = dataclasses.replace(event, index=index, prompt_tokens=event.prompt_tokens + skipped)
+                        if self._on_finish is not None:
+                            await self._on_finish(event)
+                    elif index != event.index:
+                        event = dataclasses.replace(event, index=index)
                     events.append(event)
                 if events:
                     yield events

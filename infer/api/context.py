@@ -105,6 +105,7 @@ class ServerContext:
         return stream
 
 
-def get_ctx(request: Request) -> ServerContext:
-    """FastAPI dependency: the context ``create_app`` stored on the app."""
+async def get_ctx(request: Request) -> ServerContext:
+    """FastAPI dependency: the context ``create_app`` stored on the app (async: a plain function
+    dependency would cost every request a round trip through the thread pool)."""
     return request.app.state.ctx

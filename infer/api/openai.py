@@ -27,7 +27,7 @@ from infer.api.logprobs import LegacyLogprobs, TokenNames, VisibleTokens, char_o
 from infer.api.schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
                                CompletionRequest, ModelList, OpenAIError, OpenAIRequest, PromptInput, Usage)
 from infer.api.state import continuation, session_call, sessions, start_turn
-from infer.api.streaming import DONE, EventSourceResponse, sse, sse_doc, unless_disconnected
+from infer.api.streaming import DONE, EventSourceResponse, SseObjects, sse, sse_doc, unless_disconnected
 from infer.engine import Event, GenerationOptions, PromptLogprobs, RowFinished, RowText, TokenLogprob
 from infer.sampler import SamplingParams
 
@@ -203,6 +203,7 @@ async def _chat_sse(stream: EventStream, rows: list[ChatRow], head: dict, with_u
     for i in range(len(rows)):
         yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], **extra})
+    chunk = SseObjects(head, "choices", extra)
     completion_tokens = 0
     async for events in stream.batches():
         merged: dict[int, ChatDelta] = {}
@@ -215,10 +216,9 @@ async def _chat_sse(stream: EventStream, rows: list[ChatRow], head: dict, with_u
                 completion_tokens += event.completion_tokens
         choices = [c for i, d in merged.items() if (c := d.choice(i))]
         if choices:
-            yield sse({**head, "choices": choices, **extra})
+            yield chunk(choices)
         for event in finished:
-            yield sse({**head, "choices": [{"index": event.index, "delta": {}, "logprobs": None,
-                                            "finish_reason": event.finish_reason}], **extra})
+            yield chunk([{"index": event.index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}])
     if with_usage:
         yield sse({**head, "choices": [], "usage": Usage.of(prompt_tokens, completion_tokens).model_dump()})
     yield DONE
@@ -325,6 +325,7 @@ async def _completion_sse(stream: EventStream, rows: list[CompletionRow], head: 
                           prompt_tokens: int) -> AsyncIterator[str]:
     """One chunk per engine step with every row that has news; a row's last choice carries its finish_reason."""
     extra = {"usage": None} if with_usage else {}
+    chunk = SseObjects(head, "choices", extra)
     completion_tokens = 0
     async for events in stream.batches():
         texts: dict[int, str] = {}
@@ -341,7 +342,7 @@ async def _completion_sse(stream: EventStream, rows: list[CompletionRow], head: 
             if text or reasons.get(i) or (legacy and legacy["tokens"]):
                 choices.append({"index": i, "text": text, "logprobs": legacy, "finish_reason": reasons.get(i)})
         if choices:
-            yield sse({**head, "choices": choices, **extra})
+            yield chunk(choices)
     if with_usage:
         yield sse({**head, "choices": [], "usage": Usage.of(prompt_tokens, completion_tokens).model_dump()})
     yield DONE

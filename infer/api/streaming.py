@@ -35,11 +35,31 @@ def sse_doc(*models: type) -> dict[str, Any]:
         "properties": {"data": {"anyOf": [chunk, {"const": DONE_DATA}]}}}}}
 
 
+# json.dumps with these options builds a new encoder per call; one shared encoder gives the same text.
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(payload: Any, event: str | None = None) -> str:
     """One SSE event; raw UTF-8 (not \\u escapes) like the peer server. ``event`` adds an ``event:``
     line (only the Responses API uses one, as OpenAI's does)."""
     head = f"event: {event}\n" if event is not None else ""
-    return f"{head}data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"{head}data: {_encode(payload)}\n\n"
+
+
+class SseObjects:
+    """SSE events of JSON objects made of the fields of ``head``, one field ``key`` that changes and
+    the fields of ``tail``; head and tail are encoded once: ``events(value)`` is the same text as
+    ``sse({**head, key: value, **tail})`` (a stream's per-step chunks)."""
+
+    def __init__(self, head: dict[str, Any], key: str, tail: dict[str, Any] | None = None):
+        if key in head or key in (tail or {}):
+            raise ValueError(f"{key!r} is also a head or tail field")
+        fields = [part for part in (_encode(head)[1:-1], _encode({key: None})[1:-len("null}")]) if part]
+        self._prefix = "data: {" + ",".join(fields)      # 'data: {"id":"x",...,"choices":'
+        self._suffix = ("," + _encode(tail)[1:] if tail else "}") + "\n\n"
+
+    def __call__(self, value: Any) -> str:
+        return f"{self._prefix}{_encode(value)}{self._suffix}"
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

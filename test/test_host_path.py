@@ -1,0 +1,220 @@
+"""The host side of a decode step: the engine's flush points, the bridge's one wake-up per step,
+batched metrics, the decoder's fast path and the SSE chunk encoder (bench/bench_host.py measures them)."""
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import random
+import threading
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from infer.api.bridge import EventStream, RowGroup
+from infer.api.streaming import SseObjects, sse
+from infer.engine import Engine, GenerationOptions, Request, RowFinished, RowText
+from infer.metrics import EngineMetrics, observe_many
+from infer.model import RWKV7
+from infer.random_model import make_config, random_state_dict
+from infer.runner import ModelRunner, StepOutput
+from infer.sampler import SamplingParams
+from infer.tokenizer import IncrementalDecoder, load_world_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_world_tokenizer()
+
+
+class CountingRunner:
+    """Samples ``token`` for every sampled row; records the order of launches and flushes."""
+
+    def __init__(self, token: int, slots: int = 8):
+        self.num_slots, self.token, self.trace = slots, token, []
+
+    def start_row(self, slot, params, initial=None):
+        pass
+
+    def end_row(self, slot):
+        pass
+
+    def export_state(self, slot):
+        return "state"
+
+    def step(self, rows, slots, sample, want_logprobs=False, score=None, on_launched=None):
+        self.trace.append("launch")
+        if on_launched is not None:
+            on_launched()
+        self.trace.append("sync")
+        return StepOutput([self.token for s in sample if s], None, None, None)
+
+
+class RunnerWithoutHook(CountingRunner):
+    def step(self, rows, slots, sample, want_logprobs=False, score=None):
+        return super().step(rows, slots, sample, want_logprobs, score)
+
+
+def test_observe_many_matches_repeated_observe():
+    a, b = EngineMetrics(), EngineMetrics()
+    for value, count in [(0.0001, 3), (0.001, 2), (0.0042, 5), (0.01, 1), (0.7, 4), (100.0, 2), (60.0, 3)]:
+        observe_many(a.inter_token_latency, value, count)
+        for _ in range(count):
+            b.inter_token_latency.observe(value)
+    lines = [[line for line in generate_latest(m.registry).decode().splitlines() if "inter_token" in line
+              and "_created" not in line] for m in (a, b)]
+    assert lines[0] == lines[1] and any("_count 20.0" in line for line in lines[0])
+
+
+@pytest.mark.parametrize("hook", [True, False])
+def test_flush_points(tokenizer, hook):
+    """Hooks run once the next step is launched (or before it, for a runner without on_launched),
+    and when the engine goes idle; events themselves still reach a plain sink at once."""
+    (token,) = tokenizer.encode(" the")
+    runner = CountingRunner(token) if hook else RunnerWithoutHook(token)
+    engine = Engine(runner, tokenizer)
+    events = []
+
+    def sink(event):
+        events.append(event)
+        engine.call_at_flush(lambda n=len(events): runner.trace.append(f"flush {n}"))
+
+    engine.submit(Request([[5, 6]], GenerationOptions(max_tokens=2), sink))
+    while engine.run_once():
+        pass
+    assert [type(e) for e in events] == [RowText, RowText, RowFinished]
+    if hook:
+        assert runner.trace == ["launch", "sync", "launch", "flush 1", "sync", "flush 2", "flush 3"]
+    else:
+        assert runner.trace == ["launch", "sync", "flush 1", "launch", "sync", "flush 2", "flush 3"]
+
+
+def test_engine_metrics_count_every_token(tokenizer):
+    (token,) = tokenizer.encode(" the")
+    engine = Engine(CountingRunner(token), tokenizer)
+    for _ in range(3):
+        engine.submit(Request([[5, 6]], GenerationOptions(max_tokens=4), lambda e: None))
+    while engine.run_once():
+        pass
+    value = engine.metrics.registry.get_sample_value
+    assert value("rwkv_generated_tokens_total") == 12
+    assert value("rwkv_time_to_first_token_seconds_count") == 3
+    assert value("rwkv_inter_token_latency_seconds_count") == 9
+
+
+def test_event_stream_wakes_the_loop_once_per_step(tokenizer):
+    """Many streams on one loop: a handful of wake-ups per engine step, every event in order."""
+    sd = random_state_dict(make_config(2, 64, 65536), seed=3, dtype=torch.float32)
+    runner = ModelRunner(RWKV7.from_state_dict(sd, device="cpu"), 16)
+    engine = Engine(runner, tokenizer)
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=7, logit_bias={0: -100.0})
+    options = GenerationOptions(max_tokens=12, sampling=sampling)
+    wakeups = 0
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        plain = loop.call_soon_threadsafe
+
+        def counting(*args, **kwargs):
+            nonlocal wakeups
+            wakeups += 1
+            return plain(*args, **kwargs)
+        loop.call_soon_threadsafe = counting
+        streams = [EventStream(engine, [RowGroup([[5, 6, 7], [8]], options)]) for _ in range(6)]
+        for s in streams:
+            s.submit()
+
+        async def read(stream):
+            got = []
+            async for events in stream.batches():
+                got += events
+            return got
+        return await asyncio.gather(*(read(s) for s in streams))
+
+    engine.start()
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for got in results:
+        for index in (0, 1):
+            row = [e for e in got if e.index == index]
+            assert [type(e) for e in row] == [RowText] * 12 + [RowFinished]
+            assert row[-1].finish_reason == "length" and row[-1].completion_tokens == 12
+    assert wakeups <= engine.steps + 2  # was one per event: 6 * 2 * 13 = 156
+
+
+def test_event_stream_on_a_closed_loop_cancels_the_request(tokenizer):
+    (token,) = tokenizer.encode(" the")
+    engine = Engine(CountingRunner(token), tokenizer)
+    loop = asyncio.new_event_loop()
+
+    async def make():
+        stream = EventStream(engine, [RowGroup([[5, 6]], GenerationOptions(max_tokens=50))])
+        stream.submit()
+        return stream
+    stream = loop.run_until_complete(make())
+    loop.close()
+    for _ in range(4):
+        engine.run_once()
+    assert stream.requests[0].cancelled
+    assert not engine.run_once() and engine.running_rows == 0
+
+
+def test_incremental_decoder_fast_path_matches_the_codec(tokenizer):
+    rng = random.Random(5)
+    partial = [i for i in range(1, 65530) if i not in tokenizer.token_texts]
+    assert 200 < len(partial) < 1000  # single bytes >= 0x80 and cut characters
+    pool = partial + list(range(1, 3000)) + [0]
+    for _ in range(500):
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 20))]
+        fast, plain = IncrementalDecoder(tokenizer), codecs.getincrementaldecoder("utf-8")(errors="replace")
+        assert [fast.push(i) for i in ids] == [plain.decode(tokenizer.decode_bytes([i])) for i in ids]
+        assert fast.flush() == plain.decode(b"", final=True)
+    with pytest.raises(ValueError):
+        IncrementalDecoder(tokenizer).push(70000)
+
+
+@pytest.mark.parametrize("tail", [None, {}, {"usage": None}, {"usage": None, "x": [1, "\u4f60"]}])
+@pytest.mark.parametrize("head", [{}, {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m\u00e9"}])
+def test_sse_objects_match_sse(head, tail):
+    chunk = SseObjects(head, "choices", tail)
+    for value in ([], [{"index": 0, "text": "h\u00e9 \"x\"\n\u2028", "logprobs": None, "finish_reason": None}], None):
+        text = chunk(value)
+        assert text == sse({**head, "choices": value, **(tail or {})})
+        assert json.loads(text.removeprefix("data: ")) == {**head, "choices": value, **(tail or {})}
+    with pytest.raises(ValueError):
+        SseObjects({"choices": 1}, "choices")
+
+
+def test_model_runner_calls_on_launched_once_before_a_cpu_forward():
+    sd = random_state_dict(make_config(2, 64, 1024), seed=3, dtype=torch.float32)
+    runner = ModelRunner(RWKV7.from_state_dict(sd, device="cpu"), 4)
+    for slot in (0, 1):
+        runner.start_row(slot, SamplingParams(temperature=0))
+    calls = []
+    out = runner.step([[1, 2], [3]], [0, 1], [True, False], on_launched=lambda: calls.append(1))
+    assert calls == [1] and len(out.tokens) == 1
+    out = runner.step([[4]], [0], [False], on_launched=lambda: calls.append(2))
+    assert calls == [1, 2] and out.tokens == []
+    out = runner.step([[5, 6]], [1], [True], score={0: ([6], 2)}, on_launched=lambda: calls.append(3))
+    assert calls == [1, 2, 3] and len(out.scores[0]) == 1
+
+
+def test_worker_thread_delivers_final_events_on_shutdown(tokenizer):
+    """Events still waiting for a flush when the worker stops are handed over."""
+    (token,) = tokenizer.encode(" the")
+    engine = Engine(CountingRunner(token), tokenizer)
+    done = threading.Event()
+    flushed = []
+
+    def sink(event):
+        engine.call_at_flush(lambda: flushed.append(event))
+        if isinstance(event, RowFinished):
+            done.set()
+    engine.submit(Request([[5]], GenerationOptions(max_tokens=3), sink))
+    engine.start()
+    assert done.wait(10)
+    engine.shutdown()
+    assert [type(e) for e in flushed] == [RowText, RowText, RowText, RowFinished]
