@@ -4,7 +4,7 @@
 # results land in bench/results/ and, when set, in $OUT):
 #
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh 1   # GPU tests, fla vs per-token WKV, sampler kernel
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh 2   # decode grid, prefill (cuda vs fla), W8A16
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh 2   # decode grid, prefill (cuda vs fla), W8A16 + quant tests
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh 3   # HTTP serving with the sampler kernel + fla, official 1.5B
 #
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
@@ -39,6 +39,7 @@ case $PART in
         --wkv fla --no-checks --out bench/results/decode_h200_prefill_16k.json
     step 200 "W8A16 decode (first run builds the CUTLASS GEMM)" python bench/bench_decode.py --engine cutlass \
         --sizes 7.2b --batches 1,8,32,128,256 --no-checks --wkv cuda --out bench/results/decode_h200_w8_fused.json
+    step 150 "quantized GPU tests (W8A16 kernels, GemLite)" python -m pytest -q -rs test/test_quant_cuda.py
     copy bench/results/decode_h200_grid.json bench/results/decode_h200_prefill_fla.json \
         bench/results/decode_h200_prefill_16k.json bench/results/decode_h200_w8_fused.json
     ;;
