@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The GPU measurements still owed to issues 6 and 7, in priority order, in three parts that each fit
+# The GPU measurements still owed to issues 6 and 7, in priority order, in four parts that each fit
 # one 10-minute device call (every step has its own timeout, so a slow step cannot eat the others;
 # results land in bench/results/ and, when set, in $OUT):
 #
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh 1   # GPU tests, fla vs per-token WKV, sampler kernel
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh 2   # decode grid, prefill (cuda vs fla), W8A16 + quant tests
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh 3   # HTTP serving with the sampler kernel + fla, official 1.5B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh 2   # decode grid, prefill (cuda vs fla)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh 3   # W8A16 decode on the fused path, quantized GPU tests
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh 4   # HTTP serving with the sampler kernel + fla, official 1.5B
 #
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh 1|2|3}
+PART=${1:?usage: h200_pending.sh 1|2|3|4}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -37,13 +38,16 @@ case $PART in
         --prefill-rows 1,16 --wkv fla --no-checks --out bench/results/decode_h200_prefill_fla.json
     step 60 "prefill 16k" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 16384 --prefill-rows 1 \
         --wkv fla --no-checks --out bench/results/decode_h200_prefill_16k.json
-    step 200 "W8A16 decode (first run builds the CUTLASS GEMM)" python bench/bench_decode.py --engine cutlass \
-        --sizes 7.2b --batches 1,8,32,128,256 --no-checks --wkv cuda --out bench/results/decode_h200_w8_fused.json
-    step 150 "quantized GPU tests (W8A16 kernels, GemLite)" python -m pytest -q -rs test/test_quant_cuda.py
     copy bench/results/decode_h200_grid.json bench/results/decode_h200_prefill_fla.json \
-        bench/results/decode_h200_prefill_16k.json bench/results/decode_h200_w8_fused.json
+        bench/results/decode_h200_prefill_16k.json
     ;;
 3)
+    step 240 "W8A16 decode (first run builds the CUTLASS GEMM)" python bench/bench_decode.py --engine cutlass \
+        --sizes 7.2b --batches 1,8,32,128,256 --no-checks --wkv cuda --out bench/results/decode_h200_w8_fused.json
+    step 240 "quantized GPU tests (W8A16 kernels, GemLite)" python -m pytest -q -rs test/test_quant_cuda.py
+    copy bench/results/decode_h200_w8_fused.json
+    ;;
+4)
     step 330 "HTTP serving (sampler kernel, fla prefill)" env RWKV_SAMPLER=auto LEVELS=1,32,256 MAX_TOKENS=128 \
         EXTRA_SERVER_ARGS="--wkv fla" bash bench/h200_serving.sh
     step 150 "official rwkv 1.5B" python bench/bench_official.py --sizes 1.5b --modes 0 \
