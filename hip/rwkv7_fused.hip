@@ -724,4 +724,13 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
     });
 }
 
+// The tensor-core GEMV of cuda/rwkv7_fused.cu (gemv_tc_kernel) is written with CUDA's WMMA API, which
+// HIP does not have (rocWMMA would be the port): here every call is refused, so the shared binding
+// links; FusedKernels keeps tc_rows at 0 on ROCm, so the forward never calls it there.
+extern "C" int fused_gemv_tc_launch(int, int64_t, int64_t, int, const void* const*, const void* const*,
+                                    const void* const*, void* const*, const void* const*, const int64_t*,
+                                    const int64_t*, const int*, const int*, const int*) {
+    return hipErrorNotSupported;
+}
+
 extern "C" const char* fused_error_string(int code) { return hipGetErrorString(static_cast<hipError_t>(code)); }
