@@ -4,7 +4,7 @@
 # results land in bench/results/ and, when set, in $OUT):
 #
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh 1   # GPU tests, fla vs per-token WKV, sampler kernel
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh 2   # decode grid, prefill (cuda vs fla)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh 2   # decode grid, tensor-core GEMV, prefill (cuda vs fla)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh 3   # W8A16 decode on the fused path, quantized GPU tests
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh 4   # HTTP serving with the sampler kernel + fla, official 1.5B
 #
@@ -32,14 +32,16 @@ case $PART in
     copy bench/results/wkv_prefill_h200.json bench/results/sampler_h200.json
     ;;
 2)
-    step 240 "decode grid" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8,32,64,128,256,512,1024 \
+    step 200 "decode grid" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8,32,64,128,256,512,1024 \
         --states fp32,fp16 --steps 20 --wkv cuda --out bench/results/decode_h200_grid.json
+    step 60 "tensor-core GEMV, 2-8 rows" env RWKV_TC_GEMV_ROWS=8 python bench/bench_decode.py --sizes 7.2b \
+        --batches 2,3,4,8 --no-checks --wkv cuda --out bench/results/experiment_tc_gemv_h200.json
     step 120 "prefill, fla" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 128,1024,4096 \
         --prefill-rows 1,16 --wkv fla --no-checks --out bench/results/decode_h200_prefill_fla.json
     step 60 "prefill 16k" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 16384 --prefill-rows 1 \
         --wkv fla --no-checks --out bench/results/decode_h200_prefill_16k.json
     copy bench/results/decode_h200_grid.json bench/results/decode_h200_prefill_fla.json \
-        bench/results/decode_h200_prefill_16k.json
+        bench/results/decode_h200_prefill_16k.json bench/results/experiment_tc_gemv_h200.json
     ;;
 3)
     step 240 "W8A16 decode (first run builds the CUTLASS GEMM)" python bench/bench_decode.py --engine cutlass \
