@@ -635,6 +635,26 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
 extern "C" int fused_gemv_max_rows() { return fused::kGemvMaxRows; }
 extern "C" int fused_gemv_max_tasks() { return fused::kMaxTasks; }
 
+namespace fused {
+// Task i of a launcher's argument arrays (first_block is set by the launcher).
+inline GemvTask make_task(int i, const void* const* w, const void* const* scale, const void* const* x, void* const* y,
+                          const void* const* residual, const int64_t* n, const int64_t* k, const int* weight_type,
+                          const int* activation, const int* epilogue) {
+    GemvTask t{};
+    t.w = w[i];
+    t.scale = static_cast<const __half*>(scale[i]);
+    t.x = static_cast<const __half*>(x[i]);
+    t.y = static_cast<__half*>(y[i]);
+    t.residual = static_cast<const __half*>(residual[i]);
+    t.n = static_cast<int>(n[i]);
+    t.k = static_cast<int>(k[i]);
+    t.weight_type = weight_type[i];
+    t.activation = activation[i];
+    t.epilogue = epilogue[i];
+    return t;
+}
+}  // namespace fused
+
 // One launch computing `count` tasks y_i = act(x_i) W_i^T (see GemvTask) for M rows each.
 // Weight k must be a multiple of 8 (fp16) or 16 (int8); every pointer 16-byte aligned.
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
@@ -650,16 +670,7 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
         if (n[i] <= 0 || k[i] <= 0 || n[i] > INT_MAX / 2 || k[i] > INT_MAX / 2 || k[i] % multiple)
             return cudaErrorInvalidValue;
         GemvTask& t = args.task[i];
-        t.w = w[i];
-        t.scale = static_cast<const __half*>(scale[i]);
-        t.x = static_cast<const __half*>(x[i]);
-        t.y = static_cast<__half*>(y[i]);
-        t.residual = static_cast<const __half*>(residual[i]);
-        t.n = static_cast<int>(n[i]);
-        t.k = static_cast<int>(k[i]);
-        t.weight_type = weight_type[i];
-        t.activation = activation[i];
-        t.epilogue = epilogue[i];
+        t = make_task(i, w, scale, x, y, residual, n, k, weight_type, activation, epilogue);
         t.first_block = blocks;
         blocks += (t.n + kGemvWarps - 1) / kGemvWarps;
     }
@@ -693,16 +704,7 @@ extern "C" int fused_gemv_tc_launch(int device, int64_t stream, int64_t M, int c
     for (int i = 0; i < count; ++i) {
         if (!gemv_tc_takes(n[i], k[i], weight_type[i], activation[i], w[i])) return cudaErrorNotSupported;
         GemvTask& t = args.task[i];
-        t.w = w[i];
-        t.scale = static_cast<const __half*>(scale[i]);
-        t.x = static_cast<const __half*>(x[i]);
-        t.y = static_cast<__half*>(y[i]);
-        t.residual = static_cast<const __half*>(residual[i]);
-        t.n = static_cast<int>(n[i]);
-        t.k = static_cast<int>(k[i]);
-        t.weight_type = weight_type[i];
-        t.activation = activation[i];
-        t.epilogue = epilogue[i];
+        t = make_task(i, w, scale, x, y, residual, n, k, weight_type, activation, epilogue);
         t.first_block = blocks;
         blocks += t.n / kTcRows;
     }
