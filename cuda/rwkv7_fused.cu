@@ -564,41 +564,21 @@ int on_device(int device, F&& launch) {
     return static_cast<int>(err);
 }
 
-}  // namespace fused
-
-// --------------------------------------------------------------------------------- C interface
-// x [T, C] fp16; ln_w/ln_b [C]; shift [S, C] (one layer's token-shift pool, fp16); prev [T] int32;
-// slots/lasts [B] int64; mix[m] [C], out[m] [T, C] for m < count (<= 6). C % 8 == 0, C <= 8192.
-extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, int64_t C, int64_t num_slots,
-                                         const void* x, const void* ln_w, const void* ln_b, void* shift,
-                                         const int32_t* prev, const int64_t* slots, const int64_t* lasts,
-                                         const void* const* mix, void* const* out, int count) {
-    using namespace fused;
-    if (T == 0) return cudaSuccess;
-    if (T < 0 || T > INT_MAX || C <= 0 || C % 8 || C > kLnThreads * kMaxVec * 8 || count < 1 || count > kMaxMix)
-        return cudaErrorInvalidValue;
+// ------------------------------------------------------------------------------ kernel arguments
+// The launchers' pointer arrays as the kernels' argument structs; the CPU emulator's harness
+// (test/kernel_emu/emu_fused.cpp) packs its launches with these same functions.
+inline MixArgs make_mix_args(const void* const* mix, void* const* out, int count) {
     MixArgs args{};
     for (int m = 0; m < count; ++m) {
         args.mix[m] = static_cast<const __half*>(mix[m]);
         args.out[m] = static_cast<__half*>(out[m]);
     }
     args.count = count;
-    return on_device(device, [&] {
-        return launch(ln_shift_mix_kernel, static_cast<unsigned>(T), kLnThreads, reinterpret_cast<cudaStream_t>(stream),
-                      static_cast<int>(C), num_slots, static_cast<const __half*>(x), static_cast<const __half*>(ln_w),
-                      static_cast<const __half*>(ln_b), static_cast<__half*>(shift), prev, slots, lasts, args);
-    });
+    return args;
 }
 
-// tensors: r, k, v, dw, da, dv, g, v_first, out ([T, C] fp16; dv unused in layer 0);
-// params: w0, r_k, lnx_w, lnx_b (fp32 [C]), a0, v0, k_k, k_a (fp16 [C]; v0 unused in layer 0).
-extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
-                                     int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
-                                     const int64_t* starts, const int64_t* lasts, const void* const* tensors,
-                                     const void* const* params, int first_layer) {
-    using namespace fused;
-    if (B == 0) return cudaSuccess;
-    if (B < 0 || H <= 0 || B * H > INT_MAX) return cudaErrorInvalidConfiguration;
+// tensors: r, k, v, dw, da, dv, g, v_first, out; params: w0, r_k, lnx_w, lnx_b, a0, v0, k_k, k_a.
+inline TimeMixArgs make_time_mix_args(const void* const* tensors, const void* const* params, int first_layer) {
     TimeMixArgs p{};
     p.r = static_cast<const __half*>(tensors[0]);
     p.k = static_cast<const __half*>(tensors[1]);
@@ -618,6 +598,71 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
     p.k_k = static_cast<const __half*>(params[6]);
     p.k_a = static_cast<const __half*>(params[7]);
     p.first_layer = first_layer;
+    return p;
+}
+
+// Whether gemv_kernel takes a task: k a multiple of one 16-byte load (8 fp16 or 16 int8 weights).
+inline bool gemv_takes(int64_t n, int64_t k, int weight_type) {
+    const int multiple = weight_type == kWeightInt8 ? 16 : 8;
+    return n > 0 && k > 0 && n <= INT_MAX / 2 && k <= INT_MAX / 2 && k % multiple == 0;
+}
+
+// The `count` tasks of one grouped launch, `rows_per_block` output channels per block; returns the
+// grid size. The caller has checked that its kernel takes every task.
+inline int pack_gemv(GemvArgs& args, int count, int rows_per_block, const void* const* w, const void* const* scale,
+                     const void* const* x, void* const* y, const void* const* residual, const int64_t* n,
+                     const int64_t* k, const int* weight_type, const int* activation, const int* epilogue) {
+    int blocks = 0;
+    for (int i = 0; i < count; ++i) {
+        GemvTask& t = args.task[i];
+        t.w = w[i];
+        t.scale = static_cast<const __half*>(scale[i]);
+        t.x = static_cast<const __half*>(x[i]);
+        t.y = static_cast<__half*>(y[i]);
+        t.residual = static_cast<const __half*>(residual[i]);
+        t.n = static_cast<int>(n[i]);
+        t.k = static_cast<int>(k[i]);
+        t.weight_type = weight_type[i];
+        t.activation = activation[i];
+        t.epilogue = epilogue[i];
+        t.first_block = blocks;
+        blocks += (t.n + rows_per_block - 1) / rows_per_block;
+    }
+    args.count = count;
+    return blocks;
+}
+
+}  // namespace fused
+
+// --------------------------------------------------------------------------------- C interface
+// x [T, C] fp16; ln_w/ln_b [C]; shift [S, C] (one layer's token-shift pool, fp16); prev [T] int32;
+// slots/lasts [B] int64; mix[m] [C], out[m] [T, C] for m < count (<= 6). C % 8 == 0, C <= 8192.
+extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, int64_t C, int64_t num_slots,
+                                         const void* x, const void* ln_w, const void* ln_b, void* shift,
+                                         const int32_t* prev, const int64_t* slots, const int64_t* lasts,
+                                         const void* const* mix, void* const* out, int count) {
+    using namespace fused;
+    if (T == 0) return cudaSuccess;
+    if (T < 0 || T > INT_MAX || C <= 0 || C % 8 || C > kLnThreads * kMaxVec * 8 || count < 1 || count > kMaxMix)
+        return cudaErrorInvalidValue;
+    const MixArgs args = make_mix_args(mix, out, count);
+    return on_device(device, [&] {
+        return launch(ln_shift_mix_kernel, static_cast<unsigned>(T), kLnThreads, reinterpret_cast<cudaStream_t>(stream),
+                      static_cast<int>(C), num_slots, static_cast<const __half*>(x), static_cast<const __half*>(ln_w),
+                      static_cast<const __half*>(ln_b), static_cast<__half*>(shift), prev, slots, lasts, args);
+    });
+}
+
+// tensors: r, k, v, dw, da, dv, g, v_first, out ([T, C] fp16; dv unused in layer 0);
+// params: w0, r_k, lnx_w, lnx_b (fp32 [C]), a0, v0, k_k, k_a (fp16 [C]; v0 unused in layer 0).
+extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
+                                     int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
+                                     const int64_t* starts, const int64_t* lasts, const void* const* tensors,
+                                     const void* const* params, int first_layer) {
+    using namespace fused;
+    if (B == 0) return cudaSuccess;
+    if (B < 0 || H <= 0 || B * H > INT_MAX) return cudaErrorInvalidConfiguration;
+    const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
@@ -635,26 +680,6 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
 extern "C" int fused_gemv_max_rows() { return fused::kGemvMaxRows; }
 extern "C" int fused_gemv_max_tasks() { return fused::kMaxTasks; }
 
-namespace fused {
-// Task i of a launcher's argument arrays (first_block is set by the launcher).
-inline GemvTask make_task(int i, const void* const* w, const void* const* scale, const void* const* x, void* const* y,
-                          const void* const* residual, const int64_t* n, const int64_t* k, const int* weight_type,
-                          const int* activation, const int* epilogue) {
-    GemvTask t{};
-    t.w = w[i];
-    t.scale = static_cast<const __half*>(scale[i]);
-    t.x = static_cast<const __half*>(x[i]);
-    t.y = static_cast<__half*>(y[i]);
-    t.residual = static_cast<const __half*>(residual[i]);
-    t.n = static_cast<int>(n[i]);
-    t.k = static_cast<int>(k[i]);
-    t.weight_type = weight_type[i];
-    t.activation = activation[i];
-    t.epilogue = epilogue[i];
-    return t;
-}
-}  // namespace fused
-
 // One launch computing `count` tasks y_i = act(x_i) W_i^T (see GemvTask) for M rows each.
 // Weight k must be a multiple of 8 (fp16) or 16 (int8); every pointer 16-byte aligned.
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
@@ -663,18 +688,11 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
                                  const int* weight_type, const int* activation, const int* epilogue) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return cudaErrorInvalidValue;
+    for (int i = 0; i < count; ++i)
+        if (!gemv_takes(n[i], k[i], weight_type[i])) return cudaErrorInvalidValue;
     GemvArgs args{};
-    int blocks = 0;
-    for (int i = 0; i < count; ++i) {
-        const int multiple = weight_type[i] == kWeightInt8 ? 16 : 8;
-        if (n[i] <= 0 || k[i] <= 0 || n[i] > INT_MAX / 2 || k[i] > INT_MAX / 2 || k[i] % multiple)
-            return cudaErrorInvalidValue;
-        GemvTask& t = args.task[i];
-        t = make_task(i, w, scale, x, y, residual, n, k, weight_type, activation, epilogue);
-        t.first_block = blocks;
-        blocks += (t.n + kGemvWarps - 1) / kGemvWarps;
-    }
-    args.count = count;
+    const int blocks = pack_gemv(args, count, kGemvWarps, w, scale, x, y, residual, n, k, weight_type, activation,
+                                 epilogue);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {
@@ -699,16 +717,11 @@ extern "C" int fused_gemv_tc_launch(int device, int64_t stream, int64_t M, int c
                                     const int* weight_type, const int* activation, const int* epilogue) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < kTcMinRows || M > kTcCols) return cudaErrorInvalidValue;
-    GemvArgs args{};
-    int blocks = 0;
-    for (int i = 0; i < count; ++i) {
+    for (int i = 0; i < count; ++i)
         if (!gemv_tc_takes(n[i], k[i], weight_type[i], activation[i], w[i])) return cudaErrorNotSupported;
-        GemvTask& t = args.task[i];
-        t = make_task(i, w, scale, x, y, residual, n, k, weight_type, activation, epilogue);
-        t.first_block = blocks;
-        blocks += t.n / kTcRows;
-    }
-    args.count = count;
+    GemvArgs args{};
+    const int blocks = pack_gemv(args, count, kTcRows, w, scale, x, y, residual, n, k, weight_type, activation,
+                                 epilogue);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
         return launch(gemv_tc_kernel, static_cast<unsigned>(blocks), kGemvWarps * 32, s, args, static_cast<int>(M));

@@ -1,7 +1,8 @@
 // CPU harness for the fused forward kernels of cuda/rwkv7_fused.cu or hip/rwkv7_fused.hip
 // (KERNEL_SOURCE: the file cut before its C launchers, see emu_build.py). Each entry point takes the
-// arguments of the launcher of the same name (minus device and stream), packs the kernel arguments
-// the way that launcher does, and runs the grid block by block (emu::run_grid). Returns 0, -1 for
+// arguments of the launcher of the same name (minus device and stream), makes the same checks, packs
+// the kernel arguments with the launchers' own functions (make_mix_args, make_time_mix_args,
+// pack_gemv) and runs the grid block by block (emu::run_grid). Returns 0, -1 for
 // arguments the launcher would refuse, or 1 + the block that deadlocked. See emu_device.h.
 #include "emu_device.h"
 
@@ -12,12 +13,7 @@ EMU_EXPORT int emu_fused_ln_shift_mix(int64_t T, int64_t C, int64_t num_slots, c
                                       const int64_t* lasts, const void* const* mix, void* const* out, int count) {
     using namespace fused;
     if (T <= 0 || C <= 0 || C % 8 || C > kLnThreads * kMaxVec * 8 || count < 1 || count > kMaxMix) return -1;
-    MixArgs args{};
-    for (int m = 0; m < count; ++m) {
-        args.mix[m] = static_cast<const __half*>(mix[m]);
-        args.out[m] = static_cast<__half*>(out[m]);
-    }
-    args.count = count;
+    const MixArgs args = make_mix_args(mix, out, count);
     return emu::run_grid(static_cast<unsigned>(T), kLnThreads, [&] {
         ln_shift_mix_kernel(static_cast<int>(C), num_slots, static_cast<const __half*>(x),
                             static_cast<const __half*>(ln_w), static_cast<const __half*>(ln_b),
@@ -30,25 +26,7 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
                                   const void* const* tensors, const void* const* params, int first_layer) {
     using namespace fused;
     if (B <= 0 || H <= 0) return -1;
-    TimeMixArgs p{};
-    p.r = static_cast<const __half*>(tensors[0]);
-    p.k = static_cast<const __half*>(tensors[1]);
-    p.v = static_cast<const __half*>(tensors[2]);
-    p.dw = static_cast<const __half*>(tensors[3]);
-    p.da = static_cast<const __half*>(tensors[4]);
-    p.dv = static_cast<const __half*>(tensors[5]);
-    p.g = static_cast<const __half*>(tensors[6]);
-    p.v_first = static_cast<__half*>(const_cast<void*>(tensors[7]));
-    p.out = static_cast<__half*>(const_cast<void*>(tensors[8]));
-    p.w0 = static_cast<const float*>(params[0]);
-    p.r_k = static_cast<const float*>(params[1]);
-    p.lnx_w = static_cast<const float*>(params[2]);
-    p.lnx_b = static_cast<const float*>(params[3]);
-    p.a0 = static_cast<const __half*>(params[4]);
-    p.v0 = static_cast<const __half*>(params[5]);
-    p.k_k = static_cast<const __half*>(params[6]);
-    p.k_a = static_cast<const __half*>(params[7]);
-    p.first_layer = first_layer;
+    const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const unsigned grid = static_cast<unsigned>(B * H);
     if (state_dtype == wkv7::kFloat32)
@@ -72,26 +50,11 @@ EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const 
                               const int64_t* k, const int* weight_type, const int* activation, const int* epilogue) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return -1;
+    for (int i = 0; i < count; ++i)
+        if (!gemv_takes(n[i], k[i], weight_type[i])) return -1;
     GemvArgs args{};
-    int blocks = 0;
-    for (int i = 0; i < count; ++i) {
-        const int multiple = weight_type[i] == kWeightInt8 ? 16 : 8;
-        if (n[i] <= 0 || k[i] <= 0 || k[i] % multiple) return -1;
-        GemvTask& t = args.task[i];
-        t.w = w[i];
-        t.scale = static_cast<const __half*>(scale[i]);
-        t.x = static_cast<const __half*>(x[i]);
-        t.y = static_cast<__half*>(y[i]);
-        t.residual = static_cast<const __half*>(residual[i]);
-        t.n = static_cast<int>(n[i]);
-        t.k = static_cast<int>(k[i]);
-        t.weight_type = weight_type[i];
-        t.activation = activation[i];
-        t.epilogue = epilogue[i];
-        t.first_block = blocks;
-        blocks += (t.n + kGemvWarps - 1) / kGemvWarps;
-    }
-    args.count = count;
+    const int blocks = pack_gemv(args, count, kGemvWarps, w, scale, x, y, residual, n, k, weight_type, activation,
+                                 epilogue);
     switch (M) {
         case 1: return run_gemv<1>(args, blocks);
         case 2: return run_gemv<2>(args, blocks);
@@ -113,25 +76,11 @@ EMU_EXPORT int emu_fused_gemv_tc(int64_t M, int count, const void* const* w, con
                                  const int64_t* k, const int* weight_type, const int* activation, const int* epilogue) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < kTcMinRows || M > kTcCols) return -1;
-    GemvArgs args{};
-    int blocks = 0;
-    for (int i = 0; i < count; ++i) {
+    for (int i = 0; i < count; ++i)
         if (!gemv_tc_takes(n[i], k[i], weight_type[i], activation[i], w[i])) return -2;
-        GemvTask& t = args.task[i];
-        t.w = w[i];
-        t.scale = static_cast<const __half*>(scale[i]);
-        t.x = static_cast<const __half*>(x[i]);
-        t.y = static_cast<__half*>(y[i]);
-        t.residual = static_cast<const __half*>(residual[i]);
-        t.n = static_cast<int>(n[i]);
-        t.k = static_cast<int>(k[i]);
-        t.weight_type = weight_type[i];
-        t.activation = activation[i];
-        t.epilogue = epilogue[i];
-        t.first_block = blocks;
-        blocks += t.n / kTcRows;
-    }
-    args.count = count;
+    GemvArgs args{};
+    const int blocks = pack_gemv(args, count, kTcRows, w, scale, x, y, residual, n, k, weight_type, activation,
+                                 epilogue);
     emu::wmma_reset();
     const int rows = static_cast<int>(M);
     const int rc = emu::run_grid(static_cast<unsigned>(blocks), kGemvWarps * 32, [&] { gemv_tc_kernel(args, rows); });
