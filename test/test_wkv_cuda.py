@@ -268,3 +268,14 @@ def test_build_lock_waits_for_a_live_build(tmp_path):
     a.join(10)
     b.join(10)
     assert seen == ["entered"] and not (tmp_path / "lock").exists()
+
+
+def test_build_once_load_keeps_only_self_tested_objects(monkeypatch):
+    from infer.ops import cuda_ext
+    monkeypatch.setattr(cuda_ext, "why_unavailable", lambda: None)
+    rejected = cuda_ext.BuildOnce("thing")
+    assert rejected.load(lambda: 1, lambda value: "wrong answer") is None
+    assert rejected.error == "wrong answer"
+    accepted = cuda_ext.BuildOnce("thing")
+    assert accepted.load(lambda: 2, lambda value: None) == 2 and accepted.error is None
+    assert cuda_ext.BuildOnce("thing").load(lambda: 3) == 3  # no self-test

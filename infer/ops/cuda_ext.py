@@ -90,6 +90,19 @@ def compile_extension(name: str, sources: list[Path], cuda_flags: list[str], wha
                     build_directory=str(directory), verbose=False)
 
 
+CUDA_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
+HIP_FLAGS = ["-O3"]
+
+
+def compile_kernels(name: str, cuda_sources: list[Path], hip_sources: list[Path], what: str,
+                    cuda_flags: list[str] = CUDA_FLAGS, hip_flags: list[str] = HIP_FLAGS):
+    """:func:`compile_extension` of the CUDA sources, or of their HIP ports (cached as ``name_hip``) on a
+    ROCm build of torch."""
+    hip = torch.version.hip is not None
+    return compile_extension(name + ("_hip" if hip else ""), hip_sources if hip else cuda_sources,
+                             list(hip_flags if hip else cuda_flags), f"{what} ({'HIP' if hip else 'CUDA'})")
+
+
 class BuildOnce(Generic[T]):
     """A process-wide object backed by a compiled extension: built (and self-tested) on first use,
     or, from then on, None with the reason in :attr:`error`. Never raises."""
@@ -115,3 +128,12 @@ class BuildOnce(Generic[T]):
                 self.error = reason or "unknown reason"
                 log.warning("%s unavailable: %s", self._what, self.error)
             return self._value
+
+    def load(self, make: Callable[[], T], self_test: Callable[[T], str | None] | None = None) -> T | None:
+        """:meth:`get` for the common case: build with ``make``; keep the object only if ``self_test``
+        (when given) returns no reason."""
+        def build() -> tuple[T | None, str | None]:
+            value = make()
+            reason = self_test(value) if self_test is not None else None
+            return (None, reason) if reason else (value, None)
+        return self.get(build)

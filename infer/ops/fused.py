@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.batch import PackedBatch
-from infer.ops.cuda_ext import BuildOnce, compile_extension
+from infer.ops.cuda_ext import BuildOnce, compile_kernels
 from infer.ops.linear import DenseLinear
 from infer.ops.linear_w8a16 import W8A16Linear
 from infer.ops.wkv_cuda import LONG_ROW
@@ -225,10 +225,7 @@ _kernels: BuildOnce[FusedKernels] = BuildOnce("fused CUDA kernels")
 
 
 def _compile():
-    hip = torch.version.hip is not None
-    return compile_extension(EXTENSION_NAME + ("_hip" if hip else ""), HIP_SOURCES if hip else CUDA_SOURCES,
-                             ["-O3"] if hip else ["-O3", "--use_fast_math", "-lineinfo"],
-                             f"the fused forward kernels ({'HIP' if hip else 'CUDA'})")
+    return compile_kernels(EXTENSION_NAME, CUDA_SOURCES, HIP_SOURCES, "the fused forward kernels")
 
 
 def _self_test(kernels: FusedKernels) -> str | None:
@@ -279,11 +276,7 @@ def _self_test_int8(kernels: FusedKernels, device: torch.device) -> str | None:
 def load_fused_kernels(verify: bool = True) -> FusedKernels | None:
     """The compiled kernels, building them on the first call; None (with a logged warning) if they
     cannot be had: no CUDA device, no nvcc/ninja, a failed build, or a failed self-test."""
-    def build() -> tuple[FusedKernels | None, str | None]:
-        kernels = FusedKernels(_compile())
-        reason = _self_test(kernels) if verify else None
-        return (None, reason) if reason else (kernels, None)
-    return _kernels.get(build)
+    return _kernels.load(lambda: FusedKernels(_compile()), _self_test if verify else None)
 
 
 def fused_kernels_error() -> str | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from infer.ops.cuda_ext import BuildOnce, compile_extension
+from infer.ops.cuda_ext import BuildOnce, compile_kernels
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,9 @@ _kernel: BuildOnce[CudaSampler] = BuildOnce("CUDA sampler kernel")
 
 
 def _compile():
-    hip = torch.version.hip is not None
     # No fast math and no FMA contraction: the kernel's doubles must round exactly like torch's.
-    return compile_extension(EXTENSION_NAME + ("_hip" if hip else ""), HIP_SOURCES if hip else CUDA_SOURCES,
-                             ["-O3", "-ffp-contract=off"] if hip else ["-O3", "-lineinfo", "--fmad=false"],
-                             f"the sampler kernel ({'HIP' if hip else 'CUDA'})")
+    return compile_kernels(EXTENSION_NAME, CUDA_SOURCES, HIP_SOURCES, "the sampler kernel",
+                           cuda_flags=["-O3", "-lineinfo", "--fmad=false"], hip_flags=["-O3", "-ffp-contract=off"])
 
 
 def self_test_batch(device: torch.device, V: int, seed: int = 0):
@@ -106,11 +104,7 @@ def _self_test(kernel: CudaSampler) -> str | None:
 def load_cuda_sampler(verify: bool = True) -> CudaSampler | None:
     """The compiled kernel, building it on the first call; None (with a logged warning) if it
     cannot be had: no CUDA device, no nvcc/ninja, a failed build, or a failed self-test."""
-    def build() -> tuple[CudaSampler | None, str | None]:
-        kernel = CudaSampler(_compile())
-        reason = _self_test(kernel) if verify else None
-        return (None, reason) if reason else (kernel, None)
-    return _kernel.get(build)
+    return _kernel.load(lambda: CudaSampler(_compile()), _self_test if verify else None)
 
 
 def cuda_sampler_error() -> str | None:

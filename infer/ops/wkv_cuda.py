@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from infer.batch import PackedBatch
-from infer.ops.cuda_ext import BuildOnce, compile_extension
+from infer.ops.cuda_ext import BuildOnce, compile_kernels
 from infer.ops.wkv import WKV, TorchWKV
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,7 @@ _kernel: BuildOnce[CudaWKV] = BuildOnce("CUDA WKV kernel")
 
 
 def _compile():
-    hip = torch.version.hip is not None
-    return compile_extension(EXTENSION_NAME + ("_hip" if hip else ""), HIP_SOURCES if hip else CUDA_SOURCES,
-                             ["-O3"] if hip else ["-O3", "--use_fast_math", "-lineinfo"],
-                             f"the WKV kernel ({'HIP' if hip else 'CUDA'})")
+    return compile_kernels(EXTENSION_NAME, CUDA_SOURCES, HIP_SOURCES, "the WKV kernel")
 
 
 def _self_test(kernel: CudaWKV) -> str | None:
@@ -95,11 +92,7 @@ def _self_test(kernel: CudaWKV) -> str | None:
 def load_cuda_wkv(verify: bool = True) -> CudaWKV | None:
     """The compiled kernel, building it on the first call; None (with a logged warning) if it
     cannot be had: no CUDA device, no nvcc/ninja, a failed build, or a failed self-test."""
-    def build() -> tuple[CudaWKV | None, str | None]:
-        kernel = CudaWKV(_compile())
-        reason = _self_test(kernel) if verify else None
-        return (None, reason) if reason else (kernel, None)
-    return _kernel.get(build)
+    return _kernel.load(lambda: CudaWKV(_compile()), _self_test if verify else None)
 
 
 def cuda_wkv_error() -> str | None:
