@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# The GPU measurements still owed to issues 6 and 7, in priority order, in four parts that each fit
-# one 10-minute device call (every step has its own timeout, so a slow step cannot eat the others;
-# results land in bench/results/ and, when set, in $OUT):
+# The GPU measurements still owed to issues 6 and 7, in parts that each fit one 10-minute device call
+# (every step has its own timeout, so a slow step cannot eat the others; results land in
+# bench/results/ and, when set, in $OUT). On a two-GPU machine run two parts side by side, one per GPU:
 #
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh 1   # GPU tests, fla vs per-token WKV, sampler kernel
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh 2   # decode grid, tensor-core GEMV, prefill (cuda vs fla)
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh 3   # W8A16 decode on the fused path, quantized GPU tests
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh 4   # HTTP serving with the sampler kernel + fla, official 1.5B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh tests     # every GPU test (fused, graphs, sampler, WKV, fla, quant)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh profile   # per-kernel time, PDL A/B, tensor-core GEMV, sampler, fla prefill
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh grid      # decode grid, prefill (cuda vs fla), 16k prompt
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w8        # W8A16 decode on the fused path
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh serving   # HTTP serving, official 1.5B
+#
+#   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests & CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile; wait
 #
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh 1|2|3|4}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -19,39 +22,45 @@ step() {  # step SECONDS NAME CMD...: run with a timeout, keep going on failure
     local limit=$1 name=$2; shift 2
     echo "=== $name (limit ${limit}s) $(date +%T)" | log
     timeout -k 10 "$limit" "$@" 2>&1 | log | tail -25
-    echo "=== $name: exit ${PIPESTATUS[0]}" | log
+    echo "=== $name: exit ${PIPESTATUS[0]} $(date +%T)" | log
 }
 copy() { [ -n "$OUT" ] && cp "$@" "$OUT/" 2>/dev/null; true; }
 
 case $PART in
-1)
-    step 240 "GPU tests" python -m pytest -q -rs test/test_fused_cuda.py test/test_wkv_cuda.py test/test_wkv_fla.py \
-        test/test_graphs_cuda.py test/test_sampler_cuda.py
-    step 150 "fla vs per-token WKV (prefill)" python bench/bench_wkv_prefill.py --variants c64-fp16,c16-fp16
-    step 90 "sampler kernel vs torch" python bench/bench_sampler.py --out bench/results/sampler_h200.json
-    copy bench/results/wkv_prefill_h200.json bench/results/sampler_h200.json
+tests)
+    step 300 "GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py \
+        test/test_sampler_cuda.py test/test_wkv_cuda.py test/test_quant_cuda.py
+    step 200 "fla tests" python -m pytest -q -rs -p no:cacheprovider test/test_wkv_fla.py
     ;;
-2)
-    step 200 "decode grid" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8,32,64,128,256,512,1024 \
-        --states fp32,fp16 --steps 20 --wkv cuda --out bench/results/decode_h200_grid.json
+profile)
+    step 200 "per-kernel profile" python bench/profile_decode.py --sizes 1.5b,7.2b --batches 1,8,256 \
+        --out bench/results/profile_h200.json
+    step 60 "PDL off, batch 1" env RWKV_PDL=0 python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1 --no-checks \
+        --wkv cuda --out bench/results/experiment_nopdl_h200.json
     step 60 "tensor-core GEMV, 2-8 rows" env RWKV_TC_GEMV_ROWS=8 python bench/bench_decode.py --sizes 7.2b \
         --batches 2,3,4,8 --no-checks --wkv cuda --out bench/results/experiment_tc_gemv_h200.json
+    step 60 "sampler kernel vs torch" python bench/bench_sampler.py --out bench/results/sampler_h200.json
+    step 120 "fla vs per-token WKV (prefill)" python bench/bench_wkv_prefill.py --variants c64-fp16,c16-fp16
+    copy bench/results/profile_h200.json bench/results/experiment_nopdl_h200.json \
+        bench/results/experiment_tc_gemv_h200.json bench/results/sampler_h200.json bench/results/wkv_prefill_h200.json
+    ;;
+grid)
+    step 200 "decode grid" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8,32,64,128,256,512,1024 \
+        --states fp32,fp16 --steps 20 --wkv cuda --out bench/results/decode_h200_grid.json
     step 120 "prefill, fla" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 128,1024,4096 \
         --prefill-rows 1,16 --wkv fla --no-checks --out bench/results/decode_h200_prefill_fla.json
     step 60 "prefill 16k" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 16384 --prefill-rows 1 \
         --wkv fla --no-checks --out bench/results/decode_h200_prefill_16k.json
     copy bench/results/decode_h200_grid.json bench/results/decode_h200_prefill_fla.json \
-        bench/results/decode_h200_prefill_16k.json bench/results/experiment_tc_gemv_h200.json
+        bench/results/decode_h200_prefill_16k.json
     ;;
-3)
-    step 240 "W8A16 decode (first run builds the CUTLASS GEMM)" python bench/bench_decode.py --engine cutlass \
-        --sizes 7.2b --batches 1,8,32,128,256 --no-checks --wkv cuda --out bench/results/decode_h200_w8_fused.json
-    step 240 "quantized GPU tests (W8A16 kernels, GemLite)" python -m pytest -q -rs test/test_quant_cuda.py
+w8)
+    step 300 "W8A16 decode (first run builds the CUTLASS GEMM)" python bench/bench_decode.py --engine cutlass \
+        --sizes 1.5b,7.2b --batches 1,8,32,128,256 --no-checks --wkv cuda --out bench/results/decode_h200_w8_fused.json
     copy bench/results/decode_h200_w8_fused.json
     ;;
-4)
-    step 330 "HTTP serving (sampler kernel, fla prefill)" env RWKV_SAMPLER=auto LEVELS=1,32,256 MAX_TOKENS=128 \
-        EXTRA_SERVER_ARGS="--wkv fla" bash bench/h200_serving.sh
+serving)
+    step 330 "HTTP serving" env LEVELS=1,32,256 MAX_TOKENS=128 bash bench/h200_serving.sh
     step 150 "official rwkv 1.5B" python bench/bench_official.py --sizes 1.5b --modes 0 \
         --out bench/results/official_h200_1.5b.json
     copy bench/results/serving_h200_7.2b.json bench/results/official_h200_1.5b.json

@@ -1,0 +1,99 @@
+"""Where one decode step's GPU time goes: per-kernel device time (torch.profiler / CUPTI) of the
+model forward at given sizes and batch sizes, against the step time of the same forward replayed as
+a CUDA graph. The difference between the two is what the kernels' boundaries cost (launch, drain,
+ramp-up), the part that fewer or overlapping launches can remove.
+
+    python bench/profile_decode.py --sizes 1.5b,7.2b --batches 1,256 --out bench/results/profile_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_decode import SIZES, capture, random_weights, static_batch, time_steps  # noqa: E402
+from infer.model import RWKV7  # noqa: E402
+from infer.ops.fused import select_fused  # noqa: E402
+from infer.ops.wkv_cuda import select_wkv  # noqa: E402
+from infer.random_model import make_config  # noqa: E402
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without template arguments and parameter lists, cut to 60 characters."""
+    for sep in ("<", "("):
+        name = name.split(sep)[0]
+    return name.removeprefix("void ")[:60]
+
+
+def kernel_times(fn, steps: int) -> tuple[dict[str, dict], float]:
+    """Per kernel name: launches and device µs per step; and the summed kernel µs per step."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            entry = per[short_name(event.name)]
+            entry[0] += 1
+            entry[1] += event.device_time
+    table = {name: {"launches_per_step": round(n / steps, 2), "us_per_step": round(us / steps, 1)}
+             for name, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1])}
+    return table, sum(v["us_per_step"] for v in table.values())
+
+
+def profile_size(name: str, batches: list[int], steps: int, forward: str) -> list[dict]:
+    L, C = SIZES[name]
+    model = RWKV7.from_state_dict(random_weights(make_config(L, C, 65536), "fp16"), device="cuda", dtype="fp16")
+    model.wkv = select_wkv(model.device, "cuda")
+    select_fused(model, "on" if forward == "fused" else "off")
+    rows = []
+    for B in batches:
+        pool = model.new_state_pool(B)
+        batch = static_batch(torch.randint(1, 65530, (B,)).tolist(), list(range(B)))
+        graph, _ = capture(model, batch, pool)
+        step_us = time_steps(graph.replay, steps * 3) * 1e6
+        kernels, kernel_us = kernel_times(graph.replay, steps)
+        launches = sum(v["launches_per_step"] for v in kernels.values())
+        row = {"size": name, "batch": B, "forward": forward, "graph_step_us": round(step_us, 1),
+               "kernel_us_per_step": round(kernel_us, 1), "launches_per_step": round(launches, 1),
+               "boundary_us_per_launch": round((step_us - kernel_us) / max(launches, 1), 2),
+               "kernels": kernels}
+        rows.append(row)
+        print(f"\n{name} batch {B} ({forward}): graph step {step_us:.0f} us, kernels {kernel_us:.0f} us in "
+              f"{launches:.0f} launches, {row['boundary_us_per_launch']} us per boundary", flush=True)
+        for kname, v in list(kernels.items())[:12]:
+            print(f"  {v['us_per_step']:>9.1f} us {v['launches_per_step']:>6.1f}x  {kname}", flush=True)
+        del graph, pool
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1.5b,7.2b")
+    ap.add_argument("--batches", default="1,256")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--forward", default="fused", choices=("fused", "readable"))
+    ap.add_argument("--out", default="bench/results/profile_h200.json")
+    args = ap.parse_args()
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "profile": []}
+    for name in args.sizes.split(","):
+        result["profile"] += profile_size(name, [int(b) for b in args.batches.split(",")], args.steps, args.forward)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
