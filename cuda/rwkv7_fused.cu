@@ -228,6 +228,24 @@ struct TimeMixArgs {
     int first_layer;  // 1: layer 0 (no value residual; v_first := v)
 };
 
+// One token's inputs to the time mix at one channel, as floats.
+struct TokenInputs {
+    float r, k, v, dw, da, dv, g, v_first;
+};
+
+__device__ __forceinline__ TokenInputs load_token_inputs(const TimeMixArgs& p, int64_t o) {
+    TokenInputs in;
+    in.r = h2f(p.r[o]);
+    in.k = h2f(p.k[o]);
+    in.v = h2f(p.v[o]);
+    in.dw = h2f(p.dw[o]);
+    in.da = h2f(p.da[o]);
+    in.g = h2f(p.g[o]);
+    in.dv = p.first_layer ? 0.0f : h2f(p.dv[o]);
+    in.v_first = p.first_layer ? 0.0f : h2f(p.v_first[o]);
+    return in;
+}
+
 template <typename S>
 __global__ void __launch_bounds__(N)
 time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state, const int64_t* __restrict__ slots,
@@ -255,30 +273,37 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
     __shared__ __align__(16) float kr[N], kw[N], kk_[N], ka[N], kb[N];  // key-axis vectors of the token
     __shared__ float scratch[6];
 
+    // The state block (16 KB fp32) and the first token's inputs are loaded together, and each token
+    // fetches the next one's inputs before the barrier that ends it: at large batches this kernel moves most
+    // of a decode step's bytes, and a block that waited on one load after another left the memory idle.
+    S* block = state + (slot * H + h) * N * N;
+    wkv7::Staged<S> staged;
+    wkv7::block_load(block, staged);  // only this kernel writes the state: safe before the wait
+
     const float w0 = p.w0[col], r_k = p.r_k[col], lnx_w = p.lnx_w[col], lnx_b = p.lnx_b[col];
     const float a0 = h2f(p.a0[col]), k_k = h2f(p.k_k[col]), k_a = h2f(p.k_a[col]);
     const float v0 = p.first_layer ? 0.0f : h2f(p.v0[col]);
 
-    S* block = state + (slot * H + h) * N * N;
-    float s[N];
-    wkv7::block_to_tile(block, tile);  // only this kernel writes the state: safe before the wait
     dependency_wait();
+    TokenInputs in = load_token_inputs(p, first * C + col);
+    wkv7::staged_to_tile(staged, tile);
     __syncthreads();
+    float s[N];
     wkv7::tile_row_to_regs(tile[i], s);
 
     for (int64_t t = first; t <= last; ++t) {
         const int64_t o = t * C + col;
-        const float r = h2f(p.r[o]), k = h2f(p.k[o]);
-        float v = h2f(p.v[o]);
-        const float w = __expf(-kExpMinusHalf * sigmoidf(w0 + h2f(p.dw[o])));
-        const float a = sigmoidf(a0 + h2f(p.da[o]));
+        const TokenInputs cur = in;
+        const float r = cur.r, k = cur.k;
+        float v = cur.v;
+        const float w = __expf(-kExpMinusHalf * sigmoidf(w0 + cur.dw));
+        const float a = sigmoidf(a0 + cur.da);
         const float kkr = k * k_k;
         const float kn = k * (1.0f + (a - 1.0f) * k_a);
         if (p.first_layer) {
-            p.v_first[o] = p.v[o];
+            p.v_first[o] = __float2half_rn(v);
         } else {
-            const float vf = h2f(p.v_first[o]);
-            v = v + (vf - v) * sigmoidf(v0 + h2f(p.dv[o]));
+            v = v + (cur.v_first - v) * sigmoidf(v0 + cur.dv);
         }
         const float norm = sqrtf(block_sum<2>(kkr * kkr, scratch));
         const float kk = kkr / fmaxf(norm, 1e-12f);
@@ -298,8 +323,9 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
         // reuse scratch[0..1]: every thread read it before the barrier inside the mean's block_sum
         const float var = block_sum<2>(var_part, scratch) * (1.0f / N);
         const float yn = (y - mean) * rsqrtf(var + kGroupNormEps) * lnx_w + lnx_b;
-        const float res = round_half(yn + bonus * v) * h2f(p.g[o]);
+        const float res = round_half(yn + bonus * v) * cur.g;
         p.out[o] = __float2half_rn(res);
+        if (t < last) in = load_token_inputs(p, o + C);  // in flight across the barrier
         __syncthreads();  // the key-axis buffers and scratch are rewritten by the next token
     }
 
@@ -354,15 +380,31 @@ __device__ __forceinline__ void int8x4_to_float(uint32_t word, float* out) {
     for (int e = 0; e < 4; ++e) out[e] = float(int8_t((word >> (8 * e)) & 0xffu));
 }
 
+// Each lane keeps kGemvLoads 16-byte weight loads in flight: the GEMV is a stream of the weights, and at
+// batch 1 a matrix takes only microseconds, so the bytes in flight per multiprocessor set its speed.
+constexpr int kGemvLoads = 8;
+
+// This lane's next batch of a weight row's 16-byte vectors: [first, first + 32, ...) below count.
+// Weights are read once per step: stream them past the caches.
+__device__ __forceinline__ void load_weight_batch(const uint4* row, int first, int count, uint4 (&w)[kGemvLoads]) {
+#pragma unroll
+    for (int j = 0; j < kGemvLoads; ++j) {
+        if (first + 32 * j < count) w[j] = __ldcs(row + first + 32 * j);
+    }
+}
+
+// acc[m] += the batch's weights . x[m]; fp16 weights: 8 per vector.
 template <int M>
-__device__ __forceinline__ void gemv_half_row(const GemvTask& task, int n, int lane, float (&acc)[M]) {
-    const __half* row = static_cast<const __half*>(task.w) + int64_t(n) * task.k;
-#pragma unroll 4
-    for (int k = lane * 8; k < task.k; k += 32 * 8) {
-        float wf[8];
-        const uint4 packed = __ldcs(reinterpret_cast<const uint4*>(row + k));  // weights: read once, stream
+__device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int count, const uint4 (&w)[kGemvLoads],
+                                               float (&acc)[M]) {
+#pragma unroll
+    for (int j = 0; j < kGemvLoads; ++j) {
+        const int v = first + 32 * j;
+        if (v >= count) break;
+        const int k = v * 8;
         __half h[8];
-        memcpy(h, &packed, sizeof(packed));
+        memcpy(h, &w[j], sizeof(h));
+        float wf[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) wf[e] = __half2float(h[e]);
 #pragma unroll
@@ -375,17 +417,20 @@ __device__ __forceinline__ void gemv_half_row(const GemvTask& task, int n, int l
     }
 }
 
+// int8 weights: 16 per vector (the per-channel scale is applied in the epilogue).
 template <int M>
-__device__ __forceinline__ void gemv_int8_row(const GemvTask& task, int n, int lane, float (&acc)[M]) {
-    const int8_t* row = static_cast<const int8_t*>(task.w) + int64_t(n) * task.k;
-#pragma unroll 2
-    for (int k = lane * 16; k < task.k; k += 32 * 16) {
-        const uint4 packed = __ldcs(reinterpret_cast<const uint4*>(row + k));
+__device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int count, const uint4 (&w)[kGemvLoads],
+                                               float (&acc)[M]) {
+#pragma unroll
+    for (int j = 0; j < kGemvLoads; ++j) {
+        const int v = first + 32 * j;
+        if (v >= count) break;
+        const int k = v * 16;
         float wf[16];
-        int8x4_to_float(packed.x, wf);
-        int8x4_to_float(packed.y, wf + 4);
-        int8x4_to_float(packed.z, wf + 8);
-        int8x4_to_float(packed.w, wf + 12);
+        int8x4_to_float(w[j].x, wf);
+        int8x4_to_float(w[j].y, wf + 4);
+        int8x4_to_float(w[j].z, wf + 8);
+        int8x4_to_float(w[j].w, wf + 12);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xa[8], xb[8];
@@ -407,16 +452,27 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 1) gemv_kernel(GemvArgs args)
     const GemvTask& task = args.task[t];
     const int lane = threadIdx.x & 31;
     const int n = (int(blockIdx.x) - task.first_block) * kGemvWarps + (threadIdx.x >> 5);
+    const bool int8 = task.weight_type == kWeightInt8;
+    const int count = int8 ? task.k / 16 : task.k / 8;  // 16-byte vectors per weight row
+    const uint4* row = reinterpret_cast<const uint4*>(task.w) + int64_t(n) * count;
+    uint4 w[kGemvLoads];
+    if (n < task.n) load_weight_batch(row, lane, count, w);  // weights: no kernel writes them, load before the wait
     dependency_wait();
     if (n >= task.n) return;  // warp-uniform
 
     float acc[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-    if (task.weight_type == kWeightInt8) {
-        gemv_int8_row<M>(task, n, lane, acc);
-    } else {
-        gemv_half_row<M>(task, n, lane, acc);
+#pragma unroll 1
+    for (int first = lane;;) {
+        if (int8) {
+            fma_int8_batch<M>(task, first, count, w, acc);
+        } else {
+            fma_half_batch<M>(task, first, count, w, acc);
+        }
+        first += 32 * kGemvLoads;
+        if (first >= count) break;
+        load_weight_batch(row, first, count, w);
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);

@@ -66,22 +66,43 @@ struct Vec16<__half> {
     }
 };
 
-// Global state block -> tile (fp32). Every thread of the block must call it.
+// Global state block -> tile (fp32), in two halves so that a kernel can issue the loads, do other work
+// while they are in flight, and only then wait for them: block_load issues this thread's share of the
+// block's 16-byte vectors, staged_to_tile stores them into the tile. Every thread of the block calls both.
 template <typename S>
-__device__ __forceinline__ void block_to_tile(const S* __restrict__ src, float (*tile)[LD]) {
-    constexpr int E = Vec16<S>::E;
-    constexpr int PER_ROW = N / E;  // vectors per state row; the block holds N * PER_ROW vectors
+struct Staged {
+    static constexpr int E = Vec16<S>::E;
+    static constexpr int PER_ROW = N / E;  // vectors per state row; the block holds N * PER_ROW vectors
+    uint4 vec[PER_ROW];                    // vector threadIdx.x + N * c of the block
+};
+
+template <typename S>
+__device__ __forceinline__ void block_load(const S* __restrict__ src, Staged<S>& staged) {
     const uint4* q = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+    for (int c = 0; c < Staged<S>::PER_ROW; ++c) staged.vec[c] = q[threadIdx.x + N * c];
+}
+
+template <typename S>
+__device__ __forceinline__ void staged_to_tile(const Staged<S>& staged, float (*tile)[LD]) {
+    constexpr int E = Staged<S>::E, PER_ROW = Staged<S>::PER_ROW;
 #pragma unroll
     for (int c = 0; c < PER_ROW; ++c) {
         const int f = threadIdx.x + N * c;  // vector index within the block
         float vals[E];
-        Vec16<S>::to_f32(q[f], vals);
+        Vec16<S>::to_f32(staged.vec[c], vals);
         float* dst = &tile[f / PER_ROW][(f % PER_ROW) * E];
 #pragma unroll
         for (int e = 0; e < E; e += 4)
             *reinterpret_cast<float4*>(dst + e) = make_float4(vals[e], vals[e + 1], vals[e + 2], vals[e + 3]);
     }
+}
+
+template <typename S>
+__device__ __forceinline__ void block_to_tile(const S* __restrict__ src, float (*tile)[LD]) {
+    Staged<S> staged;
+    block_load(src, staged);
+    staged_to_tile(staged, tile);
 }
 
 // Tile (fp32) -> global state block, rounding to the storage type. Every thread must call it.

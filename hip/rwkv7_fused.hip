@@ -83,17 +83,31 @@ struct Vec16<__half> {
     static __device__ __forceinline__ uint4 from_f32(const float (&in)[E]) { return pack8(in); }
 };
 
-// Global state block -> tile (fp32). Every thread of the block must call it.
+// Global state block -> tile (fp32) in two halves, so that a kernel can do other work while the loads are
+// in flight: block_load issues this thread's share of the block's 16-byte vectors, staged_to_tile stores
+// them into the tile. Every thread of the block calls both.
 template <typename S>
-__device__ __forceinline__ void block_to_tile(const S* __restrict__ src, float (*tile)[LD]) {
-    constexpr int E = Vec16<S>::E;
-    constexpr int PER_ROW = N / E;  // vectors per state row; the block holds N * PER_ROW vectors
+struct Staged {
+    static constexpr int E = Vec16<S>::E;
+    static constexpr int PER_ROW = N / E;  // vectors per state row; the block holds N * PER_ROW vectors
+    uint4 vec[PER_ROW];                    // vector threadIdx.x + N * c of the block
+};
+
+template <typename S>
+__device__ __forceinline__ void block_load(const S* __restrict__ src, Staged<S>& staged) {
     const uint4* q = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+    for (int c = 0; c < Staged<S>::PER_ROW; ++c) staged.vec[c] = q[threadIdx.x + N * c];
+}
+
+template <typename S>
+__device__ __forceinline__ void staged_to_tile(const Staged<S>& staged, float (*tile)[LD]) {
+    constexpr int E = Staged<S>::E, PER_ROW = Staged<S>::PER_ROW;
 #pragma unroll
     for (int c = 0; c < PER_ROW; ++c) {
         const int f = threadIdx.x + N * c;  // vector index within the block
         float vals[E];
-        Vec16<S>::to_f32(q[f], vals);
+        Vec16<S>::to_f32(staged.vec[c], vals);
         float* dst = &tile[f / PER_ROW][(f % PER_ROW) * E];
 #pragma unroll
         for (int e = 0; e < E; e += 4)
@@ -338,6 +352,24 @@ struct TimeMixArgs {
     int first_layer;  // 1: layer 0 (no value residual; v_first := v)
 };
 
+// One token's inputs to the time mix at one channel, as floats.
+struct TokenInputs {
+    float r, k, v, dw, da, dv, g, v_first;
+};
+
+__device__ __forceinline__ TokenInputs load_token_inputs(const TimeMixArgs& p, int64_t o) {
+    TokenInputs in;
+    in.r = h2f(p.r[o]);
+    in.k = h2f(p.k[o]);
+    in.v = h2f(p.v[o]);
+    in.dw = h2f(p.dw[o]);
+    in.da = h2f(p.da[o]);
+    in.g = h2f(p.g[o]);
+    in.dv = p.first_layer ? 0.0f : h2f(p.dv[o]);
+    in.v_first = p.first_layer ? 0.0f : h2f(p.v_first[o]);
+    return in;
+}
+
 // One block of 64 threads: one wavefront on CDNA, two on RDNA; block_sum<2> works on 32-thread teams
 // either way.
 template <typename S>
@@ -367,30 +399,36 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
     __shared__ __align__(16) float kr[N], kw[N], kk_[N], ka[N], kb[N];  // key-axis vectors of the token
     __shared__ float scratch[6];
 
+    // The state block and the first token's inputs are loaded together, and each token fetches the next
+    // one's inputs before the barrier that ends it (see the CUDA source).
+    S* block = state + (slot * H + h) * N * N;
+    wkv7::Staged<S> staged;
+    wkv7::block_load(block, staged);
+
     const float w0 = p.w0[col], r_k = p.r_k[col], lnx_w = p.lnx_w[col], lnx_b = p.lnx_b[col];
     const float a0 = h2f(p.a0[col]), k_k = h2f(p.k_k[col]), k_a = h2f(p.k_a[col]);
     const float v0 = p.first_layer ? 0.0f : h2f(p.v0[col]);
 
-    S* block = state + (slot * H + h) * N * N;
-    float s[N];
-    wkv7::block_to_tile(block, tile);
     dependency_wait();
+    TokenInputs in = load_token_inputs(p, first * C + col);
+    wkv7::staged_to_tile(staged, tile);
     __syncthreads();
+    float s[N];
     wkv7::tile_row_to_regs(tile[i], s);
 
     for (int64_t t = first; t <= last; ++t) {
         const int64_t o = t * C + col;
-        const float r = h2f(p.r[o]), k = h2f(p.k[o]);
-        float v = h2f(p.v[o]);
-        const float w = __expf(-kExpMinusHalf * sigmoidf(w0 + h2f(p.dw[o])));
-        const float a = sigmoidf(a0 + h2f(p.da[o]));
+        const TokenInputs cur = in;
+        const float r = cur.r, k = cur.k;
+        float v = cur.v;
+        const float w = __expf(-kExpMinusHalf * sigmoidf(w0 + cur.dw));
+        const float a = sigmoidf(a0 + cur.da);
         const float kkr = k * k_k;
         const float kn = k * (1.0f + (a - 1.0f) * k_a);
         if (p.first_layer) {
-            p.v_first[o] = p.v[o];
+            p.v_first[o] = __float2half_rn(v);
         } else {
-            const float vf = h2f(p.v_first[o]);
-            v = v + (vf - v) * sigmoidf(v0 + h2f(p.dv[o]));
+            v = v + (cur.v_first - v) * sigmoidf(v0 + cur.dv);
         }
         const float norm = sqrtf(block_sum<N / kTeam>(kkr * kkr, scratch));
         const float kk = kkr / fmaxf(norm, 1e-12f);
@@ -436,8 +474,9 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
         // reuse scratch[0..1]: every thread read it before the barrier inside the mean's block_sum
         const float var = block_sum<N / kTeam>(var_part, scratch) * (1.0f / N);
         const float yn = (y - mean) * rsqrtf(var + kGroupNormEps) * lnx_w + lnx_b;
-        const float res = round_half(yn + bonus * v) * h2f(p.g[o]);
+        const float res = round_half(yn + bonus * v) * cur.g;
         p.out[o] = __float2half_rn(res);
+        if (t < last) in = load_token_inputs(p, o + C);  // in flight across the barrier
         __syncthreads();  // the key-axis buffers and scratch are rewritten by the next token
     }
 
@@ -492,13 +531,29 @@ __device__ __forceinline__ void int8x4_to_float(uint32_t word, float* out) {
     for (int e = 0; e < 4; ++e) out[e] = float(int8_t((word >> (8 * e)) & 0xffu));
 }
 
+// Each lane keeps kGemvLoads 16-byte weight loads in flight (the GEMV streams the weights; see the CUDA
+// source): a batch of loads, then its arithmetic.
+constexpr int kGemvLoads = 8;
+
+// This lane's next batch of a weight row's 16-byte vectors: [first, first + kTeam, ...) below count.
+__device__ __forceinline__ void load_weight_batch(const uint4* row, int first, int count, uint4 (&w)[kGemvLoads]) {
+#pragma unroll
+    for (int j = 0; j < kGemvLoads; ++j) {
+        if (first + kTeam * j < count) w[j] = load_stream(row + first + kTeam * j);
+    }
+}
+
+// acc[m] += the batch's weights . x[m]; fp16 weights: 8 per vector.
 template <int M>
-__device__ __forceinline__ void gemv_half_row(const GemvTask& task, int n, int lane, float (&acc)[M]) {
-    const __half* row = static_cast<const __half*>(task.w) + int64_t(n) * task.k;
-#pragma unroll 4
-    for (int k = lane * 8; k < task.k; k += kTeam * 8) {
+__device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int count, const uint4 (&w)[kGemvLoads],
+                                               float (&acc)[M]) {
+#pragma unroll
+    for (int j = 0; j < kGemvLoads; ++j) {
+        const int v = first + kTeam * j;
+        if (v >= count) break;
+        const int k = v * 8;
         float wf[8];
-        wkv7::unpack8(load_stream(row + k), wf);  // weights: read once, stream
+        wkv7::unpack8(w[j], wf);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xf[8];
@@ -509,17 +564,20 @@ __device__ __forceinline__ void gemv_half_row(const GemvTask& task, int n, int l
     }
 }
 
+// int8 weights: 16 per vector (the per-channel scale is applied in the epilogue).
 template <int M>
-__device__ __forceinline__ void gemv_int8_row(const GemvTask& task, int n, int lane, float (&acc)[M]) {
-    const int8_t* row = static_cast<const int8_t*>(task.w) + int64_t(n) * task.k;
-#pragma unroll 2
-    for (int k = lane * 16; k < task.k; k += kTeam * 16) {
-        const uint4 packed = load_stream(row + k);
+__device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int count, const uint4 (&w)[kGemvLoads],
+                                               float (&acc)[M]) {
+#pragma unroll
+    for (int j = 0; j < kGemvLoads; ++j) {
+        const int v = first + kTeam * j;
+        if (v >= count) break;
+        const int k = v * 16;
         float wf[16];
-        int8x4_to_float(packed.x, wf);
-        int8x4_to_float(packed.y, wf + 4);
-        int8x4_to_float(packed.z, wf + 8);
-        int8x4_to_float(packed.w, wf + 12);
+        int8x4_to_float(w[j].x, wf);
+        int8x4_to_float(w[j].y, wf + 4);
+        int8x4_to_float(w[j].z, wf + 8);
+        int8x4_to_float(w[j].w, wf + 12);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xa[8], xb[8];
@@ -551,10 +609,18 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args)
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = 0.0f;
     if (active) {
-        if (task.weight_type == kWeightInt8) {
-            gemv_int8_row<M>(task, n, lane, acc);
-        } else {
-            gemv_half_row<M>(task, n, lane, acc);
+        const bool int8 = task.weight_type == kWeightInt8;
+        const int count = int8 ? task.k / 16 : task.k / 8;  // 16-byte vectors per weight row
+        const uint4* row = reinterpret_cast<const uint4*>(task.w) + int64_t(n) * count;
+        uint4 w[kGemvLoads];
+#pragma unroll 1
+        for (int first = lane; first < count; first += kTeam * kGemvLoads) {
+            load_weight_batch(row, first, count, w);
+            if (int8) {
+                fma_int8_batch<M>(task, first, count, w, acc);
+            } else {
+                fma_half_batch<M>(task, first, count, w, acc);
+            }
         }
     }
 #pragma unroll

@@ -470,6 +470,9 @@ GEMV_CASES = {
     "three-rows": (3, [(11, 40, False, ACT_NONE, EPI_RELU_SQUARE, True), (13, 32, True, ACT_NONE, EPI_NONE, False)]),
     "five-rows": (5, [(7, 56, False, ACT_SIGMOID, EPI_NONE, False)]),
     "seven-rows": (7, [(10, 48, True, ACT_TANH, EPI_NONE, True)]),
+    # rows longer than one batch of loads per lane (256 vectors): a full batch, then a partial one
+    "long-rows": (2, [(5, 2312, False, ACT_NONE, EPI_NONE, True), (3, 4112, True, ACT_TANH, EPI_NONE, False),
+                      (2, 4096, False, ACT_SIGMOID, EPI_RELU_SQUARE, False)]),
 }
 
 
