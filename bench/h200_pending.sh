@@ -4,7 +4,7 @@
 # bench/results/ and, when set, in $OUT). On a two-GPU machine run two parts side by side, one per GPU:
 #
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh tests     # every GPU test (fused, graphs, sampler, WKV, fla, quant)
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh profile   # per-kernel time, PDL A/B, tensor-core GEMV, sampler, fla prefill
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh profile   # per-kernel time, PDL A/B, sampler, fla prefill
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh grid      # decode grid, prefill (cuda vs fla), 16k prompt
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w8        # W8A16 decode on the fused path
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving   # HTTP serving, official 1.5B
@@ -37,12 +37,10 @@ profile)
         --out bench/results/profile_h200.json
     step 60 "PDL off, batch 1" env RWKV_PDL=0 python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1 --no-checks \
         --wkv cuda --out bench/results/experiment_nopdl_h200.json
-    step 60 "tensor-core GEMV, 2-8 rows" env RWKV_TC_GEMV_ROWS=8 python bench/bench_decode.py --sizes 7.2b \
-        --batches 2,3,4,8 --no-checks --wkv cuda --out bench/results/experiment_tc_gemv_h200.json
     step 60 "sampler kernel vs torch" python bench/bench_sampler.py --out bench/results/sampler_h200.json
     step 120 "fla vs per-token WKV (prefill)" python bench/bench_wkv_prefill.py --variants c64-fp16,c16-fp16
-    copy bench/results/profile_h200.json bench/results/experiment_nopdl_h200.json \
-        bench/results/experiment_tc_gemv_h200.json bench/results/sampler_h200.json bench/results/wkv_prefill_h200.json
+    copy bench/results/profile_h200.json bench/results/experiment_nopdl_h200.json bench/results/sampler_h200.json \
+        bench/results/wkv_prefill_h200.json
     ;;
 grid)
     step 200 "decode grid" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8,32,64,128,256,512,1024 \

@@ -19,14 +19,10 @@
 // 3. gemv: y = x W^T for a few rows of x (decode), several matrices per launch ("tasks"), one warp
 //    per output channel reading the weight row once with 16-byte loads; fp16 or int8 (+ per-channel
 //    fp16 scale) weights; optional tanh/sigmoid on the input, relu^2 on the output, residual add.
-//    gemv_tc: the same tasks for 3..8 rows on tensor cores (WMMA m32n8k16, fp16 weights, no input
-//    activation, n % 32 == 0, k % 16 == 0): opt-in (RWKV_TC_GEMV_ROWS) until measured on a GPU.
 //
 // Every launcher takes the stream to launch on (graph-capturable) and returns a cudaError_t as int.
 
 #include "wkv7_state.cuh"
-
-#include <mma.h>
 
 #include <climits>
 #include <cstdint>
@@ -491,88 +487,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 1) gemv_kernel(GemvArgs args)
     }
 }
 
-// ------------------------------------------------------------------------------------ gemv_tc
-// The grouped GEMV on tensor cores, for 3..8 rows where the SIMT GEMV runs out of instructions: one
-// block of kGemvWarps warps computes kTcRows output channels of one task, each warp a contiguous run
-// of 16-wide k steps (split-K) as WMMA m32n8k16 products: A = 32 weight rows x 16 k straight from
-// global memory (row-major, ldm = k), B = 16 k x 8 rows of x from a per-warp shared tile (col-major:
-// x row m at [m * 16], rows >= M zero). The warps' 32x8 fp32 partial sums meet in shared memory and
-// are added in warp order, then the epilogue of gemv_kernel (same rounding points).
-constexpr int kTcRows = 32;    // output channels per block (WMMA m)
-constexpr int kTcK = 16;       // k per step (WMMA k)
-constexpr int kTcCols = 8;     // rows of x per product (WMMA n): M <= 8
-constexpr int kTcUnroll = 8;   // A fragments loaded ahead per warp (8 x 1 KiB of weights in flight)
-constexpr int kTcMinRows = 3;  // fewer rows: the SIMT GEMV is at the weight-read floor already
-
-__global__ void __launch_bounds__(kGemvWarps * 32, 1) gemv_tc_kernel(GemvArgs args, int rows) {
-    namespace wmma = nvcuda::wmma;
-    __shared__ __align__(32) __half x_tile[kGemvWarps][kTcCols * kTcK];
-    __shared__ __align__(32) float partial[kGemvWarps][kTcRows * kTcCols];
-    int t = 0;
-#pragma unroll 1
-    while (t + 1 < args.count && int(blockIdx.x) >= args.task[t + 1].first_block) ++t;
-    const GemvTask& task = args.task[t];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n0 = (int(blockIdx.x) - task.first_block) * kTcRows;
-    __half* tile = x_tile[warp];
-    for (int i = lane; i < kTcCols * kTcK; i += 32) tile[i] = __float2half_rn(0.0f);  // rows >= M stay 0
-
-    const int steps = task.k / kTcK;
-    const int per_warp = (steps + kGemvWarps - 1) / kGemvWarps;
-    const int first = warp * per_warp, last = min(steps, first + per_warp);
-    const __half* w = static_cast<const __half*>(task.w) + int64_t(n0) * task.k;
-    wmma::fragment<wmma::accumulator, kTcRows, kTcCols, kTcK, float> acc;
-    wmma::fill_fragment(acc, 0.0f);
-    dependency_wait();
-#pragma unroll 1
-    for (int s = first; s < last; s += kTcUnroll) {
-        wmma::fragment<wmma::matrix_a, kTcRows, kTcCols, kTcK, __half, wmma::row_major> a[kTcUnroll];
-#pragma unroll
-        for (int u = 0; u < kTcUnroll; ++u)
-            if (s + u < last) wmma::load_matrix_sync(a[u], w + (s + u) * kTcK, task.k);
-#pragma unroll
-        for (int u = 0; u < kTcUnroll; ++u) {
-            if (s + u >= last) break;  // warp-uniform
-            __syncwarp();              // the previous step's B load has read the tile
-            if (lane < 2 * rows) {     // x[m][k .. k + 16) as two 16-byte halves
-                const int m = lane >> 1, half = lane & 1;
-                const int64_t k = int64_t(s + u) * kTcK + half * 8;
-                *reinterpret_cast<uint4*>(tile + m * kTcK + half * 8) =
-                    *reinterpret_cast<const uint4*>(task.x + int64_t(m) * task.k + k);
-            }
-            __syncwarp();
-            wmma::fragment<wmma::matrix_b, kTcRows, kTcCols, kTcK, __half, wmma::col_major> b;
-            wmma::load_matrix_sync(b, tile, kTcK);
-            wmma::mma_sync(acc, a[u], b, acc);
-        }
-    }
-    wmma::store_matrix_sync(partial[warp], acc, kTcCols, wmma::mem_row_major);
-    __syncthreads();
-
-    // one thread per (channel, row) of the block's 32 x 8 outputs
-    const int r = threadIdx.x / kTcCols, m = threadIdx.x % kTcCols;
-    if (m >= rows) return;
-    float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kGemvWarps; ++i) sum += partial[i][r * kTcCols + m];
-    const int64_t o = int64_t(m) * task.n + n0 + r;
-    float val = round_half(sum);  // the product in fp16, as in gemv_kernel (fp16 weights: no scale)
-    if (task.epilogue == kEpiReluSquare) {
-        val = fmaxf(val, 0.0f);
-        val = val * val;
-    }
-    if (task.residual) val += __half2float(task.residual[o]);
-    task.y[o] = __float2half_rn(val);
-}
-static_assert(kGemvWarps * 32 == kTcRows * kTcCols, "gemv_tc: one epilogue thread per output of a block");
-
-// Whether gemv_tc computes a task with these operands (the launcher checks it for every task).
-__host__ __device__ inline bool gemv_tc_takes(int64_t n, int64_t k, int weight_type, int activation,
-                                              const void* w) {
-    return n > 0 && k > 0 && n % kTcRows == 0 && k % kTcK == 0 && n <= INT_MAX / 2 && k <= INT_MAX / 2 &&
-           weight_type == kWeightHalf && activation == kActNone && reinterpret_cast<uintptr_t>(w) % 32 == 0;
-}
-
 // Programmatic dependent launch is used on compute capability >= 9.0 unless RWKV_PDL=0.
 inline bool use_pdl(int device) {
     static int cached[64] = {0};  // 0 unknown, 1 off, 2 on
@@ -663,9 +577,9 @@ inline bool gemv_takes(int64_t n, int64_t k, int weight_type) {
     return n > 0 && k > 0 && n <= INT_MAX / 2 && k <= INT_MAX / 2 && k % multiple == 0;
 }
 
-// The `count` tasks of one grouped launch, `rows_per_block` output channels per block; returns the
-// grid size. The caller has checked that its kernel takes every task.
-inline int pack_gemv(GemvArgs& args, int count, int rows_per_block, const void* const* w, const void* const* scale,
+// The `count` tasks of one grouped launch, kGemvWarps output channels per block; returns the grid
+// size. The caller has checked that gemv_kernel takes every task.
+inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void* const* scale,
                      const void* const* x, void* const* y, const void* const* residual, const int64_t* n,
                      const int64_t* k, const int* weight_type, const int* activation, const int* epilogue) {
     int blocks = 0;
@@ -682,7 +596,7 @@ inline int pack_gemv(GemvArgs& args, int count, int rows_per_block, const void* 
         t.activation = activation[i];
         t.epilogue = epilogue[i];
         t.first_block = blocks;
-        blocks += (t.n + rows_per_block - 1) / rows_per_block;
+        blocks += (t.n + kGemvWarps - 1) / kGemvWarps;
     }
     args.count = count;
     return blocks;
@@ -747,8 +661,7 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i])) return cudaErrorInvalidValue;
     GemvArgs args{};
-    const int blocks = pack_gemv(args, count, kGemvWarps, w, scale, x, y, residual, n, k, weight_type, activation,
-                                 epilogue);
+    const int blocks = pack_gemv(args, count, w, scale, x, y, residual, n, k, weight_type, activation, epilogue);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {
@@ -761,26 +674,6 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
             case 7: return launch_gemv<7>(args, blocks, s);
             default: return launch_gemv<8>(args, blocks, s);
         }
-    });
-}
-
-// gemv_tc (see gemv_tc_kernel): the arguments of fused_gemv_launch, for 3..8 rows; cudaErrorNotSupported
-// when a task is not one it takes (int8 weights, an input activation, n % 32, k % 16, a weight pointer
-// not 32-byte aligned), cudaErrorInvalidValue for a bad count or row count.
-extern "C" int fused_gemv_tc_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
-                                    const void* const* scale, const void* const* x, void* const* y,
-                                    const void* const* residual, const int64_t* n, const int64_t* k,
-                                    const int* weight_type, const int* activation, const int* epilogue) {
-    using namespace fused;
-    if (count < 1 || count > kMaxTasks || M < kTcMinRows || M > kTcCols) return cudaErrorInvalidValue;
-    for (int i = 0; i < count; ++i)
-        if (!gemv_tc_takes(n[i], k[i], weight_type[i], activation[i], w[i])) return cudaErrorNotSupported;
-    GemvArgs args{};
-    const int blocks = pack_gemv(args, count, kTcRows, w, scale, x, y, residual, n, k, weight_type, activation,
-                                 epilogue);
-    const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-    return on_device(device, [&] {
-        return launch(gemv_tc_kernel, static_cast<unsigned>(blocks), kGemvWarps * 32, s, args, static_cast<int>(M));
     });
 }
 

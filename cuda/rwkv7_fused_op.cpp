@@ -22,10 +22,6 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
                                  const void* const* scale, const void* const* x, void* const* y,
                                  const void* const* residual, const int64_t* n, const int64_t* k,
                                  const int* weight_type, const int* activation, const int* epilogue);
-extern "C" int fused_gemv_tc_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
-                                    const void* const* scale, const void* const* x, void* const* y,
-                                    const void* const* residual, const int64_t* n, const int64_t* k,
-                                    const int* weight_type, const int* activation, const int* epilogue);
 extern "C" int fused_gemv_max_rows();
 extern "C" int fused_gemv_max_tasks();
 extern "C" const char* fused_error_string(int code);
@@ -33,7 +29,6 @@ extern "C" const char* fused_error_string(int code);
 namespace {
 
 constexpr int64_t kHeadSize = 64;
-constexpr int64_t kTcMinRows = 3, kTcRows = 32, kTcK = 16;  // gemv_tc's limits (cuda/rwkv7_fused.cu)
 
 std::string num(int64_t x) { return std::to_string(x); }  // (see wkv7_slots_op.cpp: no ostream ints)
 
@@ -134,17 +129,12 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
              op);
 }
 
-namespace {
-
-using GemvLauncher = int (*)(int, int64_t, int64_t, int, const void* const*, const void* const*, const void* const*,
-                             void* const*, const void* const*, const int64_t*, const int64_t*, const int*, const int*,
-                             const int*);
-
-// The argument checks and launch shared by gemv and gemv_tc; `tensor_cores` adds gemv_tc's constraints.
-void grouped_gemv(const char* op, GemvLauncher launcher, bool tensor_cores, const std::vector<torch::Tensor>& w,
-                  const std::vector<torch::Tensor>& scale, const std::vector<torch::Tensor>& x,
-                  const std::vector<torch::Tensor>& y, const std::vector<torch::Tensor>& residual,
-                  const std::vector<int64_t>& activation, const std::vector<int64_t>& epilogue, int64_t stream) {
+// Several small-M matrix products in one launch: y[i] = act[i](x[i]) @ w[i].T (* scale[i]) (relu^2 if
+// epilogue[i]) (+ residual[i]). Empty tensors mean "none" for scale and residual.
+void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::vector<torch::Tensor> x,
+          std::vector<torch::Tensor> y, std::vector<torch::Tensor> residual, std::vector<int64_t> activation,
+          std::vector<int64_t> epilogue, int64_t stream) {
+    const char* op = "gemv";
     const size_t count = w.size();
     TORCH_CHECK(count >= 1 && count <= static_cast<size_t>(fused_gemv_max_tasks()), op, ": 1 to ",
                 num(fused_gemv_max_tasks()), " tasks per launch, got ", num(count));
@@ -154,9 +144,7 @@ void grouped_gemv(const char* op, GemvLauncher launcher, bool tensor_cores, cons
     TORCH_CHECK(x[0].is_cuda() && x[0].dim() == 2, op, ": x must be 2-D CUDA tensors");
     const auto device = x[0].device();
     const int64_t M = x[0].size(0);
-    const int64_t min_rows = tensor_cores ? kTcMinRows : 1;
-    TORCH_CHECK(M >= min_rows && M <= fused_gemv_max_rows(), op, ": ", num(min_rows), " to ",
-                num(fused_gemv_max_rows()), " rows, got ", num(M));
+    TORCH_CHECK(M >= 1 && M <= fused_gemv_max_rows(), op, ": 1 to ", num(fused_gemv_max_rows()), " rows, got ", num(M));
     std::vector<const void*> w_ptr, s_ptr, x_ptr, r_ptr;
     std::vector<void*> y_ptr;
     std::vector<int64_t> n(count), k(count);
@@ -168,14 +156,6 @@ void grouped_gemv(const char* op, GemvLauncher launcher, bool tensor_cores, cons
         k[i] = w[i].size(1);
         const bool int8 = w[i].scalar_type() == torch::kInt8;
         wt[i] = int8 ? 1 : 0;
-        if (tensor_cores) {
-            TORCH_CHECK(!int8, op, ": w", tag, " must be float16 (int8 weights take gemv)");
-            TORCH_CHECK(activation[i] == 0, op, ": task ", num(i), " has an input activation (those take gemv)");
-            TORCH_CHECK(n[i] % kTcRows == 0 && k[i] % kTcK == 0, op, ": w", tag, " needs out_features % ",
-                        num(kTcRows), " == 0 and in_features % ", num(kTcK), " == 0, got ", shape(w[i]));
-            TORCH_CHECK(reinterpret_cast<std::uintptr_t>(w[i].data_ptr()) % 32 == 0, op, ": w", tag,
-                        " must be 32-byte aligned");
-        }
         check(w[i], device, int8 ? torch::kInt8 : torch::kFloat16, {n[i], k[i]}, op, "w" + tag);
         TORCH_CHECK(k[i] % (int8 ? 16 : 8) == 0, op, ": w", tag, " needs in_features % ", int8 ? "16" : "8", " == 0");
         TORCH_CHECK(int8 == (scale[i].numel() > 0), op, ": task ", num(i), " needs a scale iff its weights are int8");
@@ -193,28 +173,10 @@ void grouped_gemv(const char* op, GemvLauncher launcher, bool tensor_cores, cons
         act[i] = static_cast<int>(activation[i]);
         epi[i] = static_cast<int>(epilogue[i]);
     }
-    raise_on(launcher(static_cast<int>(device.index()), stream, M, static_cast<int>(count), w_ptr.data(), s_ptr.data(),
-                      x_ptr.data(), y_ptr.data(), r_ptr.data(), n.data(), k.data(), wt.data(), act.data(), epi.data()),
+    raise_on(fused_gemv_launch(static_cast<int>(device.index()), stream, M, static_cast<int>(count), w_ptr.data(),
+                               s_ptr.data(), x_ptr.data(), y_ptr.data(), r_ptr.data(), n.data(), k.data(), wt.data(),
+                               act.data(), epi.data()),
              op);
-}
-
-}  // namespace
-
-// Several small-M matrix products in one launch: y[i] = act[i](x[i]) @ w[i].T (* scale[i]) (relu^2 if
-// epilogue[i]) (+ residual[i]). Empty tensors mean "none" for scale and residual.
-void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::vector<torch::Tensor> x,
-          std::vector<torch::Tensor> y, std::vector<torch::Tensor> residual, std::vector<int64_t> activation,
-          std::vector<int64_t> epilogue, int64_t stream) {
-    grouped_gemv("gemv", fused_gemv_launch, false, w, scale, x, y, residual, activation, epilogue, stream);
-}
-
-// gemv on tensor cores (WMMA) for 3 to 8 rows: the same arguments and results, for fp16 weights with
-// out_features % 32 == 0, in_features % 16 == 0, 32-byte aligned, and no input activation. CUDA only
-// (the HIP build refuses every call).
-void gemv_tc(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::vector<torch::Tensor> x,
-             std::vector<torch::Tensor> y, std::vector<torch::Tensor> residual, std::vector<int64_t> activation,
-             std::vector<int64_t> epilogue, int64_t stream) {
-    grouped_gemv("gemv_tc", fused_gemv_tc_launch, true, w, scale, x, y, residual, activation, epilogue, stream);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -222,7 +184,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("ln_shift_mix", &ln_shift_mix, "ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mix, out, stream)");
     m.def("time_mix", &time_mix, "time_mix(state, slots, starts, lasts, tensors, params, first_layer, stream)");
     m.def("gemv", &gemv, "gemv(w, scale, x, y, residual, activation, epilogue, stream)");
-    m.def("gemv_tc", &gemv_tc, "gemv_tc(w, scale, x, y, residual, activation, epilogue, stream)");
     m.def("gemv_max_rows", &fused_gemv_max_rows);
     m.def("gemv_max_tasks", &fused_gemv_max_tasks);
 }

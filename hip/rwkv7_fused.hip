@@ -717,9 +717,9 @@ inline bool gemv_takes(int64_t n, int64_t k, int weight_type) {
     return n > 0 && k > 0 && n <= INT_MAX / 2 && k <= INT_MAX / 2 && k % multiple == 0;
 }
 
-// The `count` tasks of one grouped launch, `rows_per_block` output channels per block; returns the
-// grid size. The caller has checked that its kernel takes every task.
-inline int pack_gemv(GemvArgs& args, int count, int rows_per_block, const void* const* w, const void* const* scale,
+// The `count` tasks of one grouped launch, kGemvWarps output channels per block; returns the grid
+// size. The caller has checked that gemv_kernel takes every task.
+inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void* const* scale,
                      const void* const* x, void* const* y, const void* const* residual, const int64_t* n,
                      const int64_t* k, const int* weight_type, const int* activation, const int* epilogue) {
     int blocks = 0;
@@ -736,7 +736,7 @@ inline int pack_gemv(GemvArgs& args, int count, int rows_per_block, const void* 
         t.activation = activation[i];
         t.epilogue = epilogue[i];
         t.first_block = blocks;
-        blocks += (t.n + rows_per_block - 1) / rows_per_block;
+        blocks += (t.n + kGemvWarps - 1) / kGemvWarps;
     }
     args.count = count;
     return blocks;
@@ -802,8 +802,7 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i])) return hipErrorInvalidValue;
     GemvArgs args{};
-    const int blocks = pack_gemv(args, count, kGemvWarps, w, scale, x, y, residual, n, k, weight_type, activation,
-                                 epilogue);
+    const int blocks = pack_gemv(args, count, w, scale, x, y, residual, n, k, weight_type, activation, epilogue);
     const hipStream_t s = reinterpret_cast<hipStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {
@@ -817,15 +816,6 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
             default: return launch_gemv<8>(args, blocks, s);
         }
     });
-}
-
-// The tensor-core GEMV of cuda/rwkv7_fused.cu (gemv_tc_kernel) is written with CUDA's WMMA API, which
-// HIP does not have (rocWMMA would be the port): here every call is refused, so the shared binding
-// links; FusedKernels keeps tc_rows at 0 on ROCm, so the forward never calls it there.
-extern "C" int fused_gemv_tc_launch(int, int64_t, int64_t, int, const void* const*, const void* const*,
-                                    const void* const*, void* const*, const void* const*, const int64_t*,
-                                    const int64_t*, const int*, const int*, const int*) {
-    return hipErrorNotSupported;
 }
 
 extern "C" const char* fused_error_string(int code) { return hipGetErrorString(static_cast<hipError_t>(code)); }

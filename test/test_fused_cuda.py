@@ -26,45 +26,6 @@ def test_select_on_cpu_keeps_readable_forward():
         select_fused(model, "sometimes")
 
 
-def test_tc_rows_split_the_grouped_gemv(monkeypatch):
-    """With RWKV_TC_GEMV_ROWS, batches of gemv_rows < T <= tc_rows send the tasks gemv_tc takes (fp16, no
-    input activation, out % 32, in % 16) to it and the rest to gemv; other sizes all to gemv (no GPU: the
-    ops are recorded)."""
-    from infer.ops import fused as fused_mod
-
-    class Ops:
-        calls: list = []
-
-        def gemv_max_rows(self):
-            return 8
-
-        def gemv(self, w, *rest):
-            self.calls.append(("gemv", [t.shape[0] for t in w]))
-
-        def gemv_tc(self, w, *rest):
-            self.calls.append(("gemv_tc", [t.shape[0] for t in w]))
-
-    monkeypatch.setenv("RWKV_TC_GEMV_ROWS", "8")
-    monkeypatch.setattr(fused_mod.FusedKernels, "_stream", staticmethod(lambda t: 0))
-    ops = Ops()
-    k = fused_mod.FusedKernels(ops)
-    assert k.tc_rows == (0 if torch.version.hip else 8)
-    k.gemv_rows, k.tc_rows = 2, 8
-    lin = {n: DenseLinear(torch.zeros(n, 64, dtype=torch.float16)) for n in (32, 40, 64)}
-    for rows, want in ((2, [("gemv", [64, 40, 32])]), (5, [("gemv_tc", [64]), ("gemv", [40, 32])]),
-                       (8, [("gemv_tc", [64]), ("gemv", [40, 32])])):
-        ops.calls.clear()
-        x, y = torch.zeros(rows, 64).half(), torch.zeros(rows, 64).half()
-        k.gemv([(lin[64], x, y, ACT_NONE, EPI_RELU_SQUARE, y), (lin[40], x, y, ACT_NONE, EPI_NONE, None),
-                (lin[32], x, y, ACT_TANH, EPI_NONE, None)])
-        assert ops.calls == want, rows
-    # the head (and, alike, a block's large matrices) above gemv_rows only when the tensor-core GEMV takes it
-    from infer.ops.linear_w8a16 import W8A16Linear
-    q = W8A16Linear(torch.zeros(64, 64, dtype=torch.int8), torch.ones(64).half())
-    assert k._grouped_head(lin[64], 8) and k._grouped_head(q, 2) and not k._grouped_head(q, 3)
-    assert not k._grouped_head(lin[40], 3) and not k._grouped_head(lin[64], 9)
-
-
 @pytest.fixture(scope="module")
 def kernels():
     if not torch.cuda.is_available():
@@ -265,70 +226,6 @@ def test_w8a16_model_fused_matches_readable(kernels):
         ref, got = (m.forward(PackedBatch.from_rows(rows, list(range(len(rows))), "cuda"), p)
                     for m, p in zip(models, pools))
         assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
-
-
-@pytest.mark.parametrize("rows", [3, 5, 8])
-def test_gemv_tc_matches_gemv_and_matmul(kernels, rows):
-    """The tensor-core GEMV against the SIMT one (fp32 summation order only: within 1 fp16 ulp) and matmul."""
-    gen = torch.Generator(device="cuda").manual_seed(rows)
-    dev = "cuda"
-    w1 = (torch.randn(96, 256, generator=gen, device=dev) * 0.05).half()
-    w2 = (torch.randn(512, 96, generator=gen, device=dev) * 0.05).half()
-    w3 = (torch.randn(64, 4096, generator=gen, device=dev) * 0.02).half()
-    x = torch.randn(rows, 256, generator=gen, device=dev).half()
-    h = torch.randn(rows, 96, generator=gen, device=dev).half()
-    u = torch.randn(rows, 4096, generator=gen, device=dev).half()
-    res = torch.randn(rows, 512, generator=gen, device=dev).half()
-
-    def tasks():
-        ys = [torch.empty(rows, n, device=dev, dtype=torch.float16) for n in (96, 512, 512, 64)]
-        ys[2].copy_(res)
-        return ys, [(DenseLinear(w1), x, ys[0], ACT_NONE, EPI_NONE, None),
-                    (DenseLinear(w2), h, ys[1], ACT_NONE, EPI_RELU_SQUARE, None),
-                    (DenseLinear(w2), h, ys[2], ACT_NONE, EPI_NONE, ys[2]),
-                    (DenseLinear(w3), u, ys[3], ACT_NONE, EPI_NONE, None)]
-
-    tc, tc_tasks = tasks()
-    simt, simt_tasks = tasks()
-    kernels._grouped(kernels._m.gemv_tc, tc_tasks)
-    kernels._grouped(kernels._m.gemv, simt_tasks)
-    for a, b in zip(tc, simt):
-        torch.testing.assert_close(a, b, atol=4e-3, rtol=4e-3)  # 1 ulp of the product (relu^2 doubles it)
-    torch.testing.assert_close(tc[0], x @ w1.T, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(tc[1], torch.relu(h @ w2.T) ** 2, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(tc[2], res + h @ w2.T, atol=4e-3, rtol=2e-3)
-    torch.testing.assert_close(tc[3], u @ w3.T, atol=4e-3, rtol=2e-3)
-
-
-def test_gemv_tc_rejects_what_it_cannot_take(kernels):
-    from infer.ops.linear_w8a16 import W8A16Linear
-    w = DenseLinear(torch.randn(64, 64, device="cuda").half())
-    x = torch.randn(4, 64, device="cuda").half()
-    y = torch.empty(4, 64, device="cuda").half()
-    op = kernels._m.gemv_tc
-    with pytest.raises(RuntimeError, match="rows"):
-        kernels._grouped(op, [(w, x[:2], y[:2], ACT_NONE, EPI_NONE, None)])
-    with pytest.raises(RuntimeError, match="activation"):
-        kernels._grouped(op, [(w, x, y, ACT_TANH, EPI_NONE, None)])
-    with pytest.raises(RuntimeError, match="out_features % 32"):
-        kernels._grouped(op, [(DenseLinear(torch.randn(48, 64, device="cuda").half()), x, y[:, :48].contiguous(),
-                               ACT_NONE, EPI_NONE, None)])
-    q = W8A16Linear(torch.zeros(64, 64, device="cuda", dtype=torch.int8), torch.ones(64, device="cuda").half())
-    with pytest.raises(RuntimeError, match="float16"):
-        kernels._grouped(op, [(q, x, y, ACT_NONE, EPI_NONE, None)])
-
-
-@pytest.mark.parametrize("batch", [3, 5, 8, 9])  # tensor-core GEMV for 3..8 rows, matmuls above
-def test_decode_with_tc_gemv_matches_readable(pair, batch, monkeypatch):
-    monkeypatch.setattr(pair[1].fused, "gemv_rows", 2)
-    monkeypatch.setattr(pair[1].fused, "tc_rows", 8)
-    slots = list(range(15, 15 - batch, -1))
-    rows = [[(5 * i + 1) % 1024] for i in range(batch)]
-    outs, pools = run_both(pair, rows, slots, steps=3)
-    for ref, got in outs:
-        assert got.dtype == torch.float32 and got.shape == ref.shape
-        assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
-    assert_close_pools(*pools, wkv_tol=0.05)
 
 
 def test_gemv_rejects_bad_arguments(kernels):

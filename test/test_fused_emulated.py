@@ -27,9 +27,7 @@ References and tolerances (ulp: the spacing of fp16 numbers at the magnitude com
 - gemv: act(x) @ W^T (* scale) in float64; the kernel's fp16 product must lie between the fp16
   roundings of the exact product -/+ a bound on its fp32 accumulation error (K * 2^-23 * sum|w x|), and
   relu^2 and the residual add must follow exactly (both monotone and exact in fp32 before the final
-  rounding); >95% of the outputs are the exact product rounded. gemv_tc (WMMA, emulated in
-  kernel_emu/mma.h with fp32 fmaf accumulation) is held to the same rules: its split-K partial sums
-  add fewer roundings per term than K.
+  rounding); >95% of the outputs are the exact product rounded.
 - wkv7_slots: TorchWKV (fp32 math): y within 3e-5 (+1e-5 relative) and an fp32 state within 1e-5
   (+1e-5 relative): summation order (seen: 8e-6, 1e-6); an fp16 state pool within 1 ulp (+2^-20),
   >99% identical.
@@ -56,7 +54,7 @@ N = 64
 ACT_NONE, ACT_TANH, ACT_SIGMOID = 0, 1, 2
 EPI_NONE, EPI_RELU_SQUARE = 0, 1
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-FUSED = {"cuda": ("cuda/rwkv7_fused.cu", 32, ("EMU_GEMV_TC",)), "hip-wave64": ("hip/rwkv7_fused.hip", 64, ()),
+FUSED = {"cuda": ("cuda/rwkv7_fused.cu", 32, ()), "hip-wave64": ("hip/rwkv7_fused.hip", 64, ()),
          "hip-wave32": ("hip/rwkv7_fused.hip", 32, ())}
 VARIANTS = ("cuda", "hip-wave64", "hip-wave32")
 SLOTS = {"cuda": ("cuda/wkv7_slots.cu", 32, ()), "hip-wave64": ("hip/wkv7_slots.hip", 64, ("EMU_HIP",)),
@@ -83,9 +81,6 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
             so.emu_fused_ln_shift_mix.argtypes = [i64, i64, i64, p, p, p, p, p, p, p, p, p, i32]
             so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32]
             so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p]
-            if name == "fused-cuda":  # the tensor-core GEMV (WMMA: CUDA only)
-                so.emu_fused_gemv_tc.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p]
-                so.emu_wmma_error.restype = ctypes.c_char_p
             so.emu_f32_to_f16.argtypes = [p, p, i64]
             so.emu_f16_to_f32.argtypes = [p, p, i64]
         else:
@@ -408,24 +403,20 @@ def gemv_task(gen, M, n, k, int8=False, act=ACT_NONE, epi=EPI_NONE, residual=Fal
     return dict(w=w, scale=scale, x=x, residual=res, act=act, epi=epi)
 
 
-def run_gemv(so, tasks, M, entry="emu_fused_gemv"):
+def run_gemv(so, tasks, M):
     ys = []
     for t in tasks:
         n = t["w"].shape[0]
         # a residual task adds into y in place (the fused forward's x += W y): residual aliases y
         ys.append(t["residual"].clone() if t["residual"] is not None else torch.full((M, n), 777.0).half())
     residual = [y if t["residual"] is not None else None for t, y in zip(tasks, ys)]
-    rc = getattr(so, entry)(M, len(tasks), _ptrs([t["w"] for t in tasks]), _ptrs([t["scale"] for t in tasks]),
-                            _ptrs([t["x"] for t in tasks]), _ptrs(ys), _ptrs(residual),
-                            _ints([t["w"].shape[0] for t in tasks], ctypes.c_int64),
-                            _ints([t["w"].shape[1] for t in tasks], ctypes.c_int64),
-                            _ints([int(t["w"].dtype == torch.int8) for t in tasks], ctypes.c_int),
-                            _ints([t["act"] for t in tasks], ctypes.c_int),
-                            _ints([t["epi"] for t in tasks], ctypes.c_int))
-    if entry == "emu_fused_gemv_tc":
-        assert rc != -2, "gemv_tc refused a task (int8, activation, n % 32, k % 16 or alignment)"
-        assert rc != -3, f"gemv_tc misused the WMMA API: {so.emu_wmma_error().decode()}"
-    _check_rc(rc)
+    _check_rc(so.emu_fused_gemv(M, len(tasks), _ptrs([t["w"] for t in tasks]), _ptrs([t["scale"] for t in tasks]),
+                                _ptrs([t["x"] for t in tasks]), _ptrs(ys), _ptrs(residual),
+                                _ints([t["w"].shape[0] for t in tasks], ctypes.c_int64),
+                                _ints([t["w"].shape[1] for t in tasks], ctypes.c_int64),
+                                _ints([int(t["w"].dtype == torch.int8) for t in tasks], ctypes.c_int),
+                                _ints([t["act"] for t in tasks], ctypes.c_int),
+                                _ints([t["epi"] for t in tasks], ctypes.c_int)))
     return ys
 
 
@@ -487,86 +478,6 @@ def test_gemv(variant, case, libs):
     ys = run_gemv(libs[f"fused-{variant}"], tasks, M)
     for i, (t, y) in enumerate(zip(tasks, ys)):
         check_gemv(t, y, f"task {i}")
-
-
-GEMV_TC_CASES = {
-    # M, tasks: (n, k, epi, residual) of fp16 weights without an input activation
-    "three-rows": (3, [(32, 16, EPI_NONE, False), (64, 48, EPI_RELU_SQUARE, False), (96, 512, EPI_NONE, True)]),
-    "four-rows": (4, [(96, 272, EPI_NONE, False)]),  # 17 k steps: warps of 3 steps, the last one of 2
-    "five-rows": (5, [(32, 512, EPI_RELU_SQUARE, True), (64, 160, EPI_NONE, False)]),
-    "six-rows": (6, [(64, 32, EPI_NONE, True), (32, 128, EPI_RELU_SQUARE, False)]),
-    "seven-rows": (7, [(96, 80, EPI_RELU_SQUARE, True)]),
-    "eight-rows": (8, [(32, 16, EPI_NONE, False), (64, 512, EPI_NONE, True), (96, 144, EPI_RELU_SQUARE, False),
-                       (32, 336, EPI_NONE, False), (64, 64, EPI_RELU_SQUARE, True), (32, 256, EPI_NONE, False),
-                       (96, 96, EPI_NONE, False), (32, 400, EPI_RELU_SQUARE, True)]),
-}
-
-
-def aligned(t: torch.Tensor, boundary: int = 32) -> torch.Tensor:
-    """A contiguous copy of t at a `boundary`-byte aligned address (WMMA loads need 256-bit alignment)."""
-    if t.data_ptr() % boundary == 0:
-        return t
-    storage = torch.empty(t.numel() + boundary, dtype=t.dtype)
-    skip = (-storage.data_ptr() % boundary) // t.element_size()
-    out = storage[skip:skip + t.numel()].view(t.shape)
-    out.copy_(t)
-    assert out.data_ptr() % boundary == 0
-    return out
-
-
-@pytest.mark.parametrize("case", GEMV_TC_CASES)
-def test_gemv_tc(case, libs):
-    """Tensor-core GEMV (WMMA m32n8k16, split-K over the block's warps) against x @ W^T in float64, with the
-    gemv rules: 3-8 rows, several tasks per launch, relu^2, residual add in place, n = 32/64/96, k = 16..512;
-    every lane's WMMA calls checked to be the warp's (kernel_emu/mma.h)."""
-    M, specs = GEMV_TC_CASES[case]
-    gen = torch.Generator().manual_seed(len(case) * 17 + M)
-    tasks = [gemv_task(gen, M, n, k, epi=epi, residual=res) for n, k, epi, res in specs]
-    for t in tasks:
-        t["w"] = aligned(t["w"])
-    ys = run_gemv(libs["fused-cuda"], tasks, M, entry="emu_fused_gemv_tc")
-    for i, (t, y) in enumerate(zip(tasks, ys)):
-        check_gemv(t, y, f"task {i}")
-
-
-def test_gemv_tc_same_as_gemv_mostly(libs):
-    """On the same tasks the two kernels differ only in fp32 summation order: within 1 ulp, >95% identical."""
-    gen = torch.Generator().manual_seed(5)
-    M = 6
-    tasks = [gemv_task(gen, M, 64, 256), gemv_task(gen, M, 96, 512)]  # the products themselves
-    for t in tasks:
-        t["w"] = aligned(t["w"])
-    tc = run_gemv(libs["fused-cuda"], tasks, M, entry="emu_fused_gemv_tc")
-    simt = run_gemv(libs["fused-cuda"], tasks, M)
-    for a, b in zip(tc, simt):
-        assert_ulps(a, b, 1, "gemv_tc vs gemv")
-        assert (a == b).float().mean() > 0.95
-
-
-def test_gemv_tc_refuses_what_it_cannot_take(libs):
-    """int8 weights, an input activation, n % 32, k % 16, a weight not 32-byte aligned: not supported (-2);
-    fewer than 3 or more than 8 rows: invalid (-1). What the launcher answers, as the binding's checks do."""
-    so = libs["fused-cuda"]
-    gen = torch.Generator().manual_seed(9)
-
-    def rc(M, **spec):
-        t = gemv_task(gen, M, spec.get("n", 32), spec.get("k", 32), int8=spec.get("int8", False),
-                      act=spec.get("act", ACT_NONE))
-        t["w"] = spec["w"](t["w"]) if "w" in spec else aligned(t["w"])
-        y = torch.zeros(M, t["w"].shape[0]).half()
-        return so.emu_fused_gemv_tc(M, 1, _ptrs([t["w"]]), _ptrs([t["scale"]]), _ptrs([t["x"]]), _ptrs([y]),
-                                    _ptrs([None]), _ints([t["w"].shape[0]], ctypes.c_int64),
-                                    _ints([t["w"].shape[1]], ctypes.c_int64),
-                                    _ints([int(t["w"].dtype == torch.int8)], ctypes.c_int),
-                                    _ints([t["act"]], ctypes.c_int), _ints([EPI_NONE], ctypes.c_int))
-
-    assert rc(4) == 0
-    assert rc(4, int8=True) == -2
-    assert rc(4, act=ACT_TANH) == -2
-    assert rc(4, n=48) == -2
-    assert rc(4, k=24) == -2
-    assert rc(4, w=lambda w: aligned(torch.cat([torch.zeros(8).half(), w.flatten()]))[8:].view(w.shape)) == -2
-    assert rc(2) == -1 and rc(9) == -1
 
 
 # --------------------------------------------------------------------------------------------- wkv7_slots

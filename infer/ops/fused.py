@@ -7,9 +7,6 @@ slot state + group norm + bonus + output gate), the output projection with the r
 then ``ln_shift_mix`` and the two FFN matrices. Up to ``gemv_rows`` tokens (decode) the matrix
 products go through the kernel's grouped GEMV: seven matrices of the time-mix in one launch, the four
 LoRA second halves (with their tanh/sigmoid) in another, relu^2 and the residual add folded in.
-Opt-in (``RWKV_TC_GEMV_ROWS``, until measured on a GPU): batches of more than ``gemv_rows`` and at most
-``tc_rows`` tokens take the same grouped path when the model's large matrices are fp16, those tasks on
-tensor cores (``gemv_tc``, WMMA), the rest (LoRAs with an activation, odd widths) on the SIMT GEMV.
 Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite). Batches with a row of
 ``long_row`` tokens or more (prefill chunks) run the readable forward, whose WKV can be chunked.
 
@@ -47,8 +44,6 @@ PREFERENCES = ("auto", "on", "off")
 ACT_NONE, ACT_TANH, ACT_SIGMOID = 0, 1, 2
 EPI_NONE, EPI_RELU_SQUARE = 0, 1
 DEFAULT_GEMV_ROWS = 2
-DEFAULT_TC_ROWS = 0  # off: the tensor-core GEMV is not measured on a GPU yet
-TC_MIN_ROWS, TC_MAX_ROWS = 3, 8  # what gemv_tc takes (cuda/rwkv7_fused.cu)
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -67,16 +62,6 @@ def gemv_operands(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     return None
 
 
-def tc_takes(linear, activation: int = ACT_NONE) -> bool:
-    """Whether the tensor-core GEMV computes this linear layer: fp16 weights [N, K] with N % 32 == 0,
-    K % 16 == 0, 32-byte aligned, and no activation on the input."""
-    operands = gemv_operands(linear)
-    if operands is None or operands[1] is not None or activation != ACT_NONE:
-        return False
-    w = operands[0]
-    return w.shape[0] % 32 == 0 and w.shape[1] % 16 == 0 and w.data_ptr() % 32 == 0
-
-
 class FusedKernels:
     """The compiled ops plus the fused forward built on them."""
 
@@ -87,10 +72,6 @@ class FusedKernels:
         # Batches of at most this many tokens take the grouped GEMV (weights read once, CUDA cores),
         # larger ones the model's linears (tensor cores); set from the decode grid in BENCHMARKS.md.
         self.gemv_rows: int = min(int(os.environ.get("RWKV_GEMV_ROWS", DEFAULT_GEMV_ROWS)), module.gemv_max_rows())
-        # Batches of gemv_rows < T <= tc_rows tokens split each grouped GEMV between the tensor-core
-        # kernel (the tasks it takes) and the SIMT one; 0 = off. CUDA only (WMMA; HIP refuses gemv_tc).
-        tc_rows = min(int(os.environ.get("RWKV_TC_GEMV_ROWS", DEFAULT_TC_ROWS)), TC_MAX_ROWS)
-        self.tc_rows: int = 0 if torch.version.hip is not None else tc_rows
         # Rows this long (prefill chunks) run the readable forward, whose WKV is chunked (fla) when
         # available: the fused time-mix walks a row's tokens one after another.
         self.long_row: int = int(os.environ.get("RWKV_FUSED_LONG_ROW", LONG_ROW))
@@ -106,20 +87,7 @@ class FusedKernels:
                              self._stream(x))
 
     def gemv(self, tasks: list[tuple]) -> None:
-        """tasks: (linear, x, y, activation, epilogue, residual or None); every x has the same rows.
-        Between gemv_rows and tc_rows rows, the tasks gemv_tc takes go to it, the others to gemv."""
-        rows = tasks[0][1].shape[0]
-        if self.gemv_rows < rows <= self.tc_rows and rows >= TC_MIN_ROWS:
-            tc = [t for t in tasks if tc_takes(t[0], t[3])]
-            simt = [t for t in tasks if not tc_takes(t[0], t[3])]
-            if tc:
-                self._grouped(self._m.gemv_tc, tc)
-            if simt:
-                self._grouped(self._m.gemv, simt)
-        else:
-            self._grouped(self._m.gemv, tasks)
-
-    def _grouped(self, op, tasks: list[tuple]) -> None:
+        """tasks: (linear, x, y, activation, epilogue, residual or None); every x has the same rows."""
         ws, scales, xs, ys, res, acts, epis = [], [], [], [], [], [], []
         for linear, x, y, act, epi, residual in tasks:
             w, scale = gemv_operands(linear)
@@ -130,7 +98,7 @@ class FusedKernels:
             res.append(residual if residual is not None else _empty(x.device))
             acts.append(act)
             epis.append(epi)
-        op(ws, scales, xs, ys, res, acts, epis, self._stream(xs[0]))
+        self._m.gemv(ws, scales, xs, ys, res, acts, epis, self._stream(xs[0]))
 
     def time_mix(self, state: torch.Tensor, batch: PackedBatch, blk: "Block", first_layer: bool,
                  tensors: list[torch.Tensor]) -> None:
@@ -145,7 +113,7 @@ class FusedKernels:
         if max(batch.lens) >= self.long_row:
             return model.forward_reference(batch, state, all_logits)
         T, C = batch.num_tokens, model.config.n_embd
-        small = self._grouped_ok(model, T)
+        small = T <= self.gemv_rows and all(self._gemv_ok(b) for b in model.blocks)
         cfg = model.config
         x = model.emb[batch.tokens]
         new = lambda *shape: x.new_empty(shape)  # noqa: E731
@@ -190,28 +158,11 @@ class FusedKernels:
             x = x[batch.last]
         x = F.layer_norm(x, (C,), model.ln_out_w, model.ln_out_b, 1e-5)
         rows = x.shape[0]
-        if self._grouped_head(model.head, rows):
+        if rows <= self.gemv_rows and gemv_operands(model.head) is not None:
             logits = x.new_empty(rows, model.head.out_features)
             self.gemv([(model.head, x.contiguous(), logits, ACT_NONE, EPI_NONE, None)])
             return logits.float()
         return model.head(x).float()
-
-    def _grouped_ok(self, model: "RWKV7", T: int) -> bool:
-        """Whether a batch of T tokens takes the grouped GEMV: up to gemv_rows when every matrix fits
-        it, up to tc_rows when also the large ones (projections, FFN) fit the tensor-core kernel."""
-        if T <= self.gemv_rows:
-            return all(self._gemv_ok(b) for b in model.blocks)
-        return T <= self.tc_rows and all(self._gemv_ok(b) and self._tc_ok(b) for b in model.blocks)
-
-    def _grouped_head(self, head, rows: int) -> bool:
-        if rows <= self.gemv_rows:
-            return gemv_operands(head) is not None
-        return rows <= self.tc_rows and tc_takes(head)
-
-    @staticmethod
-    def _tc_ok(blk: "Block") -> bool:
-        return all(tc_takes(lin) for lin in (blk.receptance, blk.key, blk.value, blk.output, blk.ffn_key,
-                                             blk.ffn_value))
 
     @staticmethod
     def _gemv_ok(blk: "Block") -> bool:

@@ -11,8 +11,6 @@ template <typename T>
 T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) { return emu::shfl_up(v, delta, width); }
 template <typename T>
 T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) { return emu::shfl_down(v, delta, width); }
-// a barrier of the warp's lanes (the full-warp mask is the only one the kernels use)
-inline void __syncwarp(unsigned = 0xffffffffu) { emu::warps[threadIdx.x / EMU_WARP].bar.wait(); }
 
 enum cudaError_t : int {
     cudaSuccess = 0,

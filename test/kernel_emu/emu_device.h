@@ -1,7 +1,7 @@
 // CPU emulation of the CUDA/HIP device features that the project's kernels use (cuda/sampler.cu,
 // cuda/rwkv7_fused.cu, cuda/wkv7_slots.cu + cuda/wkv7_state.cuh and their HIP ports), for the tests
 // test_sampler_emulated.py and test_fused_emulated.py. The stand-in runtime headers of this folder
-// (cuda_runtime.h, cuda_fp16.h, cuda_bf16.h, mma.h, hip/hip_runtime.h, hip/hip_fp16.h) include it, so the
+// (cuda_runtime.h, cuda_fp16.h, cuda_bf16.h, hip/hip_runtime.h, hip/hip_fp16.h) include it, so the
 // kernel sources compile unchanged with g++ (see emu_build.py for the two textual adaptations).
 //
 // Not a general GPU emulator:
@@ -145,7 +145,6 @@ struct Warp {
 };
 inline Barrier block_barrier;
 inline Warp* warps = nullptr;
-inline unsigned long long block_serial = 0;  // counts the blocks run (per-block state of the stand-in headers)
 
 inline int lane() { return static_cast<int>(threadIdx.x) % EMU_WARP; }
 
@@ -213,7 +212,6 @@ inline bool run_block(const std::function<void()>& kernel, int threads) {
     for (size_t w = 0; w < block_warps.size(); ++w)
         block_warps[w].bar.expected = std::min(EMU_WARP, threads - static_cast<int>(w) * EMU_WARP);
     warps = block_warps.data();
-    ++block_serial;
     block_barrier = Barrier{};
     block_barrier.expected = threads;
     blockDim = dim3(static_cast<unsigned>(threads));

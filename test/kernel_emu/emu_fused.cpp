@@ -53,8 +53,7 @@ EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const 
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i])) return -1;
     GemvArgs args{};
-    const int blocks = pack_gemv(args, count, kGemvWarps, w, scale, x, y, residual, n, k, weight_type, activation,
-                                 epilogue);
+    const int blocks = pack_gemv(args, count, w, scale, x, y, residual, n, k, weight_type, activation, epilogue);
     switch (M) {
         case 1: return run_gemv<1>(args, blocks);
         case 2: return run_gemv<2>(args, blocks);
@@ -66,30 +65,6 @@ EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const 
         default: return run_gemv<8>(args, blocks);
     }
 }
-
-#ifdef EMU_GEMV_TC
-// gemv_tc_kernel (cuda/rwkv7_fused.cu only: WMMA, see mma.h), with fused_gemv_tc_launch's checks: -1 for
-// a bad count or row count, -2 for a task it does not take (its cudaErrorNotSupported), -3 when the
-// kernel misused the WMMA API (emu_wmma_error() says how).
-EMU_EXPORT int emu_fused_gemv_tc(int64_t M, int count, const void* const* w, const void* const* scale,
-                                 const void* const* x, void* const* y, const void* const* residual, const int64_t* n,
-                                 const int64_t* k, const int* weight_type, const int* activation, const int* epilogue) {
-    using namespace fused;
-    if (count < 1 || count > kMaxTasks || M < kTcMinRows || M > kTcCols) return -1;
-    for (int i = 0; i < count; ++i)
-        if (!gemv_tc_takes(n[i], k[i], weight_type[i], activation[i], w[i])) return -2;
-    GemvArgs args{};
-    const int blocks = pack_gemv(args, count, kTcRows, w, scale, x, y, residual, n, k, weight_type, activation,
-                                 epilogue);
-    emu::wmma_reset();
-    const int rows = static_cast<int>(M);
-    const int rc = emu::run_grid(static_cast<unsigned>(blocks), kGemvWarps * 32, [&] { gemv_tc_kernel(args, rows); });
-    emu::wmma_log::finish();
-    return rc ? rc : emu::wmma_error() ? -3 : 0;
-}
-
-EMU_EXPORT const char* emu_wmma_error() { return emu::wmma_error() ? emu::wmma_error() : ""; }
-#endif
 
 // The emulation's fp16 conversions, for the test that holds them to torch's.
 EMU_EXPORT void emu_f32_to_f16(const float* in, uint16_t* out, int64_t n) {
