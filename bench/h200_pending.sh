@@ -8,13 +8,16 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh grid      # decode grid, prefill (cuda vs fla), 16k prompt
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w8        # W8A16 decode on the fused path
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving   # HTTP serving, official 1.5B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh quick     # after a kernel change: decode, PDL A/B, profile, prefill, W8
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh check-serve  # after a kernel change: fused GPU tests, then serving
 #
-#   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests & CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile; wait
+#   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
+#   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
 #
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|check-serve}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -58,10 +61,33 @@ w8)
     copy bench/results/decode_h200_w8_fused.json
     ;;
 serving)
-    step 330 "HTTP serving" env LEVELS=1,32,256 MAX_TOKENS=128 bash bench/h200_serving.sh
+    step 330 "HTTP serving" env LEVELS=1,32,256 MAX_TOKENS=256 OUT= bash bench/h200_serving.sh
     step 150 "official rwkv 1.5B" python bench/bench_official.py --sizes 1.5b --modes 0 \
         --out bench/results/official_h200_1.5b.json
     copy bench/results/serving_h200_7.2b.json bench/results/official_h200_1.5b.json
+    ;;
+quick)
+    step 90 "decode" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8,64,256,512 --wkv cuda \
+        --out bench/results/decode_h200_fused.json
+    copy bench/results/decode_h200_fused.json
+    step 40 "PDL off, batch 1" env RWKV_PDL=0 python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1 --no-checks \
+        --wkv cuda --out bench/results/experiment_nopdl_h200.json
+    copy bench/results/experiment_nopdl_h200.json
+    step 90 "per-kernel profile" python bench/profile_decode.py --sizes 1.5b,7.2b --batches 1,256 \
+        --out bench/results/profile_h200.json
+    copy bench/results/profile_h200.json
+    step 60 "prefill, fused kernels at every row length" env RWKV_FUSED_LONG_ROW=1000000000 python bench/bench_decode.py \
+        --sizes 7.2b --batches "" --prefill 128,1024 --prefill-rows 1,16 --wkv cuda --no-checks \
+        --out bench/results/experiment_prefill_fused_h200.json
+    copy bench/results/experiment_prefill_fused_h200.json
+    step 120 "W8A16 decode" python bench/bench_decode.py --engine cutlass --sizes 1.5b,7.2b --batches 1,8,128,256 \
+        --no-checks --wkv cuda --out bench/results/decode_h200_w8_fused.json
+    copy bench/results/decode_h200_w8_fused.json
+    ;;
+check-serve)
+    step 150 "fused GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py
+    step 280 "HTTP serving" env LEVELS=1,32,256 MAX_TOKENS=256 OUT= bash bench/h200_serving.sh
+    copy bench/results/serving_h200_7.2b.json
     ;;
 *)
     echo "unknown part $PART" >&2
