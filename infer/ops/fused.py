@@ -7,8 +7,9 @@ slot state + group norm + bonus + output gate), the output projection with the r
 then ``ln_shift_mix`` and the two FFN matrices. Up to ``gemv_rows`` tokens (decode) the matrix
 products go through the kernel's grouped GEMV: seven matrices of the time-mix in one launch, the four
 LoRA second halves (with their tanh/sigmoid) in another, relu^2 and the residual add folded in.
-Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite). Batches with a row of
-``long_row`` tokens or more (prefill chunks) run the readable forward, whose WKV can be chunked.
+Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite). A batch of fewer than 4 rows
+with a row of ``long_row`` (512) tokens or more (a long prompt alone) runs the readable forward, whose
+WKV can be chunked.
 
 Tiers: this path when the extension builds and passes its self-test, on a CUDA device with fp16
 activations; otherwise ``RWKV7.forward``'s readable code (with the CUDA WKV kernel or torch).
@@ -28,7 +29,6 @@ from infer.batch import PackedBatch
 from infer.ops.cuda_ext import BuildOnce, compile_kernels
 from infer.ops.linear import DenseLinear
 from infer.ops.linear_w8a16 import W8A16Linear
-from infer.ops.wkv_cuda import LONG_ROW
 from infer.state import StatePool
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ PREFERENCES = ("auto", "on", "off")
 ACT_NONE, ACT_TANH, ACT_SIGMOID = 0, 1, 2
 EPI_NONE, EPI_RELU_SQUARE = 0, 1
 DEFAULT_GEMV_ROWS = 2
+FUSED_LONG_ROW, FEW_ROWS = 512, 4  # see FusedKernels.long_row
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -72,9 +73,11 @@ class FusedKernels:
         # Batches of at most this many tokens take the grouped GEMV (weights read once, CUDA cores),
         # larger ones the model's linears (tensor cores); set from the decode grid in BENCHMARKS.md.
         self.gemv_rows: int = min(int(os.environ.get("RWKV_GEMV_ROWS", DEFAULT_GEMV_ROWS)), module.gemv_max_rows())
-        # Rows this long (prefill chunks) run the readable forward, whose WKV is chunked (fla) when
-        # available: the fused time-mix walks a row's tokens one after another.
-        self.long_row: int = int(os.environ.get("RWKV_FUSED_LONG_ROW", LONG_ROW))
+        # A batch of fewer than FEW_ROWS rows with a row this long (a long prompt alone) runs the readable
+        # forward, whose WKV is chunked: the fused time-mix walks a row's tokens one after another, so it
+        # pays only with many rows side by side. H200, 7.2B: 1 x 1024 tokens 70.6 ms readable vs 84.9
+        # fused; 1 x 128 55 vs 20.6 ms; 16 x 1024 25.6k vs 36.2k tok/s (bench/results/experiment_prefill_fused_h200.json).
+        self.long_row: int = int(os.environ.get("RWKV_FUSED_LONG_ROW", FUSED_LONG_ROW))
 
     # -------------------------------------------------------------- ops
     @staticmethod
@@ -110,7 +113,7 @@ class FusedKernels:
 
     # -------------------------------------------------------------- forward
     def forward(self, model: "RWKV7", batch: PackedBatch, state: StatePool, all_logits: bool) -> torch.Tensor:
-        if max(batch.lens) >= self.long_row:
+        if len(batch.lens) < FEW_ROWS and max(batch.lens) >= self.long_row:
             return model.forward_reference(batch, state, all_logits)
         T, C = batch.num_tokens, model.config.n_embd
         small = T <= self.gemv_rows and all(self._gemv_ok(b) for b in model.blocks)
