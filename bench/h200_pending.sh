@@ -10,6 +10,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving   # HTTP serving, official 1.5B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh quick     # after a kernel change: decode, PDL A/B, profile, prefill, W8
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh check-serve  # after a kernel change: fused GPU tests, then serving
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
+#                                                               # (the quick part skips bench_decode's own checks)
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -17,7 +19,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|check-serve}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -67,15 +69,15 @@ serving)
     copy bench/results/serving_h200_7.2b.json bench/results/official_h200_1.5b.json
     ;;
 quick)
-    step 90 "decode" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8,64,256,512 --wkv cuda \
-        --out bench/results/decode_h200_fused.json
+    step 150 "decode" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8,64,256,512 --wkv cuda \
+        --no-checks --out bench/results/decode_h200_fused.json
     copy bench/results/decode_h200_fused.json
     step 40 "PDL off, batch 1" env RWKV_PDL=0 python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1 --no-checks \
         --wkv cuda --out bench/results/experiment_nopdl_h200.json
     copy bench/results/experiment_nopdl_h200.json
-    step 90 "per-kernel profile" python bench/profile_decode.py --sizes 1.5b,7.2b --batches 1,256 \
-        --out bench/results/profile_h200.json
-    copy bench/results/profile_h200.json
+    step 90 "per-kernel profile, PDL off (clean kernel times)" env RWKV_PDL=0 python bench/profile_decode.py \
+        --sizes 1.5b,7.2b --batches 1,256 --out bench/results/profile_nopdl_h200.json
+    copy bench/results/profile_nopdl_h200.json
     step 60 "prefill, fused kernels at every row length" env RWKV_FUSED_LONG_ROW=1000000000 python bench/bench_decode.py \
         --sizes 7.2b --batches "" --prefill 128,1024 --prefill-rows 1,16 --wkv cuda --no-checks \
         --out bench/results/experiment_prefill_fused_h200.json
@@ -83,6 +85,10 @@ quick)
     step 120 "W8A16 decode" python bench/bench_decode.py --engine cutlass --sizes 1.5b,7.2b --batches 1,8,128,256 \
         --no-checks --wkv cuda --out bench/results/decode_h200_w8_fused.json
     copy bench/results/decode_h200_w8_fused.json
+    ;;
+verify)
+    step 420 "fused, graph and quantization GPU tests" python -m pytest -q -rs -p no:cacheprovider \
+        test/test_fused_cuda.py test/test_graphs_cuda.py test/test_quant_cuda.py
     ;;
 check-serve)
     step 150 "fused GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py

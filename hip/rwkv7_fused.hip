@@ -22,6 +22,8 @@
 #include <climits>
 #include <cstdint>
 
+#include "../cuda/int8x4.cuh"
+
 // ------------------------------------------------------------------------ state staging (wkv7_state.cuh)
 namespace wkv7 {
 
@@ -225,14 +227,16 @@ struct MixArgs {
     int count;
 };
 
-// Layer norm of one C-wide fp16 row held as up to kMaxVec 8-vectors per thread, rounded to fp16
-// (the stored token-shift state is fp16, so every consumer sees the same values).
-__device__ __forceinline__ void layer_norm_row(const __half* __restrict__ x, const __half* __restrict__ w,
-                                               const __half* __restrict__ b, int vecs, float (&out)[kMaxVec][8],
+// Layer norm of one C-wide fp16 row held as up to VECS 8-vectors per thread, rounded to fp16
+// (the stored token-shift state is fp16, so every consumer sees the same values). w and b are this
+// thread's vectors of the norm's weight and bias, loaded by the caller.
+template <int VECS>
+__device__ __forceinline__ void layer_norm_row(const __half* __restrict__ x, const uint4 (&w)[VECS],
+                                               const uint4 (&b)[VECS], int vecs, float (&out)[VECS][8],
                                                float* scratch) {
     float sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kMaxVec; ++j) {
+    for (int j = 0; j < VECS; ++j) {
         const int v = threadIdx.x + j * kLnThreads;
         if (v < vecs) {
             load8(x + v * 8, out[j]);
@@ -244,7 +248,7 @@ __device__ __forceinline__ void layer_norm_row(const __half* __restrict__ x, con
     const float mean = block_sum<kLnThreads / kTeam>(sum, scratch) * inv_c;
     float sq = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kMaxVec; ++j) {
+    for (int j = 0; j < VECS; ++j) {
         if (threadIdx.x + j * kLnThreads < vecs) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
@@ -255,12 +259,11 @@ __device__ __forceinline__ void layer_norm_row(const __half* __restrict__ x, con
     }
     const float rstd = rsqrtf(block_sum<kLnThreads / kTeam>(sq, scratch + kLnThreads / kTeam) * inv_c + kLnEps);
 #pragma unroll
-    for (int j = 0; j < kMaxVec; ++j) {
-        const int v = threadIdx.x + j * kLnThreads;
-        if (v < vecs) {
+    for (int j = 0; j < VECS; ++j) {
+        if (threadIdx.x + j * kLnThreads < vecs) {
             float wv[8], bv[8];
-            load8(w + v * 8, wv);
-            load8(b + v * 8, bv);
+            wkv7::unpack8(w[j], wv);
+            wkv7::unpack8(b[j], bv);
 #pragma unroll
             for (int e = 0; e < 8; ++e) out[j][e] = round_half((out[j][e] - mean) * rstd * wv[e] + bv[e]);
         }
@@ -269,71 +272,95 @@ __device__ __forceinline__ void layer_norm_row(const __half* __restrict__ x, con
 }
 
 // prev[t] >= 0: index of the previous token of t's row; prev[t] < 0: t starts row -prev[t]-1.
+// VECS: 8-vectors per thread, the fewest that cover C (registers grow with it).
+template <int VECS>
 __global__ void __launch_bounds__(kLnThreads)
 ln_shift_mix_kernel(int C, int64_t num_slots, const __half* __restrict__ x, const __half* __restrict__ ln_w,
                     const __half* __restrict__ ln_b, __half* __restrict__ shift, const int32_t* __restrict__ prev,
                     const int64_t* __restrict__ slots, const int64_t* __restrict__ lasts, MixArgs args) {
     __shared__ float scratch[2 * kLnThreads / kTeam];
-    dependency_wait();
     const int64_t t = blockIdx.x;
     const int vecs = C / 8;
-    float xn[kMaxVec][8], pv[kMaxVec][8];
-    layer_norm_row(x + t * C, ln_w, ln_b, vecs, xn, scratch);
 
+    // Before the wait, everything no kernel of this step writes: the norm's parameters, the batch's
+    // indices, and at a row start the slot's saved shift state (only this layer's own launch writes it).
+    // At decode this kernel is a chain of dependent loads, so each one taken off the chain is latency saved.
+    uint4 w[VECS], b[VECS];
+#pragma unroll
+    for (int j = 0; j < VECS; ++j) {
+        const int v = threadIdx.x + j * kLnThreads;
+        if (v < vecs) {
+            w[j] = *reinterpret_cast<const uint4*>(ln_w + v * 8);
+            b[j] = *reinterpret_cast<const uint4*>(ln_b + v * 8);
+        }
+    }
     const int p = prev[t];
-    if (p >= 0) {
-        layer_norm_row(x + int64_t(p) * C, ln_w, ln_b, vecs, pv, scratch);
-    } else {
+    float pv[VECS][8];
+    int64_t last = -1;
+    __half* saved = nullptr;  // the slot's shift state when t starts a row with a valid slot
+    if (p < 0) {
         const int64_t row = -int64_t(p) - 1;
         const int64_t slot = slots[row];
-        const int64_t last = lasts[row];
-        const bool ok = slot >= 0 && slot < num_slots;  // a bad slot is left alone (its row reads zeros)
-        __half* saved = shift + (ok ? slot : 0) * C;
+        last = lasts[row];
+        if (slot >= 0 && slot < num_slots) saved = shift + slot * C;  // a bad slot is left alone (its row reads zeros)
 #pragma unroll
-        for (int j = 0; j < kMaxVec; ++j) {
+        for (int j = 0; j < VECS; ++j) {
             const int v = threadIdx.x + j * kLnThreads;
-            if (v < vecs) {
-                if (ok) {
-                    load8(saved + v * 8, pv[j]);
-                } else {
+            if (v >= vecs) continue;
+            if (saved) {
+                load8(saved + v * 8, pv[j]);
+            } else {
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) pv[j][e] = 0.0f;
-                }
+                for (int e = 0; e < 8; ++e) pv[j][e] = 0.0f;
             }
         }
+    }
+    dependency_wait();
+
+    float xn[VECS][8];
+    layer_norm_row(x + t * C, w, b, vecs, xn, scratch);
+    if (p >= 0) {
+        layer_norm_row(x + int64_t(p) * C, w, b, vecs, pv, scratch);
+    } else if (saved) {
         // The new shift state: the normalised input of the row's last token. Each thread writes
         // exactly the elements it read above, so no barrier is needed between the two.
         if (last == t) {
 #pragma unroll
-            for (int j = 0; j < kMaxVec; ++j) {
+            for (int j = 0; j < VECS; ++j) {
                 const int v = threadIdx.x + j * kLnThreads;
-                if (ok && v < vecs) store8(saved + v * 8, xn[j]);
+                if (v < vecs) store8(saved + v * 8, xn[j]);
             }
         } else {
-            float ln_last[kMaxVec][8];
-            layer_norm_row(x + last * C, ln_w, ln_b, vecs, ln_last, scratch);
+            float ln_last[VECS][8];
+            layer_norm_row(x + last * C, w, b, vecs, ln_last, scratch);
 #pragma unroll
-            for (int j = 0; j < kMaxVec; ++j) {
+            for (int j = 0; j < VECS; ++j) {
                 const int v = threadIdx.x + j * kLnThreads;
-                if (ok && v < vecs) store8(saved + v * 8, ln_last[j]);
+                if (v < vecs) store8(saved + v * 8, ln_last[j]);
             }
         }
     }
 
 #pragma unroll
-    for (int j = 0; j < kMaxVec; ++j) {
+    for (int j = 0; j < VECS; ++j) {
         const int v = threadIdx.x + j * kLnThreads;
         if (v >= vecs) continue;
+        // All mixes' loads first: the outputs are not restrict, so a load after a store would wait for it.
+        uint4 mix[kMaxMix];
+#pragma unroll
+        for (int m = 0; m < kMaxMix; ++m) {  // unrolled: constant indices keep args out of private memory
+            if (m < args.count) mix[m] = *reinterpret_cast<const uint4*>(args.mix[m] + v * 8);
+        }
         float d[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) d[e] = pv[j][e] - xn[j][e];
 #pragma unroll
-        for (int m = 0; m < kMaxMix; ++m) {  // unrolled: constant indices keep args out of private memory
-            if (m < args.count) {            // (a guard, not a break: LLVM does not fully unroll the break)
-                float mix[8], o[8];
-                load8(args.mix[m] + v * 8, mix);
+        for (int m = 0; m < kMaxMix; ++m) {
+            if (m < args.count) {  // (a guard, not a break: LLVM does not fully unroll the break)
+                float mf[8], o[8];
+                wkv7::unpack8(mix[m], mf);
 #pragma unroll
-                for (int e = 0; e < 8; ++e) o[e] = fmaf(d[e], mix[e], xn[j][e]);
+                for (int e = 0; e < 8; ++e) o[e] = fmaf(d[e], mf[e], xn[j][e]);
                 store8(args.out[m] + t * C + v * 8, o);
             }
         }
@@ -517,18 +544,15 @@ __device__ __forceinline__ float activate(float x, int act) {
     return x;
 }
 
-// The activations of one 8-wide slice of x, converted and activated.
+// The activations of one 8-wide slice of x, converted and activated; the activation is a template
+// switch, as in the CUDA source (inlined everywhere it bloats the plain loop).
+template <bool kAct>
 __device__ __forceinline__ void load_x8(const __half* p, int act, float (&out)[8]) {
     load8(p, out);
-    if (act != kActNone) {
+    if (kAct && act != kActNone) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) out[e] = activate(out[e], act);
     }
-}
-
-__device__ __forceinline__ void int8x4_to_float(uint32_t word, float* out) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) out[e] = float(int8_t((word >> (8 * e)) & 0xffu));
 }
 
 // Each lane keeps kGemvLoads 16-byte weight loads in flight (the GEMV streams the weights; see the CUDA
@@ -544,7 +568,7 @@ __device__ __forceinline__ void load_weight_batch(const uint4* row, int first, i
 }
 
 // acc[m] += the batch's weights . x[m]; fp16 weights: 8 per vector.
-template <int M>
+template <int M, bool kAct>
 __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int count, const uint4 (&w)[kGemvLoads],
                                                float (&acc)[M]) {
 #pragma unroll
@@ -557,7 +581,7 @@ __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, 
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xf[8];
-            load_x8(task.x + int64_t(m) * task.k + k, task.activation, xf);
+            load_x8<kAct>(task.x + int64_t(m) * task.k + k, task.activation, xf);
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[m] = fmaf(wf[e], xf[e], acc[m]);
         }
@@ -565,7 +589,7 @@ __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, 
 }
 
 // int8 weights: 16 per vector (the per-channel scale is applied in the epilogue).
-template <int M>
+template <int M, bool kAct>
 __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int count, const uint4 (&w)[kGemvLoads],
                                                float (&acc)[M]) {
 #pragma unroll
@@ -581,8 +605,8 @@ __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, 
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xa[8], xb[8];
-            load_x8(task.x + int64_t(m) * task.k + k, task.activation, xa);
-            load_x8(task.x + int64_t(m) * task.k + k + 8, task.activation, xb);
+            load_x8<kAct>(task.x + int64_t(m) * task.k + k, task.activation, xa);
+            load_x8<kAct>(task.x + int64_t(m) * task.k + k + 8, task.activation, xb);
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[m] = fmaf(wf[e], xa[e], acc[m]);
 #pragma unroll
@@ -592,7 +616,7 @@ __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, 
 }
 
 // (No minimum-occupancy argument: HIP's second __launch_bounds__ parameter means something else.)
-template <int M>
+template <int M, bool kAct>
 __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args) {
     int t = 0;
 #pragma unroll 1
@@ -617,9 +641,9 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args)
         for (int first = lane; first < count; first += kTeam * kGemvLoads) {
             load_weight_batch(row, first, count, w);
             if (int8) {
-                fma_int8_batch<M>(task, first, count, w, acc);
+                fma_int8_batch<M, kAct>(task, first, count, w, acc);
             } else {
-                fma_half_batch<M>(task, first, count, w, acc);
+                fma_half_batch<M, kAct>(task, first, count, w, acc);
             }
         }
     }
@@ -640,13 +664,26 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args)
     }
 }
 
+// Which instance of a kernel a launch takes (the launchers and the CPU emulator's harness both ask):
+// the activating GEMV when any task has an activation; ln_shift_mix's 8-vectors per thread for width C.
+inline bool gemv_activates(const GemvArgs& args) {
+    for (int i = 0; i < args.count; ++i)
+        if (args.task[i].activation != kActNone) return true;
+    return false;
+}
+inline int ln_vecs(int64_t C) {
+    const int64_t per_thread = (C / 8 + kLnThreads - 1) / kLnThreads;
+    return per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : kMaxVec;
+}
+
 // ------------------------------------------------------------------------------------ launches
 // Plain launches (no PDL), each kernel named directly; the error of the launch is returned.
 hipError_t launch_ln_shift_mix(unsigned grid, hipStream_t stream, int C, int64_t num_slots, const __half* x,
                                const __half* ln_w, const __half* ln_b, __half* shift, const int32_t* prev,
                                const int64_t* slots, const int64_t* lasts, const MixArgs& args) {
-    ln_shift_mix_kernel<<<dim3(grid), dim3(kLnThreads), 0, stream>>>(C, num_slots, x, ln_w, ln_b, shift, prev,
-                                                                      slots, lasts, args);
+    const int vecs = ln_vecs(C);
+    auto kernel = vecs == 1 ? ln_shift_mix_kernel<1> : vecs == 2 ? ln_shift_mix_kernel<2> : ln_shift_mix_kernel<kMaxVec>;
+    kernel<<<dim3(grid), dim3(kLnThreads), 0, stream>>>(C, num_slots, x, ln_w, ln_b, shift, prev, slots, lasts, args);
     return hipGetLastError();
 }
 
@@ -659,7 +696,12 @@ hipError_t launch_time_mix(unsigned grid, hipStream_t stream, int H, int64_t num
 
 template <int M>
 hipError_t launch_gemv(const GemvArgs& args, int blocks, hipStream_t stream) {
-    gemv_kernel<M><<<dim3(static_cast<unsigned>(blocks)), dim3(kGemvWarps * kTeam), 0, stream>>>(args);
+    const dim3 grid(static_cast<unsigned>(blocks)), block(kGemvWarps * kTeam);
+    if (gemv_activates(args)) {
+        gemv_kernel<M, true><<<grid, block, 0, stream>>>(args);
+    } else {
+        gemv_kernel<M, false><<<grid, block, 0, stream>>>(args);
+    }
     return hipGetLastError();
 }
 

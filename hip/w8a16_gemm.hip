@@ -15,6 +15,8 @@
 #include <climits>
 #include <cstdint>
 
+#include "../cuda/int8x4.cuh"
+
 namespace w8a16 {
 
 constexpr int kGemvMaxRows = 8;
@@ -23,16 +25,6 @@ constexpr int kTeamsPerBlock = 8;
 constexpr int kLaneWeights = 16;                 // int8 weights per thread per step: one 16-byte load
 constexpr int kTeamStep = kTeam * kLaneWeights;
 constexpr int kGemmNotBuilt = 20000;
-
-// 4 int8 in a word -> 4 exact floats: byte b + 128 under the exponent of 2^23, minus 2^23 + 128.
-__device__ __forceinline__ void int8x4_to_float(uint32_t word, float* out) {
-    constexpr float kBias = 8388608.0f + 128.0f;
-    const uint32_t biased = word ^ 0x80808080u;
-    out[0] = __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7540)) - kBias;
-    out[1] = __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7541)) - kBias;
-    out[2] = __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7542)) - kBias;
-    out[3] = __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7543)) - kBias;
-}
 
 // fp16 bits -> float (torch builds with __HIP_NO_HALF_CONVERSIONS__: convert explicitly).
 __device__ __forceinline__ float half_bits_to_float(uint16_t bits) {

@@ -464,6 +464,8 @@ GEMV_CASES = {
     # rows longer than one batch of loads per lane (256 vectors): a full batch, then a partial one
     "long-rows": (2, [(5, 2312, False, ACT_NONE, EPI_NONE, True), (3, 4112, True, ACT_TANH, EPI_NONE, False),
                       (2, 4096, False, ACT_SIGMOID, EPI_RELU_SQUARE, False)]),
+    # the same without any activation (the plain kernel instance), int8 and fp16
+    "long-rows-plain": (1, [(6, 4112, True, ACT_NONE, EPI_NONE, False), (4, 2312, False, ACT_NONE, EPI_NONE, True)]),
 }
 
 

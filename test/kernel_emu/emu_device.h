@@ -278,6 +278,13 @@ inline unsigned __float_as_uint(float x) { return emu::f32_bits(x); }
 inline float __uint_as_float(unsigned u) { return emu::f32_from_bits(u); }
 inline int __float_as_int(float x) { return static_cast<int>(emu::f32_bits(x)); }
 inline float __int_as_float(int i) { return emu::f32_from_bits(static_cast<uint32_t>(i)); }
+// Byte i of the result is byte (s >> 4i) & 7 of the 8-byte value y:x (PRMT's default mode).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const uint64_t v = (static_cast<uint64_t>(y) << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= static_cast<unsigned>((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+    return r;
+}
 inline double __ull2double_rn(unsigned long long x) { return static_cast<double>(x); }
 inline double __dmul_rn(double a, double b) {
     volatile double r = a * b;  // never contracted

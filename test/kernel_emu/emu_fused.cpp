@@ -14,10 +14,11 @@ EMU_EXPORT int emu_fused_ln_shift_mix(int64_t T, int64_t C, int64_t num_slots, c
     using namespace fused;
     if (T <= 0 || C <= 0 || C % 8 || C > kLnThreads * kMaxVec * 8 || count < 1 || count > kMaxMix) return -1;
     const MixArgs args = make_mix_args(mix, out, count);
+    const int vecs = ln_vecs(C);
+    auto kernel = vecs == 1 ? ln_shift_mix_kernel<1> : vecs == 2 ? ln_shift_mix_kernel<2> : ln_shift_mix_kernel<kMaxVec>;
     return emu::run_grid(static_cast<unsigned>(T), kLnThreads, [&] {
-        ln_shift_mix_kernel(static_cast<int>(C), num_slots, static_cast<const __half*>(x),
-                            static_cast<const __half*>(ln_w), static_cast<const __half*>(ln_b),
-                            static_cast<__half*>(shift), prev, slots, lasts, args);
+        kernel(static_cast<int>(C), num_slots, static_cast<const __half*>(x), static_cast<const __half*>(ln_w),
+               static_cast<const __half*>(ln_b), static_cast<__half*>(shift), prev, slots, lasts, args);
     });
 }
 
@@ -42,7 +43,8 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
 
 template <int M>
 int run_gemv(const fused::GemvArgs& args, int blocks) {
-    return emu::run_grid(static_cast<unsigned>(blocks), fused::kGemvWarps * 32, [&] { fused::gemv_kernel<M>(args); });
+    auto kernel = fused::gemv_activates(args) ? fused::gemv_kernel<M, true> : fused::gemv_kernel<M, false>;
+    return emu::run_grid(static_cast<unsigned>(blocks), fused::kGemvWarps * 32, [&] { kernel(args); });
 }
 
 EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const void* const* scale,
