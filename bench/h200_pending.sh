@@ -87,8 +87,10 @@ quick)
     copy bench/results/decode_h200_w8_fused.json
     ;;
 verify)
-    step 420 "fused, graph and quantization GPU tests" python -m pytest -q -rs -p no:cacheprovider \
-        test/test_fused_cuda.py test/test_graphs_cuda.py test/test_quant_cuda.py
+    step 200 "fused and graph GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \
+        test/test_graphs_cuda.py
+    step 300 "W8A16 GPU tests (first run builds the CUTLASS GEMM)" python -m pytest -q -rs -p no:cacheprovider \
+        test/test_quant_cuda.py -k "not gemlite"
     ;;
 check-serve)
     step 150 "fused GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compile-check the kernel sources without a GPU:
-#   cuda/*.cu        nvcc -c for sm_90 and sm_80 (with torch's no-implicit-half-conversion flags)
+#   cuda/*.cu        nvcc -c for sm_90 and sm_80 (with torch's no-implicit-half-conversion flags), and
+#                    no byte-wide global loads in their PTX
 #   cuda/w8a16_gemm.cu once more with its CUTLASS GEMM (-DW8A16_WITH_CUTLASS), when the headers of the
 #                    nvidia-cutlass wheel are installed (found like the JIT build finds them)
 #   cuda/*_op.cpp    g++ -fsyntax-only against torch's headers (a CPU build of torch is enough)
@@ -47,6 +48,11 @@ if command -v nvcc >/dev/null 2>&1; then
             -Xptxas -warn-spills,-warn-lmem-usage,--warning-as-error -Werror all-warnings -c "$src" -o "$TMP/$base.sm90.o"
         run "$src  sm_80" nvcc -std=c++17 -O3 --use_fast_math -arch=sm_80 "${TORCH_NVCC_DEFINES[@]}" \
             -c "$src" -o "$TMP/$base.sm80.o"
+        # Every global load of these kernels is 16 bytes or an fp16/fp32 scalar: a byte load means a
+        # vector was copied out of global memory by reference (memcpy from a uint4&), which once made
+        # the GEMV 2-4x slower without changing a result.
+        run "$src  no byte-wide global loads (PTX)" bash -c '! nvcc -std=c++17 -O3 -arch=sm_90 "${@:2}" -ptx "$1" -o - \
+            | grep -E "ld\.global(\.[a-z0-9]+)*\.[us]8[ ;]"' _ "$src" "${TORCH_NVCC_DEFINES[@]}"
     done
 else
     echo "  nvcc not found, skipping"

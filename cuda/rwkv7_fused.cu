@@ -56,7 +56,7 @@ __device__ __forceinline__ void dependency_wait() {
 #endif
 }
 
-__device__ __forceinline__ void unpack8(const uint4& u, float (&out)[8]) {
+__device__ __forceinline__ void unpack8(uint4 u, float (&out)[8]) {  // by value: a reference into global memory made memcpy load bytes
     __half h[8];
     memcpy(h, &u, sizeof(u));
 #pragma unroll

@@ -55,7 +55,7 @@ constexpr int kWarpStep = 32 * kLaneWeights;    // weights of one channel a warp
 constexpr int kGemmNotBuilt = 20000;            // compiled without CUTLASS
 
 // sum_i wf[i] * x[i] over 16 fp16 activations held in two 16-byte vectors, in fp32.
-__device__ __forceinline__ float dot16(const float* wf, const uint4& xa, const uint4& xb) {
+__device__ __forceinline__ float dot16(const float* wf, uint4 xa, uint4 xb) {
     uint32_t words[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
     float sum = 0.0f;
 #pragma unroll

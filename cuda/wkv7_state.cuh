@@ -37,7 +37,7 @@ struct Vec16;
 template <>
 struct Vec16<float> {
     static constexpr int E = 4;  // elements per vector
-    static __device__ __forceinline__ void to_f32(const uint4& u, float (&out)[E]) {
+    static __device__ __forceinline__ void to_f32(uint4 u, float (&out)[E]) {
         memcpy(out, &u, sizeof(u));
     }
     static __device__ __forceinline__ uint4 from_f32(const float (&in)[E]) {
@@ -50,7 +50,7 @@ struct Vec16<float> {
 template <>
 struct Vec16<__half> {
     static constexpr int E = 8;
-    static __device__ __forceinline__ void to_f32(const uint4& u, float (&out)[E]) {
+    static __device__ __forceinline__ void to_f32(uint4 u, float (&out)[E]) {
         __half h[E];
         memcpy(h, &u, sizeof(u));
 #pragma unroll

@@ -38,7 +38,7 @@ constexpr int LD = N + 4;
 
 // 8 halves <-> 16 bytes, by bit operations (a memcpy through a __half array can leave it in private
 // memory). torch builds extensions with __HIP_NO_HALF_CONVERSIONS__ & co: convert explicitly.
-__device__ __forceinline__ void unpack8(const uint4& u, float (&out)[8]) {
+__device__ __forceinline__ void unpack8(uint4 u, float (&out)[8]) {  // by value: a reference into global memory made memcpy load bytes
     const uint32_t words[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -68,7 +68,7 @@ struct Vec16;
 template <>
 struct Vec16<float> {
     static constexpr int E = 4;  // elements per vector
-    static __device__ __forceinline__ void to_f32(const uint4& u, float (&out)[E]) {
+    static __device__ __forceinline__ void to_f32(uint4 u, float (&out)[E]) {
         __builtin_memcpy(out, &u, sizeof(u));
     }
     static __device__ __forceinline__ uint4 from_f32(const float (&in)[E]) {
@@ -81,7 +81,7 @@ struct Vec16<float> {
 template <>
 struct Vec16<__half> {
     static constexpr int E = 8;
-    static __device__ __forceinline__ void to_f32(const uint4& u, float (&out)[E]) { unpack8(u, out); }
+    static __device__ __forceinline__ void to_f32(uint4 u, float (&out)[E]) { unpack8(u, out); }
     static __device__ __forceinline__ uint4 from_f32(const float (&in)[E]) { return pack8(in); }
 };
 

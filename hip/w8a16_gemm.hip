@@ -33,7 +33,7 @@ __device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
     return __half2float(__half(raw));
 }
 
-__device__ __forceinline__ float dot16(const float* wf, const uint4& xa, const uint4& xb) {
+__device__ __forceinline__ float dot16(const float* wf, uint4 xa, uint4 xb) {
     const uint32_t words[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
     float sum = 0.0f;
 #pragma unroll
