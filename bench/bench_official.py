@@ -210,7 +210,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     if os.environ.get("OUT") and Path(os.environ["OUT"]).is_dir():
-        shutil.copy(out, Path(os.environ["OUT"]) / out.name)
+        copy = Path(os.environ["OUT"]) / out.name
+        if not copy.exists() or not copy.samefile(out):  # --out may already point into $OUT
+            shutil.copy(out, copy)
     print(f"\nofficial rwkv {result['rwkv']} on {result['gpu']}, {result['strategy']}, torch {result['torch']}, "
           f"batch 1, {args.tokens} tokens")
     for a in result["attempts"]:
