@@ -218,9 +218,10 @@ def test_kernel_is_chosen_and_logged(kernel, caplog, monkeypatch):
     assert any("sampler on cuda" in r.getMessage() and CudaSampler.name in r.getMessage() for r in caplog.records)
     assert Sampler(65536, 4, "cuda", impl="cuda").name == CudaSampler.name
     assert Sampler(65536, 4, "cuda", impl="torch").name == "torch"
-    assert Sampler(65536, 4, "cuda").name == "torch"  # opt-in until timed on a GPU
-    monkeypatch.setenv("RWKV_SAMPLER", "auto")
-    assert Sampler(65536, 4, "cuda").name == CudaSampler.name
+    monkeypatch.delenv("RWKV_SAMPLER", raising=False)
+    assert Sampler(65536, 4, "cuda").name == CudaSampler.name  # the default since it was timed on the H200
+    monkeypatch.setenv("RWKV_SAMPLER", "torch")
+    assert Sampler(65536, 4, "cuda").name == "torch"
 
 
 ROW_PARAMS = [
