@@ -164,8 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     wkv_dtype = torch.float16 if args.state_dtype == "fp16" else torch.float32
     slots = args.max_batch_size or default_slots(model, device, wkv_dtype)
     if args.inference_engine == "gemlite":  # GemLite autotunes per power-of-two row bucket on first use
+        from infer.quant.gemlite_linear import load_tuning, save_tuning, tuning_file
+        tuning = tuning_file(data_dir(), model.device)
+        load_tuning(tuning)
         most_rows = slots + args.prefill_chunk_size
         warm_up(model.projections(), sorted({min(2 ** i, most_rows) for i in range(most_rows.bit_length() + 1)}))
+        save_tuning(tuning)
     graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and model.device.type == "cuda")
     if graphs and model.device.type != "cuda":
         sys.exit("--cuda-graphs on needs a CUDA device")

@@ -27,9 +27,10 @@ from infer.model import RWKV7  # noqa: E402
 from infer.ops.wkv import TorchWKV  # noqa: E402
 from infer.ops.fused import select_fused  # noqa: E402
 from infer.ops.wkv_cuda import select_wkv  # noqa: E402
-from infer.random_model import make_config, random_state_dict  # noqa: E402
+from infer.random_model import data_dir, make_config, random_state_dict  # noqa: E402
 
 SIZES = {"0.1b": (12, 768), "1.5b": (24, 2048), "7.2b": (32, 4096)}
+ENGINES = ("fp16", "cutlass", "gemlite:A16W8_INT8", "gemlite:A16W8_FP8", "gemlite:A16W4_HQQ_INT")
 # H200 roofline, fp16 weights + fp32 state, aggregate tok/s (performance-limits.md Table L3).
 LIMITS = {"0.1b": {1: 15019, 8: 108000, 32: 316000, 256: 730000, 1024: 849000},
           "1.5b": {1: 1529, 8: 11500, 32: 38171, 64: 62225, 128: 90848, 256: 117985, 512: 138700},
@@ -109,27 +110,51 @@ def time_steps(fn, steps: int) -> float:
 
 
 def random_weights(config, engine: str) -> dict[str, torch.Tensor]:
+    """Random weights for ``engine``: fp16, cutlass (W8A16) or gemlite:FORMAT, quantized in memory as the
+    export tools would (GemLite without HQQ's zero-point refinement: speed does not depend on it)."""
     sd = random_state_dict(config, seed=0, dtype=torch.float16, device="cuda")
-    if engine == "cutlass":  # W8A16: quantize the big matrices in memory, as export_quant would
+    if engine == "cutlass":
         from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
         from infer.quant.export_quant import quantize_matrix
         for key in config.linear_keys():
             sd.update(quantize_matrix(key, sd.pop(key)))
         sd[W8A16_MARKER] = torch.tensor(W8A16_VERSION, dtype=torch.int32)
+    elif engine.startswith("gemlite:"):
+        from infer.quant.export_quant_gemlite import markers, packer
+        fmt = engine.split(":", 1)[1]
+        convert = packer(fmt, 64, False, torch.device("cuda"))
+        for key in config.linear_keys():
+            sd.update({k: v.cuda() for k, v in convert(key, sd.pop(key)).items()})
+        sd.update(markers(fmt, 64))
     return sd
+
+
+def load_model(name: str, engine: str) -> RWKV7:
+    """The random model of size ``name`` for ``engine`` on the GPU, forward chosen by --forward/--wkv."""
+    L, C = SIZES[name]
+    model = RWKV7.from_state_dict(random_weights(make_config(L, C, 65536), engine), device="cuda", dtype="fp16",
+                                  engine=engine.split(":")[0])
+    model.wkv = select_wkv(model.device, FORWARD["wkv"], heads=model.config.n_head)
+    select_fused(model, FORWARD["fused"])
+    return model
 
 
 FORWARD = {"fused": "on", "wkv": "auto"}  # --forward: "fused" (the fused CUDA kernels) or "readable" (per-op forward)
 
 
 def bench_size(name: str, batches: list[int], steps: int, states: list[str], engine: str = "fp16") -> list[dict]:
-    L, C = SIZES[name]
     t0 = time.time()
-    model = RWKV7.from_state_dict(random_weights(make_config(L, C, 65536), engine), device="cuda", dtype="fp16",
-                                  engine=engine)
-    model.wkv = select_wkv(model.device, "cuda")
-    select_fused(model, FORWARD["fused"])
+    model = load_model(name, engine)
     print(f"{name}: built in {time.time() - t0:.1f}s, {model.implementations()}", flush=True)
+    if engine.startswith("gemlite"):  # tune GemLite's kernels for these batch sizes (once per GPU model)
+        from infer.quant.engines import warm_up
+        from infer.quant.gemlite_linear import load_tuning, save_tuning, tuning_file
+        tuning = tuning_file(data_dir(), model.device)
+        load_tuning(tuning)
+        t0 = time.time()
+        warm_up(model.projections(), batches)
+        save_tuning(tuning)
+        print(f"{name}: GemLite warm-up {time.time() - t0:.1f}s", flush=True)
     rows = []
     for B, state in [(b, s) for s in states for b in batches]:
         torch.cuda.reset_peak_memory_stats()
@@ -162,11 +187,7 @@ def bench_size(name: str, batches: list[int], steps: int, states: list[str], eng
 def bench_prefill(name: str, lengths: list[int], rows_list: list[int], engine: str = "fp16") -> list[dict]:
     """Prefill throughput (tokens/s) and time to the first logits: one forward over ``rows`` prompts
     of ``length`` tokens each, packed; eager (prefill chunks are not graphed)."""
-    L, C = SIZES[name]
-    model = RWKV7.from_state_dict(random_weights(make_config(L, C, 65536), engine), device="cuda", dtype="fp16",
-                                  engine=engine)
-    model.wkv = select_wkv(model.device, FORWARD["wkv"], heads=model.config.n_head)
-    select_fused(model, FORWARD["fused"])
+    model = load_model(name, engine)
     out = []
     for length in lengths:
         for rows in rows_list:
@@ -188,7 +209,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256", help="decode batch sizes ('' to skip decode)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--states", default="fp32", help="WKV state storage dtypes to time: fp32,fp16")
-    ap.add_argument("--engine", default="fp16", choices=("fp16", "cutlass"), help="linear layers (cutlass = W8A16)")
+    ap.add_argument("--engine", default="fp16", choices=ENGINES,
+                    help="linear layers: fp16, cutlass (W8A16) or gemlite:FORMAT (packed GemLite layers)")
     ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks")
     ap.add_argument("--prefill", default="", help="also time prefill at these prompt lengths, e.g. 128,1024,4096")
     ap.add_argument("--prefill-rows", default="1,16", help="prompts per prefill forward")
@@ -213,12 +235,12 @@ def main() -> None:
                                        args.states.split(","), args.engine)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'size':>5} {'engine':>7} {'fwd':>8} {'batch':>6} {'state':>5} {'eager tok/s':>12} {'graph tok/s':>12} {'% limit':>8} {'peak GB':>8}")
+    print(f"\n{'size':>5} {'engine':>21} {'fwd':>8} {'batch':>6} {'state':>5} {'eager tok/s':>12} {'graph tok/s':>12} {'% limit':>8} {'peak GB':>8}")
     for r in result["decode"]:
-        print(f"{r['size']:>5} {r.get('engine', 'fp16'):>7} {r.get('forward', '-'):>8} {r['batch']:>6} {r['state']:>5} {r['eager_tok_s']:>12} {r.get('graph_tok_s', '-'):>12} "
+        print(f"{r['size']:>5} {r.get('engine', 'fp16'):>21} {r.get('forward', '-'):>8} {r['batch']:>6} {r['state']:>5} {r['eager_tok_s']:>12} {r.get('graph_tok_s', '-'):>12} "
               f"{r.get('graph_pct_of_limit', '-'):>8} {r.get('peak_mem_gb', '-'):>8}  {r.get('wkv', 'cuda')}")
     for r in result["prefill"]:
-        print(f"prefill {r['size']:>5} {r['engine']:>7} {r['forward']:>8} {r['rows']:>3} x {r['prompt_tokens']:>6}: "
+        print(f"prefill {r['size']:>5} {r['engine']:>21} {r['forward']:>8} {r['rows']:>3} x {r['prompt_tokens']:>6}: "
               f"{r['ms']:>9} ms {r['tok_s']:>10} tok/s  ({r['wkv']})")
 
 

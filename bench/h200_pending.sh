@@ -10,6 +10,9 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving   # HTTP serving, official 1.5B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh quick     # after a kernel change: decode, PDL A/B, profile, prefill, W8
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh check-serve  # after a kernel change: fused GPU tests, then serving
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh batched   # the large-batch path: GPU tests, decode, profile, prefill
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite   # GemLite GPU tests, A16W8 decode (tunes Triton kernels)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite2  # GemLite A16W4 decode, every engine's accuracy on the GPU
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -19,7 +22,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -96,6 +99,38 @@ check-serve)
     step 150 "fused GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py
     step 280 "HTTP serving" env LEVELS=1,32,256 MAX_TOKENS=256 OUT= bash bench/h200_serving.sh
     copy bench/results/serving_h200_7.2b.json
+    ;;
+batched)
+    step 150 "fused and graph GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \
+        test/test_graphs_cuda.py
+    step 170 "decode" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8,64,256,512 --states fp32,fp16 \
+        --steps 20 --wkv cuda --no-checks --out bench/results/decode_h200_fused.json
+    copy bench/results/decode_h200_fused.json
+    step 100 "per-kernel profile, PDL off, with the launch order" env RWKV_PDL=0 python bench/profile_decode.py \
+        --sizes 1.5b,7.2b --batches 1,256 --out bench/results/profile_nopdl_h200.json
+    copy bench/results/profile_nopdl_h200.json
+    step 80 "prefill" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 128,1024 --prefill-rows 1,16 \
+        --wkv cuda --no-checks --out bench/results/decode_h200_prefill.json
+    copy bench/results/decode_h200_prefill.json
+    ;;
+gemlite|gemlite2)  # GemLite tunes its Triton kernels on first use: keep the compiled kernels and the tuning
+    export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home
+    mkdir -p "$TRITON_CACHE_DIR" "$RWKV_SERVER_HOME"
+    if [ "$PART" = gemlite ]; then
+        step 240 "GemLite GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_quant_cuda.py -k gemlite
+        step 300 "GemLite A16W8_INT8 decode" python bench/bench_decode.py --engine gemlite:A16W8_INT8 --sizes 7.2b \
+            --batches 1,8,32,128,256 --steps 20 --wkv cuda --no-checks --out bench/results/decode_h200_gemlite_w8.json
+        copy bench/results/decode_h200_gemlite_w8.json
+    else
+        step 280 "GemLite A16W4_HQQ_INT decode" python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT \
+            --sizes 7.2b --batches 1,8,32,128,256 --steps 20 --wkv cuda --no-checks \
+            --out bench/results/decode_h200_gemlite_w4.json
+        copy bench/results/decode_h200_gemlite_w4.json
+        step 280 "engine accuracy, 1.5B shape" python bench/quant_accuracy.py --engines \
+            cutlass,gemlite:A16W8_INT8,gemlite:A16W8_FP8,gemlite:A16W4_HQQ_INT --n-layer 24 --n-embd 2048 \
+            --out bench/results/quant_accuracy_h200.json
+        copy bench/results/quant_accuracy_h200.json
+    fi
     ;;
 *)
     echo "unknown part $PART" >&2

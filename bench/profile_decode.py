@@ -33,8 +33,10 @@ def short_name(name: str) -> str:
     return name.removeprefix("void ")[:60]
 
 
-def kernel_times(fn, steps: int) -> tuple[dict[str, dict], float]:
-    """Per kernel name: launches and device µs per step; and the summed kernel µs per step."""
+def kernel_times(fn, steps: int) -> tuple[dict[str, dict], float, list]:
+    """Per kernel name: launches and device µs per step; the summed kernel µs per step; and the step's
+    launches in order, [name, µs averaged over the steps] (which matrix each GEMV launch reads follows
+    from the forward's order)."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -42,14 +44,19 @@ def kernel_times(fn, steps: int) -> tuple[dict[str, dict], float]:
             fn()
         torch.cuda.synchronize()
     per = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
-            entry = per[short_name(event.name)]
-            entry[0] += 1
-            entry[1] += event.device_time
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
+    for event in kernels:
+        entry = per[short_name(event.name)]
+        entry[0] += 1
+        entry[1] += event.device_time
     table = {name: {"launches_per_step": round(n / steps, 2), "us_per_step": round(us / steps, 1)}
              for name, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1])}
-    return table, sum(v["us_per_step"] for v in table.values())
+    kernels.sort(key=lambda e: e.time_range.start)
+    per_step = len(kernels) // steps
+    sequence = [[short_name(kernels[i].name),
+                 round(sum(kernels[s * per_step + i].device_time for s in range(steps)) / steps, 2)]
+                for i in range(per_step)] if per_step * steps == len(kernels) else []
+    return table, sum(v["us_per_step"] for v in table.values()), sequence
 
 
 def profile_size(name: str, batches: list[int], steps: int, forward: str) -> list[dict]:
@@ -63,12 +70,12 @@ def profile_size(name: str, batches: list[int], steps: int, forward: str) -> lis
         batch = static_batch(torch.randint(1, 65530, (B,)).tolist(), list(range(B)))
         graph, _ = capture(model, batch, pool)
         step_us = time_steps(graph.replay, steps * 3) * 1e6
-        kernels, kernel_us = kernel_times(graph.replay, steps)
+        kernels, kernel_us, sequence = kernel_times(graph.replay, steps)
         launches = sum(v["launches_per_step"] for v in kernels.values())
         row = {"size": name, "batch": B, "forward": forward, "graph_step_us": round(step_us, 1),
                "kernel_us_per_step": round(kernel_us, 1), "launches_per_step": round(launches, 1),
                "boundary_us_per_launch": round((step_us - kernel_us) / max(launches, 1), 2),
-               "kernels": kernels}
+               "kernels": kernels, "sequence": sequence}
         rows.append(row)
         print(f"\n{name} batch {B} ({forward}): graph step {step_us:.0f} us, kernels {kernel_us:.0f} us in "
               f"{launches:.0f} launches, {row['boundary_us_per_launch']} us per boundary", flush=True)

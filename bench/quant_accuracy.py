@@ -9,6 +9,13 @@ position, the logits are compared with the same model whose matrices are only ro
 agreement here is a pessimistic proxy for greedy agreement on a real checkpoint.
 
     python bench/quant_accuracy.py --n-layer 12 --n-embd 768 --tokens 128
+
+With ``--engines`` (a GPU) it compares the inference engines themselves instead: the same random fp16
+model loaded as each engine's checkpoint (W8A16 for cutlass, GemLite's packed formats), run through the
+real kernels with fp16 activations, against the fp16 engine:
+
+    python bench/quant_accuracy.py --engines cutlass,gemlite:A16W8_INT8,gemlite:A16W4_HQQ_INT \
+        --n-layer 24 --n-embd 2048 --out bench/results/quant_accuracy_h200.json
 """
 from __future__ import annotations
 
@@ -57,6 +64,51 @@ def run(model: RWKV7, tokens: list[int]) -> torch.Tensor:
     return model.prefill([tokens], [0], model.new_state_pool(1), all_logits=True)
 
 
+def compare(name: str, logits: torch.Tensor, reference: torch.Tensor) -> dict:
+    """Logit error and top-1 agreement of ``logits`` against ``reference`` (both [T, V])."""
+    top2 = reference.topk(2, dim=-1)
+    # positions where the reference's choice is clear (top-1 ahead of top-2 by >= 1 logit): random
+    # weights give many near-ties, which trained models rarely have at their greedy choice
+    confident = (top2.values[:, 0] - top2.values[:, 1]) >= 1.0
+    diff = (logits - reference).abs()
+    same = logits.argmax(dim=-1) == top2.indices[:, 0]
+    agree_confident = same[confident].float().mean().item() if confident.any() else float("nan")
+    return {"format": name, "max_abs_logit_err": round(diff.max().item(), 4),
+            "mean_abs_logit_err": round(diff.mean().item(), 5),
+            "max_err_rel_to_max_logit": round(diff.max().item() / reference.abs().max().item(), 4),
+            "top1_agreement_pct": round(100 * same.float().mean().item(), 1),
+            "top1_agreement_confident_pct": round(100 * agree_confident, 1), "confident_positions": int(confident.sum())}
+
+
+def engine_rows(config, tokens: list[int], engines: list[str]) -> list[dict]:
+    """Each engine's model (the same random fp16 weights, converted as its export tool would) against the
+    fp16 engine, on the GPU through the kernels each engine serves with."""
+    from bench.bench_decode import random_weights
+    from infer.ops.fused import select_fused
+    from infer.ops.wkv_cuda import select_wkv
+
+    def logits_of(engine: str) -> tuple[torch.Tensor, float]:
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        model = RWKV7.from_state_dict(random_weights(config, engine), device="cuda", dtype="fp16",
+                                      engine=engine.split(":")[0])
+        weights_gb = (torch.cuda.memory_allocated() - before) / 1e9
+        model.wkv = select_wkv(model.device, "auto", heads=model.config.n_head)
+        select_fused(model, "auto")
+        return run(model, tokens).float(), weights_gb
+
+    reference, reference_gb = logits_of("fp16")
+    rows = [{"format": "fp16", "weights_gb": round(reference_gb, 2)}]
+    for engine in engines:
+        started = time.perf_counter()
+        logits, weights_gb = logits_of(engine)
+        row = compare(engine, logits, reference)
+        row.update(weights_gb=round(weights_gb, 2), seconds=round(time.perf_counter() - started, 1))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-layer", type=int, default=12)
@@ -66,12 +118,21 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--formats", default="int8,fp8_e4m3,uint4_g_rtn,uint4_g_hqq")
+    ap.add_argument("--engines", default="", help="GPU: compare these engines (cutlass, gemlite:FORMAT) with fp16")
     ap.add_argument("--out", default="bench/results/quant_accuracy_cpu.json")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     config = make_config(args.n_layer, args.n_embd, args.vocab)
-    base = random_state_dict(config, seed=args.seed, dtype=torch.float32)
     tokens = load_world_tokenizer().encode(TEXT)[: args.tokens]
+    if args.engines:
+        result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": "cuda",
+                  "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": config.describe(),
+                  "prompt_tokens": len(tokens), "group_size": 64,
+                  "reference": "the fp16 engine on the same random weights, fp16 activations, same kernels",
+                  "formats": engine_rows(config, tokens, args.engines.split(","))}
+        write(result, args.out)
+        return
+    base = random_state_dict(config, seed=args.seed, dtype=torch.float32)
     keys = config.linear_keys()
 
     def model_with(fmt: str) -> RWKV7:
@@ -79,40 +140,29 @@ def main() -> None:
         return RWKV7.from_state_dict(sd, device="cpu", dtype="fp32")
 
     reference = run(model_with("fp16"), tokens)
-    top2 = reference.topk(2, dim=-1)
-    ref_top = top2.indices[:, 0]
-    # positions where the fp16 model's choice is clear (top-1 ahead of top-2 by >= 1 logit): random
-    # weights give many near-ties, which trained models rarely have at their greedy choice
-    confident = (top2.values[:, 0] - top2.values[:, 1]) >= 1.0
-    scale = reference.abs().max().item()
     rows = []
     for fmt in args.formats.split(","):
         started = time.perf_counter()
-        logits = run(model_with(fmt), tokens)
-        diff = (logits - reference).abs()
-        same = logits.argmax(dim=-1) == ref_top
-        agree = same.float().mean().item()
-        agree_confident = same[confident].float().mean().item() if confident.any() else float("nan")
-        row = {"format": fmt, "max_abs_logit_err": round(diff.max().item(), 4),
-               "mean_abs_logit_err": round(diff.mean().item(), 5),
-               "max_err_rel_to_max_logit": round(diff.max().item() / scale, 4),
-               "top1_agreement_pct": round(100 * agree, 1),
-               "top1_agreement_confident_pct": round(100 * agree_confident, 1),
-               "confident_positions": int(confident.sum()), "seconds": round(time.perf_counter() - started, 1)}
+        row = compare(fmt, run(model_with(fmt), tokens), reference)
+        row["seconds"] = round(time.perf_counter() - started, 1)
         rows.append(row)
         print(row, flush=True)
-    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": "cpu",
-              "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "shape": config.describe(), "prompt_tokens": len(tokens), "group_size": args.group_size,
-              "reference": "same random model, matrices rounded to fp16, fp32 activations", "formats": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'format':<14} {'max |dlogit|':>12} {'mean |dlogit|':>13} {'rel. max':>9} {'top-1 agree':>12} "
-          f"{'agree, margin>=1':>17}")
-    for r in rows:
-        print(f"{r['format']:<14} {r['max_abs_logit_err']:>12} {r['mean_abs_logit_err']:>13} "
-              f"{r['max_err_rel_to_max_logit']:>9} {r['top1_agreement_pct']:>11}% "
-              f"{r['top1_agreement_confident_pct']:>15}% ({r['confident_positions']} pos.)")
+    write({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": "cpu",
+           "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+           "shape": config.describe(), "prompt_tokens": len(tokens), "group_size": args.group_size,
+           "reference": "same random model, matrices rounded to fp16, fp32 activations", "formats": rows}, args.out)
+
+
+def write(result: dict, out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n{'format':<22} {'max |dlogit|':>12} {'mean |dlogit|':>13} {'rel. max':>9} {'top-1 agree':>12} "
+          f"{'agree, margin>=1':>17} {'weights GB':>10}")
+    for r in result["formats"]:
+        if "max_abs_logit_err" in r:
+            print(f"{r['format']:<22} {r['max_abs_logit_err']:>12} {r['mean_abs_logit_err']:>13} "
+                  f"{r['max_err_rel_to_max_logit']:>9} {r['top1_agreement_pct']:>11}% "
+                  f"{r['top1_agreement_confident_pct']:>15}% ({r['confident_positions']} pos.) {r.get('weights_gb', '-'):>6}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,9 @@ class Block:
     ffn_x_k: torch.Tensor
     ffn_key: Linear
     ffn_value: Linear
+    # the fused forward's side-by-side copies of some matrices (infer.ops.fused.BatchedWeights), set
+    # by select_fused; the linears above then view into them, so no weight is stored twice
+    batched: object | None = None
 
 
 def default_device() -> str:

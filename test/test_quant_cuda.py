@@ -14,6 +14,7 @@ from infer.model import RWKV7
 from infer.ops.linear_w8a16 import W8A16Linear, dequantize_matmul, load_w8a16_kernels, w8a16_kernels_error
 from infer.quant import export_quant, export_quant_gemlite
 from infer.quant.engines import warm_up
+from infer.quant.gemlite_linear import load_tuning, save_tuning
 from infer.quant.quantize import quantize_int8
 from infer.random_model import make_config, random_state_dict
 
@@ -107,6 +108,9 @@ def test_gemlite_export_load_and_logits(tmp_path, fmt, tolerance):
     quant = RWKV7.load(str(out), device="cuda", dtype="fp16", engine="gemlite", progress=False)
     assert "gemlite" in quant.implementations()["linear"]
     warm_up(quant.projections(), [1, 2, 4, 8, 16, 32, 64])
+    tuning = tmp_path / "tuning.json"
+    save_tuning(tuning)  # the configurations just tuned, for the next start
+    assert tuning.stat().st_size > 2 and load_tuning(tuning)
     prompt = torch.randint(1, 1024, (40,), generator=torch.Generator().manual_seed(4)).tolist()
     want = fp16.prefill([prompt], [0], fp16.new_state_pool(1), all_logits=True)
     got = quant.prefill([prompt], [0], quant.new_state_pool(1), all_logits=True)

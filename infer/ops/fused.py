@@ -7,7 +7,9 @@ slot state + group norm + bonus + output gate), the output projection with the r
 then ``ln_shift_mix`` and the two FFN matrices. Up to ``gemv_rows`` tokens (decode) the matrix
 products go through the kernel's grouped GEMV: seven matrices of the time-mix in one launch, the four
 LoRA second halves (with their tanh/sigmoid) in another, relu^2 and the residual add folded in.
-Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite). A batch of fewer than 4 rows
+Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite); with fp16 dense weights the
+receptance/key/value matrices and the w/a/v LoRA factors go through three strided-batched matmuls
+(:class:`BatchedWeights`) and the residual adds into the output and FFN-value products. A batch of fewer than 4 rows
 with a row of ``long_row`` (512) tokens or more (a long prompt alone) runs the readable forward, whose
 WKV can be chunked.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,6 +64,57 @@ def gemv_operands(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     if isinstance(linear, W8A16Linear) and linear.scale.dtype == torch.float16 and linear.in_features % 16 == 0:
         return linear.qweight, linear.scale
     return None
+
+
+@dataclass
+class BatchedWeights:
+    """One block's same-shaped matrices stacked, for the large-batch path: one strided-batched matmul
+    each instead of one GEMM per matrix. At 256 rows a single 4096 x 4096 product fills one wave of
+    the H200's multiprocessors and the LoRA factors fill almost none, so three launches of three
+    matrices beat ten small ones (bench/results/profile_h200.json)."""
+    rkv: torch.Tensor        # [3, C, C]: receptance, key, value
+    lora_down: torch.Tensor  # [n, R, C]: (v1,) w1, a1; rows past a factor's rank are zero
+    lora_up: torch.Tensor    # [n, C, R]: (v2,) w2, a2; columns past a factor's rank are zero
+
+
+def batch_weights(blk: "Block") -> BatchedWeights | None:
+    """Stack ``blk``'s matrices and point its linears at views of the stacks (every other path reads the
+    same storage, nothing is stored twice, except the padded copy of a LoRA up-factor narrower than the
+    widest); None unless they are all dense fp16."""
+    loras = ([(blk.v1, blk.v2)] if blk.v1 is not None else []) + [(blk.w1, blk.w2), (blk.a1, blk.a2)]
+    linears = [blk.receptance, blk.key, blk.value] + [lin for pair in loras for lin in pair]
+    if not all(isinstance(lin, DenseLinear) and lin.weight.dtype == torch.float16 for lin in linears):
+        return None
+    rkv = torch.stack([blk.receptance.weight, blk.key.weight, blk.value.weight])
+    for i, lin in enumerate((blk.receptance, blk.key, blk.value)):
+        lin.weight = rkv[i]
+    rank, width = max(down.out_features for down, _ in loras), blk.receptance.in_features
+    lora_down, lora_up = rkv.new_zeros(len(loras), rank, width), rkv.new_zeros(len(loras), width, rank)
+    for i, (down, up) in enumerate(loras):
+        lora_down[i, :down.out_features] = down.weight
+        down.weight = lora_down[i, :down.out_features]  # leading rows: still contiguous
+        lora_up[i, :, :up.in_features] = up.weight
+        if up.in_features == rank:
+            up.weight = lora_up[i]
+    return BatchedWeights(rkv, lora_down, lora_up)
+
+
+def batched_projections(weights: BatchedWeights, mixed: torch.Tensor, first_layer: bool) -> tuple[torch.Tensor, ...]:
+    """r, k, v, dw, da, dv (None in layer 0) from ``mixed`` [6, T, C], the mixed inputs in the order
+    r, k, v, w, a, g: three batched matmuls (the LoRA inputs v, w, a are adjacent there)."""
+    r, k, v = torch.bmm(mixed[:3], weights.rkv.transpose(1, 2)).unbind(0)
+    hidden = torch.bmm(mixed[3:5] if first_layer else mixed[2:5], weights.lora_down.transpose(1, 2))
+    torch.tanh_(hidden[-2])  # the decay LoRA's nonlinearity (zero-padded columns stay zero)
+    *dv, dw, da = torch.bmm(hidden, weights.lora_up.transpose(1, 2)).unbind(0)
+    return r, k, v, dw, da, (dv[0] if dv else None)
+
+
+def add_product(x: torch.Tensor, linear, y: torch.Tensor) -> None:
+    """x += y W^T; with dense weights one cuBLAS call with the add folded in (beta = 1)."""
+    if isinstance(linear, DenseLinear):
+        x.addmm_(y, linear.weight.t())
+    else:
+        x.add_(linear(y))
 
 
 class FusedKernels:
@@ -120,8 +174,8 @@ class FusedKernels:
         cfg = model.config
         x = model.emb[batch.tokens]
         new = lambda *shape: x.new_empty(shape)  # noqa: E731
-        mixed = new(6, T, C)
-        xr, xw, xk, xv, xa, xg = mixed.unbind(0)
+        mixed = new(6, T, C)  # r, k, v adjacent for the batched r/k/v product, v, w, a for the LoRAs'
+        xr, xk, xv, xw, xa, xg = mixed.unbind(0)
         v_first, y = new(T, C), new(T, C)
         if small:  # every layer writes the same buffers
             r, k, v, dw, da, dv, g = (new(T, C) for _ in range(7))
@@ -130,7 +184,7 @@ class FusedKernels:
         for i, blk in enumerate(model.blocks):
             first = i == 0
             self.ln_shift_mix(x, blk.ln1_w, blk.ln1_b, state.att_shift[i], batch,
-                              [blk.x_r, blk.x_w, blk.x_k, blk.x_v, blk.x_a, blk.x_g], list(mixed.unbind(0)))
+                              [blk.x_r, blk.x_w, blk.x_k, blk.x_v, blk.x_a, blk.x_g], [xr, xw, xk, xv, xa, xg])
             if small:
                 tasks = [(blk.receptance, xr, r), (blk.key, xk, k), (blk.value, xv, v), (blk.w1, xw, hw),
                          (blk.a1, xa, ha), (blk.g1, xg, hg)] + ([] if first else [(blk.v1, xv, hv)])
@@ -140,6 +194,10 @@ class FusedKernels:
                 if not first:
                     second.append((blk.v2, hv, dv, ACT_NONE, EPI_NONE, None))
                 self.gemv(second)
+            elif isinstance(blk.batched, BatchedWeights):
+                r, k, v, dw, da, dv = batched_projections(blk.batched, mixed, first)
+                dv = _empty(x.device) if dv is None else dv
+                g = blk.g2(torch.sigmoid(blk.g1(xg)))
             else:
                 r, k, v = blk.receptance(xr), blk.key(xk), blk.value(xv)
                 dw = blk.w2(torch.tanh(blk.w1(xw)))
@@ -154,9 +212,9 @@ class FusedKernels:
                 self.gemv([(blk.ffn_key, kf, hidden, ACT_NONE, EPI_RELU_SQUARE, None)])
                 self.gemv([(blk.ffn_value, hidden, x, ACT_NONE, EPI_NONE, x)])
             else:
-                x.add_(blk.output(y))
+                add_product(x, blk.output, y)
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
-                x.add_(blk.ffn_value(torch.relu_(blk.ffn_key(kf)).square_()))
+                add_product(x, blk.ffn_value, torch.relu_(blk.ffn_key(kf)).square_())
         if not all_logits:
             x = x[batch.last]
         x = F.layer_norm(x, (C,), model.ln_out_w, model.ln_out_b, 1e-5)
@@ -191,6 +249,8 @@ def _self_test(kernels: FusedKernels) -> str | None:
     config = make_config(2, 128, 512)
     model = RWKV7.from_state_dict(random_state_dict(config, seed=1, dtype=torch.float16, device=str(device)),
                                   device=str(device), dtype="fp16")
+    for blk in model.blocks:  # as select_fused does: the prefill below takes the batched matmuls
+        blk.batched = batch_weights(blk)
     from infer.ops.wkv_cuda import load_cuda_wkv
     model.wkv = load_cuda_wkv() or model.wkv
     rows = [[5, 9, 200, 7, 3, 11, 13, 90, 4, 2], [77, 1], [300]]
@@ -267,5 +327,9 @@ def select_fused(model: "RWKV7", prefer: str = "auto") -> FusedKernels | None:
         if chosen is None and probe:
             log.info("fused kernels not used: %s", probe)
     model.fused = chosen
+    if chosen is not None:
+        for blk in model.blocks:
+            if blk.batched is None:
+                blk.batched = batch_weights(blk)
     log.info("forward on %s: %s", model.device, chosen.name if chosen else "readable (per-op) forward")
     return chosen

@@ -63,6 +63,13 @@ def packer(fmt: str, group_size: int, optimize: bool, device: torch.device) -> M
     return convert
 
 
+def markers(fmt: str, group_size: int) -> dict[str, torch.Tensor]:
+    """The layout marker entries of a GemLite checkpoint of ``fmt``."""
+    values = {GEMLITE_FORMAT_KEY: GEMLITE_FORMATS[fmt], GEMLITE_GROUP_SIZE_KEY: group_size if fmt == W4 else 0,
+              GEMLITE_VERSION_KEY: GEMLITE_VERSION}
+    return {key: torch.tensor(value, dtype=torch.int32) for key, value in values.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m infer.quant.export_quant_gemlite", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,12 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.fmt == W4:
             check_group_size(args.group_size, config)
         convert = packer(args.fmt, args.group_size, not args.no_hqq_optimize, torch.device(args.device))
-        markers = {GEMLITE_FORMAT_KEY: GEMLITE_FORMATS[args.fmt],
-                   GEMLITE_GROUP_SIZE_KEY: args.group_size if args.fmt == W4 else 0,
-                   GEMLITE_VERSION_KEY: GEMLITE_VERSION}
-        export(src, config, args.output, convert,
-               {key: torch.tensor(value, dtype=torch.int32) for key, value in markers.items()},
-               desc=f"packing {args.fmt}")
+        export(src, config, args.output, convert, markers(args.fmt, args.group_size), desc=f"packing {args.fmt}")
     except (CheckpointError, RuntimeError, ValueError) as e:
         sys.exit(f"export_quant_gemlite: {e}")
 

@@ -9,11 +9,18 @@ A layer is rebuilt with ``GemLiteLinearTriton.load_state_dict`` from the entries
 Triton kernel for the batch size directly instead of ``forward_functional``, which in gemlite 0.6.0
 reads the data-contiguity flag from the wrong metadata slot (the bit width); the arguments are built
 once per layer. GemLite autotunes each kernel per (matrix, batch bucket) on first use: :meth:`warmup`
-does that before serving (``infer.quant.engines.warm_up``).
+does that before serving (``infer.quant.engines.warm_up``), and :func:`load_tuning` / :func:`save_tuning`
+keep the chosen configurations in a file per GPU model, so only the first start on a GPU tunes.
 """
 from __future__ import annotations
 
+import logging
+import re
+from pathlib import Path
+
 import torch
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_VERSION = "0.6."
 
@@ -79,3 +86,27 @@ class GemLiteLinear:
         for rows in batch_sizes:
             self(torch.zeros((rows, self.in_features), dtype=self.dtype, device=device))
         torch.cuda.synchronize(device)
+
+
+def tuning_file(directory: Path, device: torch.device | str) -> Path:
+    """Where the autotuned GemLite configurations for this GPU model and gemlite version are kept."""
+    import gemlite
+    gpu = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name(torch.device(device))).strip("-").lower()
+    return Path(directory) / f"gemlite-tuning-{gpu}-{gemlite.__version__}.json"
+
+
+def load_tuning(path: Path) -> bool:
+    """Reuse the configurations an earlier start saved: GemLite then skips tuning every shape it finds."""
+    import gemlite
+    if not path.is_file():
+        return False
+    loaded = bool(gemlite.GemLiteLinearTriton.load_config(str(path), print_error=False))
+    log.info("GemLite tuning %s %s", "loaded from" if loaded else "unreadable, re-tuning:", path)
+    return loaded
+
+
+def save_tuning(path: Path) -> None:
+    """Store the configurations GemLite has chosen so far (merged into the file's earlier ones)."""
+    import gemlite
+    path.parent.mkdir(parents=True, exist_ok=True)
+    gemlite.GemLiteLinearTriton.cache_config(str(path))

@@ -1,0 +1,89 @@
+"""The large-batch side of the fused forward that is plain torch (infer/ops/fused.py): the stacked
+weights behind its batched matmuls, and what those matmuls compute, against the model's own linears.
+Runs on the CPU; test_fused_cuda.py runs the whole fused forward on a GPU."""
+from __future__ import annotations
+
+import torch
+
+from infer.ops.fused import BatchedWeights, add_product, batch_weights, batched_projections
+from infer.ops.linear_w8a16 import W8A16Linear
+from infer.model import RWKV7
+from infer.random_model import make_config, random_state_dict
+
+ROWS = 5
+
+
+def model_fp16() -> RWKV7:
+    # width 768: the released LoRA ranks (w 64, a 64, v 32, g 128), so the v factors are padded
+    config = make_config(2, 768, 1024)
+    return RWKV7.from_state_dict(random_state_dict(config, seed=3, dtype=torch.float16), device="cpu", dtype="fp16")
+
+
+def test_stacks_share_the_linears_storage_and_keep_their_values():
+    model = model_fp16()
+    blk = model.blocks[1]
+    names = ("receptance", "key", "value", "w1", "w2", "a1", "a2", "v1", "v2")
+    before = {n: getattr(blk, n).weight.clone() for n in names}
+    stacked = batch_weights(blk)
+    assert isinstance(stacked, BatchedWeights)
+    assert stacked.rkv.shape == (3, 768, 768)
+    assert stacked.lora_down.shape == (3, 64, 768) and stacked.lora_up.shape == (3, 768, 64)
+    for n in names:
+        assert torch.equal(getattr(blk, n).weight, before[n]), n
+        assert getattr(blk, n).weight.is_contiguous(), n
+    stores = {"rkv": stacked.rkv, "down": stacked.lora_down, "up": stacked.lora_up}
+    shared = {"receptance": "rkv", "key": "rkv", "value": "rkv", "v1": "down", "w1": "down", "a1": "down",
+              "w2": "up", "a2": "up"}
+    for n, where in shared.items():
+        assert getattr(blk, n).weight.untyped_storage().data_ptr() == stores[where].untyped_storage().data_ptr(), n
+    # v2 (rank 32 of 64) keeps its own contiguous copy; its padding columns in the stack are zero
+    assert torch.count_nonzero(stacked.lora_up[0, :, 32:]) == 0
+    assert torch.count_nonzero(stacked.lora_down[0, 32:]) == 0
+    assert torch.equal(stacked.lora_up[0, :, :32], blk.v2.weight)
+
+
+def test_batched_projections_match_the_linears():
+    model = model_fp16()
+    gen = torch.Generator().manual_seed(4)
+    for layer, blk in enumerate(model.blocks):
+        mixed = torch.randn(6, ROWS, 768, generator=gen).half()  # r, k, v, w, a, g
+        xr, xk, xv, xw, xa, _ = mixed.unbind(0)
+        want = [blk.receptance(xr), blk.key(xk), blk.value(xv), blk.w2(torch.tanh(blk.w1(xw))), blk.a2(blk.a1(xa))]
+        want.append(blk.v2(blk.v1(xv)) if layer else None)
+        got = batched_projections(batch_weights(blk), mixed, first_layer=layer == 0)
+        assert len(got) == 6
+        for name, g, w in zip(("r", "k", "v", "dw", "da", "dv"), got, want):
+            if w is None:
+                assert g is None, name
+                continue
+            assert g.shape == w.shape and g.is_contiguous(), name
+            scale = float(w.abs().max())
+            assert float((g.float() - w.float()).abs().max()) <= 2e-3 * scale + 1e-3, (layer, name)
+
+
+def test_non_dense_blocks_are_not_stacked():
+    model = model_fp16()
+    blk = model.blocks[1]
+    weight = blk.key.weight
+    q = torch.randint(-127, 128, weight.shape, dtype=torch.int8)
+    blk.key = W8A16Linear(q, torch.full((weight.shape[0],), 0.01, dtype=torch.float16))
+    receptance = blk.receptance.weight
+    assert batch_weights(blk) is None
+    assert blk.receptance.weight is receptance  # nothing was re-pointed
+
+
+def test_add_product_adds_the_product_in_place():
+    model = model_fp16()
+    lin = model.blocks[0].output
+    gen = torch.Generator().manual_seed(5)
+    y = torch.randn(ROWS, 768, generator=gen).half()
+    x = torch.randn(ROWS, 768, generator=gen).half()
+    want = x.float() + y.float() @ lin.weight.float().t()
+    target = x.clone()
+    add_product(target, lin, y)
+    assert float((target.float() - want).abs().max()) <= 1e-2 * float(want.abs().max())
+    q = torch.randint(-127, 128, (768, 768), dtype=torch.int8, generator=gen)
+    quant = W8A16Linear(q, torch.full((768,), 1e-3, dtype=torch.float16))
+    target = x.clone()
+    add_product(target, quant, y)
+    assert torch.equal(target, x + quant(y))
