@@ -103,13 +103,13 @@ check-serve)
 batched)
     step 150 "fused and graph GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \
         test/test_graphs_cuda.py
-    step 170 "decode" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8,64,256,512 --states fp32,fp16 \
+    step 150 "decode" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,64,256,512 --states fp32,fp16 \
         --steps 20 --wkv cuda --no-checks --out bench/results/decode_h200_fused.json
     copy bench/results/decode_h200_fused.json
-    step 100 "per-kernel profile, PDL off, with the launch order" env RWKV_PDL=0 python bench/profile_decode.py \
+    step 90 "per-kernel profile, PDL off, with the launch order" env RWKV_PDL=0 python bench/profile_decode.py \
         --sizes 1.5b,7.2b --batches 1,256 --out bench/results/profile_nopdl_h200.json
     copy bench/results/profile_nopdl_h200.json
-    step 80 "prefill" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 128,1024 --prefill-rows 1,16 \
+    step 70 "prefill" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 128,1024 --prefill-rows 1,16 \
         --wkv cuda --no-checks --out bench/results/decode_h200_prefill.json
     copy bench/results/decode_h200_prefill.json
     ;;
