@@ -24,7 +24,10 @@ SERVING_LEVELS = (1, 32, 256)
 SERVING_STATS = ("tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
 WANTED += [f"serving_{n}_7.2b_{stat}" for n in SERVING_LEVELS for stat in SERVING_STATS
            if f"serving_{n}_7.2b_{stat}" not in WANTED]
-ENGINE_NAMES = {"fp16": "fp16", "cutlass": "w8"}
+ENGINE_NAMES = {"fp16": "fp16", "cutlass": "w8", "gemlite:A16W8_INT8": "gemlite_w8", "gemlite:A16W8_FP8": "gemlite_fp8",
+                "gemlite:A16W4_HQQ_INT": "w4"}
+WANTED += ["decode_bsz1_7.2b_w4_tok_s", "decode_b256_7.2b_w4_tok_s", "decode_bsz1_7.2b_gemlite_w8_tok_s",
+           "decode_b256_7.2b_gemlite_w8_tok_s"]
 
 
 def decode_figures(path: Path) -> dict[str, dict]:

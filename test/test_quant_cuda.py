@@ -107,7 +107,7 @@ def test_gemlite_export_load_and_logits(tmp_path, fmt, tolerance):
     fp16 = RWKV7.load(str(path), device="cuda", dtype="fp16", progress=False)
     quant = RWKV7.load(str(out), device="cuda", dtype="fp16", engine="gemlite", progress=False)
     assert "gemlite" in quant.implementations()["linear"]
-    warm_up(quant.projections(), [1, 2, 4, 8, 16, 32, 64])
+    warm_up(quant.projections(), [1, 8, 64])  # one of each GemLite kernel kind (GEMV, split-K GEMM, GEMM)
     tuning = tmp_path / "tuning.json"
     save_tuning(tuning)  # the configurations just tuned, for the next start
     assert tuning.stat().st_size > 2 and load_tuning(tuning)
