@@ -13,6 +13,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh batched   # the large-batch path: GPU tests, decode, profile, prefill
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite   # GemLite GPU tests, A16W8 decode (tunes Triton kernels)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite2  # GemLite A16W4 decode, every engine's accuracy on the GPU
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh split     # GEMV row splitting: fused GPU tests, decode A/B, profile
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -22,7 +23,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -99,6 +100,17 @@ check-serve)
     step 150 "fused GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py
     step 280 "HTTP serving" env LEVELS=1,32,256 MAX_TOKENS=256 OUT= bash bench/h200_serving.sh
     copy bench/results/serving_h200_7.2b.json
+    ;;
+split)
+    step 150 "fused GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py
+    step 60 "decode, rows split" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8 --steps 20 --wkv cuda \
+        --no-checks --out bench/results/decode_h200_split.json
+    step 60 "decode, rows whole (RWKV_GEMV_SPLIT=0)" env RWKV_GEMV_SPLIT=0 python bench/bench_decode.py --sizes 1.5b,7.2b \
+        --batches 1,8 --steps 20 --wkv cuda --no-checks --out bench/results/experiment_nosplit_h200.json
+    step 60 "per-kernel profile, PDL off, rows split" env RWKV_PDL=0 python bench/profile_decode.py --sizes 7.2b \
+        --batches 1 --out bench/results/profile_split_nopdl_h200.json
+    copy bench/results/decode_h200_split.json bench/results/experiment_nosplit_h200.json \
+        bench/results/profile_split_nopdl_h200.json
     ;;
 batched)
     step 150 "fused and graph GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \

@@ -17,8 +17,9 @@
 //      out = fp16(group_norm_head(y) + sum_head(r k' r_k) v') * g
 //
 // 3. gemv: y = x W^T for a few rows of x (decode), several matrices per launch ("tasks"), one warp
-//    per output channel reading the weight row once with 16-byte loads; fp16 or int8 (+ per-channel
-//    fp16 scale) weights; optional tanh/sigmoid on the input, relu^2 on the output, residual add.
+//    per output channel reading the weight row once with 16-byte loads (a long row split among up to 8
+//    warps of one block, summed in shared memory); fp16 or int8 (+ per-channel fp16 scale) weights;
+//    optional tanh/sigmoid on the input, relu^2 on the output, residual add.
 //
 // Every launcher takes the stream to launch on (graph-capturable) and returns a cudaError_t as int.
 
@@ -377,7 +378,8 @@ struct GemvTask {
     const __half* residual;  // [M, N] added to the result, or null (may alias y)
     int n, k;
     int weight_type, activation, epilogue;
-    int first_block;         // blocks [first_block, first_block + ceil(n / kGemvWarps)) compute this task
+    int splits;              // warps per output channel (1, 2, 4 or 8), each reading one slice of the row
+    int first_block;         // blocks [first_block, first_block + ceil(n * splits / kGemvWarps)) compute this task
 };
 
 struct GemvArgs {
@@ -407,23 +409,23 @@ __device__ __forceinline__ void load_x8(const __half* p, int act, float (&out)[8
 // batch 1 a matrix takes only microseconds, so the bytes in flight per multiprocessor set its speed.
 constexpr int kGemvLoads = 8;
 
-// This lane's next batch of a weight row's 16-byte vectors: [first, first + 32, ...) below count.
+// This lane's next batch of a weight row's 16-byte vectors: [first, first + 32, ...) below end.
 // Weights are read once per step: stream them past the caches.
-__device__ __forceinline__ void load_weight_batch(const uint4* row, int first, int count, uint4 (&w)[kGemvLoads]) {
+__device__ __forceinline__ void load_weight_batch(const uint4* row, int first, int end, uint4 (&w)[kGemvLoads]) {
 #pragma unroll
     for (int j = 0; j < kGemvLoads; ++j) {
-        if (first + 32 * j < count) w[j] = __ldcs(row + first + 32 * j);
+        if (first + 32 * j < end) w[j] = __ldcs(row + first + 32 * j);
     }
 }
 
 // acc[m] += the batch's weights . x[m]; fp16 weights: 8 per vector.
 template <int M, bool kAct>
-__device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int count, const uint4 (&w)[kGemvLoads],
+__device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int end, const uint4 (&w)[kGemvLoads],
                                                float (&acc)[M]) {
 #pragma unroll
     for (int j = 0; j < kGemvLoads; ++j) {
         const int v = first + 32 * j;
-        if (v >= count) break;
+        if (v >= end) break;
         const int k = v * 8;
         __half h[8];
         memcpy(h, &w[j], sizeof(h));
@@ -442,12 +444,12 @@ __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, 
 
 // int8 weights: 16 per vector (the per-channel scale is applied in the epilogue).
 template <int M, bool kAct>
-__device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int count, const uint4 (&w)[kGemvLoads],
+__device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int end, const uint4 (&w)[kGemvLoads],
                                                float (&acc)[M]) {
 #pragma unroll
     for (int j = 0; j < kGemvLoads; ++j) {
         const int v = first + 32 * j;
-        if (v >= count) break;
+        if (v >= end) break;
         const int k = v * 16;
         float wf[16];
         int8x4_to_float(w[j].x, wf);
@@ -475,33 +477,52 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M <= 2 && !kAct ? 3 : 2) gemv
 #pragma unroll 1
     while (t + 1 < args.count && int(blockIdx.x) >= args.task[t + 1].first_block) ++t;
     const GemvTask& task = args.task[t];
-    const int lane = threadIdx.x & 31;
-    const int n = (int(blockIdx.x) - task.first_block) * kGemvWarps + (threadIdx.x >> 5);
-    const bool int8 = task.weight_type == kWeightInt8;
-    const int count = int8 ? task.k / 16 : task.k / 8;  // 16-byte vectors per weight row
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // This warp's (output channel, slice): a block holds whole channels, as kGemvWarps % splits == 0.
+    const int unit = (int(blockIdx.x) - task.first_block) * kGemvWarps + warp;
+    const int n = unit / task.splits, split = unit % task.splits;
+    const bool active = n < task.n;  // warp-uniform; an idle warp still joins the block's barrier below
+    const int count = task.weight_type == kWeightInt8 ? task.k / 16 : task.k / 8;  // 16-byte vectors per row
+    const int slice = count / task.splits;
+    const int begin = split * slice, end = begin + slice;
     const uint4* row = reinterpret_cast<const uint4*>(task.w) + int64_t(n) * count;
     uint4 w[kGemvLoads];
-    if (n < task.n) load_weight_batch(row, lane, count, w);  // weights: no kernel writes them, load before the wait
+    if (active) load_weight_batch(row, begin + lane, end, w);  // weights: no kernel writes them, load before the wait
     dependency_wait();
-    if (n >= task.n) return;  // warp-uniform
 
     float acc[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+    if (active) {
 #pragma unroll 1
-    for (int first = lane;;) {
-        if (int8) {
-            fma_int8_batch<M, kAct>(task, first, count, w, acc);
-        } else {
-            fma_half_batch<M, kAct>(task, first, count, w, acc);
+        for (int first = begin + lane;;) {
+            if (task.weight_type == kWeightInt8) {
+                fma_int8_batch<M, kAct>(task, first, end, w, acc);
+            } else {
+                fma_half_batch<M, kAct>(task, first, end, w, acc);
+            }
+            first += 32 * kGemvLoads;
+            if (first >= end) break;
+            load_weight_batch(row, first, end, w);
         }
-        first += 32 * kGemvLoads;
-        if (first >= count) break;
-        load_weight_batch(row, first, count, w);
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
-    if (lane != 0) return;
+    if (task.splits > 1) {  // block-uniform: the slices' sums, added in slice order (deterministic)
+        __shared__ float partial[kGemvWarps][M];
+        if (lane == 0) {
+#pragma unroll
+            for (int m = 0; m < M; ++m) partial[warp][m] = acc[m];
+        }
+        __syncthreads();
+        if (split != 0) return;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            acc[m] = partial[warp][m];
+            for (int j = 1; j < task.splits; ++j) acc[m] += partial[warp + j][m];
+        }
+    }
+    if (!active || lane != 0) return;
     const float scale = task.scale ? __half2float(task.scale[n]) : 1.0f;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -619,8 +640,48 @@ inline bool gemv_takes(int64_t n, int64_t k, int weight_type) {
     return n > 0 && k > 0 && n <= INT_MAX / 2 && k <= INT_MAX / 2 && k % multiple == 0;
 }
 
-// The `count` tasks of one grouped launch, kGemvWarps output channels per block; returns the grid
-// size. The caller has checked that gemv_kernel takes every task.
+// Row splitting. A launch of few, long rows runs few blocks, and its last partial wave of blocks leaves
+// the memory idle for as long as a whole one (7.2B FFN value, 4,096 rows of 32 KB: 1.3 waves, 3.2 TB/s
+// against 3.7 for the 16,384 rows of the FFN key; bench/results/profile_nopdl_h200.json). So the rows of
+// the task with the longest slices are halved until the launch has kGemvSplitRows (row, slice) units,
+// while each slice keeps at least one full batch of loads per lane (kGemvMinSlice vectors).
+// RWKV_GEMV_SPLIT=0 turns it off (for A/B timing).
+constexpr int kGemvSplitRows = 16384;
+constexpr int kGemvMinSlice = 32 * kGemvLoads;
+
+inline bool gemv_split_enabled() {
+    static const bool enabled = [] {
+        const char* env = std::getenv("RWKV_GEMV_SPLIT");
+        return !(env && env[0] == '0');
+    }();
+    return enabled;
+}
+
+inline void plan_gemv_splits(GemvArgs& args) {
+    int64_t units = 0;
+    for (int i = 0; i < args.count; ++i) {
+        args.task[i].splits = 1;
+        units += args.task[i].n;
+    }
+    while (gemv_split_enabled() && units < kGemvSplitRows) {
+        int best = -1, best_slice = 0;
+        for (int i = 0; i < args.count; ++i) {
+            const GemvTask& t = args.task[i];
+            const int count = t.weight_type == kWeightInt8 ? t.k / 16 : t.k / 8;
+            const int slice = count / t.splits;
+            if (t.splits < kGemvWarps && slice % 2 == 0 && slice / 2 >= kGemvMinSlice && slice > best_slice) {
+                best = i;
+                best_slice = slice;
+            }
+        }
+        if (best < 0) break;
+        units += args.task[best].n * int64_t(args.task[best].splits);
+        args.task[best].splits *= 2;
+    }
+}
+
+// The `count` tasks of one grouped launch, kGemvWarps (output channel, slice) units per block; returns
+// the grid size. The caller has checked that gemv_kernel takes every task.
 inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void* const* scale,
                      const void* const* x, void* const* y, const void* const* residual, const int64_t* n,
                      const int64_t* k, const int* weight_type, const int* activation, const int* epilogue) {
@@ -637,10 +698,14 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
         t.weight_type = weight_type[i];
         t.activation = activation[i];
         t.epilogue = epilogue[i];
-        t.first_block = blocks;
-        blocks += (t.n + kGemvWarps - 1) / kGemvWarps;
     }
     args.count = count;
+    plan_gemv_splits(args);
+    for (int i = 0; i < count; ++i) {
+        GemvTask& t = args.task[i];
+        t.first_block = blocks;
+        blocks += static_cast<int>((int64_t(t.n) * t.splits + kGemvWarps - 1) / kGemvWarps);
+    }
     return blocks;
 }
 

@@ -21,6 +21,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 
 #include "../cuda/int8x4.cuh"
 
@@ -530,7 +531,8 @@ struct GemvTask {
     const __half* residual;  // [M, N] added to the result, or null (may alias y)
     int n, k;
     int weight_type, activation, epilogue;
-    int first_block;         // blocks [first_block, first_block + ceil(n / kGemvWarps)) compute this task
+    int splits;              // teams per output channel (1, 2, 4 or 8), each reading one slice of the row
+    int first_block;         // blocks [first_block, first_block + ceil(n * splits / kGemvWarps)) compute this task
 };
 
 struct GemvArgs {
@@ -559,22 +561,22 @@ __device__ __forceinline__ void load_x8(const __half* p, int act, float (&out)[8
 // source): a batch of loads, then its arithmetic.
 constexpr int kGemvLoads = 8;
 
-// This lane's next batch of a weight row's 16-byte vectors: [first, first + kTeam, ...) below count.
-__device__ __forceinline__ void load_weight_batch(const uint4* row, int first, int count, uint4 (&w)[kGemvLoads]) {
+// This lane's next batch of a weight row's 16-byte vectors: [first, first + kTeam, ...) below end.
+__device__ __forceinline__ void load_weight_batch(const uint4* row, int first, int end, uint4 (&w)[kGemvLoads]) {
 #pragma unroll
     for (int j = 0; j < kGemvLoads; ++j) {
-        if (first + kTeam * j < count) w[j] = load_stream(row + first + kTeam * j);
+        if (first + kTeam * j < end) w[j] = load_stream(row + first + kTeam * j);
     }
 }
 
 // acc[m] += the batch's weights . x[m]; fp16 weights: 8 per vector.
 template <int M, bool kAct>
-__device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int count, const uint4 (&w)[kGemvLoads],
+__device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int end, const uint4 (&w)[kGemvLoads],
                                                float (&acc)[M]) {
 #pragma unroll
     for (int j = 0; j < kGemvLoads; ++j) {
         const int v = first + kTeam * j;
-        if (v >= count) break;
+        if (v >= end) break;
         const int k = v * 8;
         float wf[8];
         wkv7::unpack8(w[j], wf);
@@ -590,12 +592,12 @@ __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, 
 
 // int8 weights: 16 per vector (the per-channel scale is applied in the epilogue).
 template <int M, bool kAct>
-__device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int count, const uint4 (&w)[kGemvLoads],
+__device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int end, const uint4 (&w)[kGemvLoads],
                                                float (&acc)[M]) {
 #pragma unroll
     for (int j = 0; j < kGemvLoads; ++j) {
         const int v = first + kTeam * j;
-        if (v >= count) break;
+        if (v >= end) break;
         const int k = v * 16;
         float wf[16];
         int8x4_to_float(w[j].x, wf);
@@ -622,33 +624,50 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args)
 #pragma unroll 1
     while (t + 1 < args.count && int(blockIdx.x) >= args.task[t + 1].first_block) ++t;
     const GemvTask& task = args.task[t];
-    const int lane = threadIdx.x & (kTeam - 1);
-    const int n = (int(blockIdx.x) - task.first_block) * kGemvWarps + int(threadIdx.x / kTeam);
+    const int lane = threadIdx.x & (kTeam - 1), team = int(threadIdx.x / kTeam);
+    // This team's (output channel, slice): a block holds whole channels, as kGemvWarps % splits == 0.
+    const int unit = (int(blockIdx.x) - task.first_block) * kGemvWarps + team;
+    const int n = unit / task.splits, split = unit % task.splits;
     dependency_wait();
-    // A team past the last row still joins the shuffles (a wave64 holds two teams) and only skips the
-    // loads and the stores.
+    // A team past the last row still joins the shuffles (a wave64 holds two teams) and the block's
+    // barrier, and only skips the loads and the stores.
     const bool active = n < task.n;  // team-uniform
 
     float acc[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = 0.0f;
     if (active) {
-        const bool int8 = task.weight_type == kWeightInt8;
-        const int count = int8 ? task.k / 16 : task.k / 8;  // 16-byte vectors per weight row
+        const int count = task.weight_type == kWeightInt8 ? task.k / 16 : task.k / 8;  // 16-byte vectors per row
+        const int slice = count / task.splits;
+        const int begin = split * slice, end = begin + slice;
         const uint4* row = reinterpret_cast<const uint4*>(task.w) + int64_t(n) * count;
         uint4 w[kGemvLoads];
 #pragma unroll 1
-        for (int first = lane; first < count; first += kTeam * kGemvLoads) {
-            load_weight_batch(row, first, count, w);
-            if (int8) {
-                fma_int8_batch<M, kAct>(task, first, count, w, acc);
+        for (int first = begin + lane; first < end; first += kTeam * kGemvLoads) {
+            load_weight_batch(row, first, end, w);
+            if (task.weight_type == kWeightInt8) {
+                fma_int8_batch<M, kAct>(task, first, end, w, acc);
             } else {
-                fma_half_batch<M, kAct>(task, first, count, w, acc);
+                fma_half_batch<M, kAct>(task, first, end, w, acc);
             }
         }
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
+    if (task.splits > 1) {  // block-uniform: the slices' sums, added in slice order (deterministic)
+        __shared__ float partial[kGemvWarps][M];
+        if (lane == 0) {
+#pragma unroll
+            for (int m = 0; m < M; ++m) partial[team][m] = acc[m];
+        }
+        __syncthreads();
+        if (split != 0) return;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            acc[m] = partial[team][m];
+            for (int j = 1; j < task.splits; ++j) acc[m] += partial[team + j][m];
+        }
+    }
     if (!active || lane != 0) return;
     const float scale = task.scale ? __half2float(task.scale[n]) : 1.0f;
 #pragma unroll
@@ -759,8 +778,45 @@ inline bool gemv_takes(int64_t n, int64_t k, int weight_type) {
     return n > 0 && k > 0 && n <= INT_MAX / 2 && k <= INT_MAX / 2 && k % multiple == 0;
 }
 
-// The `count` tasks of one grouped launch, kGemvWarps output channels per block; returns the grid
-// size. The caller has checked that gemv_kernel takes every task.
+// Row splitting, as in the CUDA source: the rows of the task with the longest slices are halved until the
+// launch has kGemvSplitRows (row, slice) units, each slice keeping a full batch of loads per lane.
+// RWKV_GEMV_SPLIT=0 turns it off.
+constexpr int kGemvSplitRows = 16384;
+constexpr int kGemvMinSlice = kTeam * kGemvLoads;
+
+inline bool gemv_split_enabled() {
+    static const bool enabled = [] {
+        const char* env = std::getenv("RWKV_GEMV_SPLIT");
+        return !(env && env[0] == '0');
+    }();
+    return enabled;
+}
+
+inline void plan_gemv_splits(GemvArgs& args) {
+    int64_t units = 0;
+    for (int i = 0; i < args.count; ++i) {
+        args.task[i].splits = 1;
+        units += args.task[i].n;
+    }
+    while (gemv_split_enabled() && units < kGemvSplitRows) {
+        int best = -1, best_slice = 0;
+        for (int i = 0; i < args.count; ++i) {
+            const GemvTask& t = args.task[i];
+            const int count = t.weight_type == kWeightInt8 ? t.k / 16 : t.k / 8;
+            const int slice = count / t.splits;
+            if (t.splits < kGemvWarps && slice % 2 == 0 && slice / 2 >= kGemvMinSlice && slice > best_slice) {
+                best = i;
+                best_slice = slice;
+            }
+        }
+        if (best < 0) break;
+        units += args.task[best].n * int64_t(args.task[best].splits);
+        args.task[best].splits *= 2;
+    }
+}
+
+// The `count` tasks of one grouped launch, kGemvWarps (output channel, slice) units per block; returns
+// the grid size. The caller has checked that gemv_kernel takes every task.
 inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void* const* scale,
                      const void* const* x, void* const* y, const void* const* residual, const int64_t* n,
                      const int64_t* k, const int* weight_type, const int* activation, const int* epilogue) {
@@ -777,10 +833,14 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
         t.weight_type = weight_type[i];
         t.activation = activation[i];
         t.epilogue = epilogue[i];
-        t.first_block = blocks;
-        blocks += (t.n + kGemvWarps - 1) / kGemvWarps;
     }
     args.count = count;
+    plan_gemv_splits(args);
+    for (int i = 0; i < count; ++i) {
+        GemvTask& t = args.task[i];
+        t.first_block = blocks;
+        blocks += static_cast<int>((int64_t(t.n) * t.splits + kGemvWarps - 1) / kGemvWarps);
+    }
     return blocks;
 }
 

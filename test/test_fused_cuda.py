@@ -195,6 +195,34 @@ def test_gemv_tasks_match_matmul(kernels):
         torch.testing.assert_close(y4, res + h @ w2.T, atol=4e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_split_rows_match_matmul(kernels, rows):
+    """Long rows in a small launch are summed in up to 8 slices (plan_gemv_splits); a short task
+    beside them keeps one slice. RWKV_GEMV_SPLIT=0 would take the unsplit path."""
+    from infer.ops.linear_w8a16 import W8A16Linear
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    long_w = (torch.randn(200, 16384, generator=gen, device="cuda") * 0.02).half()
+    short_w = (torch.randn(72, 512, generator=gen, device="cuda") * 0.05).half()
+    q = torch.randint(-127, 128, (136, 32768), generator=gen, device="cuda", dtype=torch.int8)
+    scale = (torch.rand(136, generator=gen, device="cuda") * 0.001 + 0.0001).half()
+    x_long = torch.randn(rows, 16384, generator=gen, device="cuda").half()
+    x_short = torch.randn(rows, 512, generator=gen, device="cuda").half()
+    x_q = torch.randn(rows, 32768, generator=gen, device="cuda").half()
+    res = torch.randn(rows, 200, generator=gen, device="cuda").half()
+    y_long, y_short, y_q = (torch.empty(rows, n, device="cuda", dtype=torch.float16) for n in (200, 72, 136))
+    z_long = res.clone()
+    kernels.gemv([(DenseLinear(long_w), x_long, y_long, ACT_NONE, EPI_NONE, None),
+                  (DenseLinear(long_w), x_long, z_long, ACT_NONE, EPI_NONE, z_long),
+                  (DenseLinear(short_w), x_short, y_short, ACT_TANH, EPI_NONE, None),
+                  (W8A16Linear(q, scale), x_q, y_q, ACT_NONE, EPI_RELU_SQUARE, None)])
+    expect_long = (x_long.float() @ long_w.float().T)
+    torch.testing.assert_close(y_long.float(), expect_long, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(z_long.float(), res.float() + expect_long, atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(y_short, torch.tanh(x_short) @ short_w.T, atol=2e-3, rtol=2e-3)
+    expect_q = torch.relu(x_q.float() @ (q.float() * scale.float()[:, None]).T) ** 2
+    torch.testing.assert_close(y_q.float(), expect_q, atol=5e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 def test_gemv_int8_tasks_match_dequantized(kernels, rows):
     from infer.ops.linear_w8a16 import W8A16Linear, dequantize_matmul

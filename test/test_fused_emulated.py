@@ -81,6 +81,7 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
             so.emu_fused_ln_shift_mix.argtypes = [i64, i64, i64, p, p, p, p, p, p, p, p, p, i32]
             so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32]
             so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p]
+            so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p]
             so.emu_f32_to_f16.argtypes = [p, p, i64]
             so.emu_f16_to_f32.argtypes = [p, p, i64]
         else:
@@ -466,7 +467,13 @@ GEMV_CASES = {
                       (2, 4096, False, ACT_SIGMOID, EPI_RELU_SQUARE, False)]),
     # the same without any activation (the plain kernel instance), int8 and fp16
     "long-rows-plain": (1, [(6, 4112, True, ACT_NONE, EPI_NONE, False), (4, 2312, False, ACT_NONE, EPI_NONE, True)]),
+    # few long rows: split among 8, 2 and 4 warps of a block (GEMV_SPLITS), idle warps in the last blocks
+    "split-rows": (2, [(5, 16384, False, ACT_NONE, EPI_NONE, True), (3, 8192, True, ACT_TANH, EPI_NONE, False),
+                       (9, 8192, False, ACT_NONE, EPI_RELU_SQUARE, False)]),
+    "split-rows-plain": (1, [(6, 4096, False, ACT_NONE, EPI_NONE, False), (7, 8192, True, ACT_NONE, EPI_NONE, True)]),
 }
+# the planner halves the longest slices (vectors of 16 bytes per warp) while each keeps >= 256 of them
+GEMV_SPLITS = {"split-rows": [8, 2, 4], "split-rows-plain": [2, 2], "long-rows": [1, 1, 2], "one-row": [1]}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -475,9 +482,16 @@ def test_gemv(variant, case, libs):
     """Grouped GEMV: fp16 and int8 (+ scale) weights, tanh/sigmoid inputs, relu^2, residual add (in place),
     1-8 rows, up to 8 tasks per launch, widths that leave warps of the last block without a row."""
     M, specs = GEMV_CASES[case]
+    so = libs[f"fused-{variant}"]
+    if case in GEMV_SPLITS:
+        splits = (ctypes.c_int * len(specs))()
+        so.emu_fused_gemv_splits(len(specs), _ints([s[0] for s in specs], ctypes.c_int64),
+                                 _ints([s[1] for s in specs], ctypes.c_int64), _ints([int(s[2]) for s in specs], ctypes.c_int),
+                                 splits)
+        assert list(splits) == GEMV_SPLITS[case]
     gen = torch.Generator().manual_seed(len(case) * 31 + M)
     tasks = [gemv_task(gen, M, *spec) for spec in specs]
-    ys = run_gemv(libs[f"fused-{variant}"], tasks, M)
+    ys = run_gemv(so, tasks, M)
     for i, (t, y) in enumerate(zip(tasks, ys)):
         check_gemv(t, y, f"task {i}")
 

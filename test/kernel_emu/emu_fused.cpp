@@ -68,6 +68,20 @@ EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const 
     }
 }
 
+// The warps per output channel that pack_gemv plans for each task (the rest of GemvTask is not read).
+EMU_EXPORT void emu_fused_gemv_splits(int count, const int64_t* n, const int64_t* k, const int* weight_type,
+                                      int* splits) {
+    fused::GemvArgs args{};
+    for (int i = 0; i < count; ++i) {
+        args.task[i].n = static_cast<int>(n[i]);
+        args.task[i].k = static_cast<int>(k[i]);
+        args.task[i].weight_type = weight_type[i];
+    }
+    args.count = count;
+    fused::plan_gemv_splits(args);
+    for (int i = 0; i < count; ++i) splits[i] = args.task[i].splits;
+}
+
 // The emulation's fp16 conversions, for the test that holds them to torch's.
 EMU_EXPORT void emu_f32_to_f16(const float* in, uint16_t* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = __half_as_ushort(__float2half_rn(in[i]));
