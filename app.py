@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         tuning = tuning_file(data_dir(), model.device)
         load_tuning(tuning)
         most_rows = slots + args.prefill_chunk_size
-        warm_up(model.projections(), sorted({min(2 ** i, most_rows) for i in range(most_rows.bit_length() + 1)}))
+        on_gemv = model.fused.gemv_covers(model) if model.fused else 0  # these steps never call GemLite
+        warm_up(model.projections(), sorted({min(2 ** i, most_rows) for i in range(most_rows.bit_length() + 1)}
+                                            - set(range(on_gemv + 1))))
         save_tuning(tuning)
     graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and model.device.type == "cuda")
     if graphs and model.device.type != "cuda":

@@ -152,7 +152,7 @@ def bench_size(name: str, batches: list[int], steps: int, states: list[str], eng
         tuning = tuning_file(data_dir(), model.device)
         load_tuning(tuning)
         t0 = time.time()
-        warm_up(model.projections(), batches)
+        warm_up(model.projections(), [b for b in batches if b > (model.fused.gemv_covers(model) if model.fused else 0)])
         save_tuning(tuning)
         print(f"{name}: GemLite warm-up {time.time() - t0:.1f}s", flush=True)
     rows = []

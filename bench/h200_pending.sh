@@ -14,6 +14,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite   # GemLite GPU tests, A16W8 decode (tunes Triton kernels)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite2  # GemLite A16W4 decode, every engine's accuracy on the GPU
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh split     # GEMV row splitting: fused GPU tests, decode A/B, profile
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite-gemv  # GemLite A16W8_INT8 decode on the fused GEMV
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -23,7 +24,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -111,6 +112,14 @@ split)
         --batches 1 --out bench/results/profile_split_nopdl_h200.json
     copy bench/results/decode_h200_split.json bench/results/experiment_nosplit_h200.json \
         bench/results/profile_split_nopdl_h200.json
+    ;;
+gemlite-gemv)
+    step 150 "GemLite int8 decode on the fused GEMV, GPU test" python -m pytest -q -rs -p no:cacheprovider \
+        test/test_quant_cuda.py -k int8_decode_runs_on_the_fused_gemv
+    step 130 "GemLite A16W8_INT8 decode, batch 1-2 on the fused GEMV" python bench/bench_decode.py --sizes 7.2b \
+        --engine gemlite:A16W8_INT8 --batches 1,2 --steps 20 --wkv cuda --no-checks \
+        --out bench/results/decode_h200_gemlite_w8_gemv.json
+    copy bench/results/decode_h200_gemlite_w8_gemv.json
     ;;
 batched)
     step 150 "fused and graph GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \

@@ -63,6 +63,9 @@ def gemv_operands(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         return linear.weight, None
     if isinstance(linear, W8A16Linear) and linear.scale.dtype == torch.float16 and linear.in_features % 16 == 0:
         return linear.qweight, linear.scale
+    int8_rows = getattr(linear, "int8_rows", None)  # GemLite A16W8_INT8 layers (infer.quant.gemlite_linear)
+    if int8_rows is not None and linear.in_features % 16 == 0:
+        return int8_rows
     return None
 
 
@@ -224,6 +227,13 @@ class FusedKernels:
             self.gemv([(model.head, x.contiguous(), logits, ACT_NONE, EPI_NONE, None)])
             return logits.float()
         return model.head(x).float()
+
+    def gemv_covers(self, model: "RWKV7") -> int:
+        """Steps of up to this many tokens run every matrix of ``model`` on the grouped GEMV (0 when some
+        matrix has no GEMV form): the linears' own kernels need no tuning for those batch sizes."""
+        if all(self._gemv_ok(b) for b in model.blocks) and gemv_operands(model.head) is not None:
+            return self.gemv_rows
+        return 0
 
     @staticmethod
     def _gemv_ok(blk: "Block") -> bool:

@@ -73,6 +73,14 @@ class GemLiteLinear:
             input_dtype = gemlite.DType.FP16.value
         self._args = (w_q, scales, zeros, None, *meta[1:], input_dtype * 100 + layer.W_nbits)
         self._nbits = layer.W_nbits
+        # A16W8_INT8 stores its int8 matrix as GemLite's [in, out] view of an [out, in] array, with one fp16
+        # scale per output channel applied after the sum: the W8A16 layout. The fused decode GEMV
+        # (infer.ops.fused.gemv_operands) reads the same memory, so batch-1 steps skip GemLite's kernels.
+        self.int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        if (w_q.dtype == torch.int8 and layer.channel_scale_mode == 1 and layer.W_group_mode == 0
+                and w_q.t().is_contiguous() and scales.dtype == torch.float16 and scales.numel() == self.out_features):
+            self.int8_rows = (w_q.t(), scales.reshape(-1))
+            self.kind += " (decode: fused int8 GEMV)"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._kernels[self._matmul_type(x.shape[0], self._nbits)]
