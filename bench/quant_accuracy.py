@@ -6,7 +6,10 @@ dequantized back; the model then runs in fp32, so the numbers isolate the weight
 kernels and from activation rounding. A prompt of text tokens is fed teacher-forced and, at every
 position, the logits are compared with the same model whose matrices are only rounded to fp16 (the
 ``fp16`` engine). Random weights give flatter next-token distributions than trained ones, so top-1
-agreement here is a pessimistic proxy for greedy agreement on a real checkpoint.
+agreement here is a pessimistic proxy for greedy agreement on a real checkpoint. The 4-bit formats:
+``uint4_g_rtn`` / ``uint4_g_hqq`` (zero points by round-to-nearest / HQQ, the GemLite export's
+default), ``uint4_g_sym`` (symmetric round-to-nearest), ``uint4_g_gptq`` / ``uint4_g_gptq_zp`` (GPTQ,
+symmetric / with zero points: ``export_quant_gemlite --gptq``).
 
     python bench/quant_accuracy.py --n-layer 12 --n-embd 768 --tokens 128
 
@@ -31,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from infer.model import RWKV7  # noqa: E402
+from infer.quant.gptq import calibrated_quantizer, dequantize_uint4_groups, quantize_uint4_gptq  # noqa: E402
 from infer.quant.quantize import quantize_fp8, quantize_int8, quantize_uint4_groups  # noqa: E402
 from infer.random_model import make_config, random_state_dict  # noqa: E402
 from infer.tokenizer import load_world_tokenizer  # noqa: E402
@@ -53,11 +57,20 @@ def dequantized(weight: torch.Tensor, fmt: str, group_size: int) -> torch.Tensor
         q, scale = quantize_fp8(weight)
         return q.float() * scale.float()[:, None]
     if fmt in ("uint4_g_rtn", "uint4_g_hqq"):
-        q, scale, zero = quantize_uint4_groups(weight, group_size, optimize=fmt.endswith("hqq"))
-        n_out, n_in = weight.shape
-        groups = q.float().reshape(n_out, n_in // group_size, group_size)
-        return ((groups - zero.float()[..., None]) * scale.float()[..., None]).reshape(n_out, n_in)
+        return dequantize_uint4_groups(*quantize_uint4_groups(weight, group_size, optimize=fmt.endswith("hqq")))
+    if fmt == "uint4_g_sym":  # symmetric round-to-nearest: GPTQ with nothing to correct
+        return dequantize_uint4_groups(*quantize_uint4_gptq(weight, torch.eye(weight.shape[1]), group_size))
     raise ValueError(fmt)
+
+
+def gptq_dequantized(model: RWKV7, base: dict[str, torch.Tensor], keys: list[str], fmt: str, group_size: int,
+                     seed: int) -> dict[str, torch.Tensor]:
+    """GPTQ (``uint4_g_gptq`` symmetric, ``uint4_g_gptq_zp`` with zero points) calibrated on 32 rows of 128
+    random tokens: a random model's layer inputs are its tokens' embeddings, so no text is closer to
+    its "training distribution" than any other."""
+    rows = torch.randint(0, model.config.vocab_size, (32, 128), generator=torch.Generator().manual_seed(seed)).tolist()
+    quantize = calibrated_quantizer(model, keys, rows, group_size, symmetric=fmt == "uint4_g_gptq")
+    return {key: dequantize_uint4_groups(*quantize(key, base[key])) for key in keys}
 
 
 def run(model: RWKV7, tokens: list[int]) -> torch.Tensor:
@@ -117,7 +130,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--formats", default="int8,fp8_e4m3,uint4_g_rtn,uint4_g_hqq")
+    ap.add_argument("--formats", default="int8,fp8_e4m3,uint4_g_rtn,uint4_g_hqq,uint4_g_sym,uint4_g_gptq,uint4_g_gptq_zp")
     ap.add_argument("--engines", default="", help="GPU: compare these engines (cutlass, gemlite:FORMAT) with fp16")
     ap.add_argument("--out", default="bench/results/quant_accuracy_cpu.json")
     args = ap.parse_args()
@@ -136,7 +149,11 @@ def main() -> None:
     keys = config.linear_keys()
 
     def model_with(fmt: str) -> RWKV7:
-        sd = {k: (dequantized(v, fmt, args.group_size) if k in keys else v.clone()) for k, v in base.items()}
+        if fmt.startswith("uint4_g_gptq"):
+            float_model = RWKV7.from_state_dict({k: v.clone() for k, v in base.items()}, device="cpu", dtype="fp32")
+            sd = {**base, **gptq_dequantized(float_model, base, keys, fmt, args.group_size, args.seed + 1)}
+        else:
+            sd = {k: (dequantized(v, fmt, args.group_size) if k in keys else v.clone()) for k, v in base.items()}
         return RWKV7.from_state_dict(sd, device="cpu", dtype="fp32")
 
     reference = run(model_with("fp16"), tokens)
