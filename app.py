@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     from infer.model import RWKV7, default_device
     from infer.ops.fused import select_fused
     from infer.ops.wkv_cuda import select_wkv
-    from infer.quant.engines import warm_up
+    from infer.quant.engines import warm_up_gemlite
     from infer.prefix_cache import PrefixCache
     from infer.random_model import data_dir, ensure_demo_model
     from infer.runner import ModelRunner
@@ -164,14 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     wkv_dtype = torch.float16 if args.state_dtype == "fp16" else torch.float32
     slots = args.max_batch_size or default_slots(model, device, wkv_dtype)
     if args.inference_engine == "gemlite":  # GemLite autotunes per power-of-two row bucket on first use
-        from infer.quant.gemlite_linear import load_tuning, save_tuning, tuning_file
-        tuning = tuning_file(data_dir(), model.device)
-        load_tuning(tuning)
         most_rows = slots + args.prefill_chunk_size
-        on_gemv = model.fused.gemv_covers(model) if model.fused else 0  # these steps never call GemLite
-        warm_up(model.projections(), sorted({min(2 ** i, most_rows) for i in range(most_rows.bit_length() + 1)}
-                                            - set(range(on_gemv + 1))))
-        save_tuning(tuning)
+        warm_up_gemlite(model, sorted({min(2 ** i, most_rows) for i in range(most_rows.bit_length() + 1)}),
+                        data_dir())
     graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and model.device.type == "cuda")
     if graphs and model.device.type != "cuda":
         sys.exit("--cuda-graphs on needs a CUDA device")

@@ -147,13 +147,9 @@ def bench_size(name: str, batches: list[int], steps: int, states: list[str], eng
     model = load_model(name, engine)
     print(f"{name}: built in {time.time() - t0:.1f}s, {model.implementations()}", flush=True)
     if engine.startswith("gemlite"):  # tune GemLite's kernels for these batch sizes (once per GPU model)
-        from infer.quant.engines import warm_up
-        from infer.quant.gemlite_linear import load_tuning, save_tuning, tuning_file
-        tuning = tuning_file(data_dir(), model.device)
-        load_tuning(tuning)
+        from infer.quant.engines import warm_up_gemlite
         t0 = time.time()
-        warm_up(model.projections(), [b for b in batches if b > (model.fused.gemv_covers(model) if model.fused else 0)])
-        save_tuning(tuning)
+        warm_up_gemlite(model, batches, data_dir())
         print(f"{name}: GemLite warm-up {time.time() - t0:.1f}s", flush=True)
     rows = []
     for B, state in [(b, s) for s in states for b in batches]:

@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from infer.model import RWKV7  # noqa: E402
-from infer.quant.gptq import calibrated_quantizer, dequantize_uint4_groups, quantize_uint4_gptq  # noqa: E402
-from infer.quant.quantize import quantize_fp8, quantize_int8, quantize_uint4_groups  # noqa: E402
+from infer.quant.gptq import calibrated_quantizer  # noqa: E402
+from infer.quant.quantize import dequantize_uint4_groups, quantize_fp8, quantize_int8, quantize_uint4_groups  # noqa: E402
 from infer.random_model import make_config, random_state_dict  # noqa: E402
 from infer.tokenizer import load_world_tokenizer  # noqa: E402
 
@@ -56,10 +56,9 @@ def dequantized(weight: torch.Tensor, fmt: str, group_size: int) -> torch.Tensor
     if fmt == "fp8_e4m3":
         q, scale = quantize_fp8(weight)
         return q.float() * scale.float()[:, None]
-    if fmt in ("uint4_g_rtn", "uint4_g_hqq"):
-        return dequantize_uint4_groups(*quantize_uint4_groups(weight, group_size, optimize=fmt.endswith("hqq")))
-    if fmt == "uint4_g_sym":  # symmetric round-to-nearest: GPTQ with nothing to correct
-        return dequantize_uint4_groups(*quantize_uint4_gptq(weight, torch.eye(weight.shape[1]), group_size))
+    if fmt in ("uint4_g_rtn", "uint4_g_hqq", "uint4_g_sym"):
+        return dequantize_uint4_groups(*quantize_uint4_groups(weight, group_size, optimize=fmt.endswith("hqq"),
+                                                              symmetric=fmt.endswith("sym")))
     raise ValueError(fmt)
 
 

@@ -8,9 +8,8 @@ import torch
 from conftest import make_model_file
 from infer.model import RWKV7
 from infer.quant import export_quant_gemlite
-from infer.quant.gptq import (HessianCache, calibrated_quantizer, calibration_rows, collect_hessians,
-                              dequantize_uint4_groups, quantize_uint4_gptq)
-from infer.quant.quantize import quantize_uint4_groups
+from infer.quant.gptq import HessianCache, calibrated_quantizer, calibration_rows, collect_hessians, quantize_uint4_gptq
+from infer.quant.quantize import dequantize_uint4_groups, quantize_uint4_groups
 from infer.random_model import make_config, random_state_dict
 
 CALIBRATION = ("Rivers carry silt to the delta, where it settles into new land year after year. The farmers "
@@ -169,20 +168,18 @@ def test_export_checks_gptq_arguments_before_reading_weights(tmp_path):
 
 
 def test_export_quantizer_calibrates_on_the_text_file(tmp_path):
-    """The export's GPTQ glue (text file -> World tokens -> float model -> Hessians -> codes), on CPU; the
+    """The export's GPTQ glue (text -> World tokens -> float model -> Hessians -> codes), on CPU; the
     GemLite packing that follows it on a GPU is the same call as for round-to-nearest 4-bit."""
     import argparse
-    text = tmp_path / "calibration.txt"
-    text.write_text(CALIBRATION)
-    args = argparse.Namespace(input=str(make_model_file(tmp_path, "L2-C128-V1024")), gptq=str(text), calibration_rows=4,
-                              calibration_tokens=32, device="cpu", group_size=64, gptq_zero_points=False,
+    args = argparse.Namespace(input=str(make_model_file(tmp_path, "L2-C128-V1024")), gptq="calibration.txt",
+                              calibration_rows=4, calibration_tokens=32, device="cpu", group_size=64, gptq_zero_points=False,
                               gptq_memory_gb=0.001)
     with pytest.raises(ValueError, match="vocabulary has 1024 tokens"):
-        export_quant_gemlite.gptq_quantizer(args, ["head.weight"])
+        export_quant_gemlite.gptq_quantizer(args, CALIBRATION, ["head.weight"])
     path = make_model_file(tmp_path, "L4-C192-V65536")
     args.input = str(path)
     keys = ["blocks.0.att.receptance.weight", "blocks.3.ffn.value.weight", "head.weight"]
-    quantize = export_quant_gemlite.gptq_quantizer(args, keys)
+    quantize = export_quant_gemlite.gptq_quantizer(args, CALIBRATION, keys)
     weights = torch.load(path)
     for key in keys:
         q, scale, zero = quantize(key, weights[key])

@@ -9,13 +9,17 @@ the model code, state layout and WKV kernels are the same for every engine.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
 from infer.checkpoint import (GEMLITE_INFIX, LAYOUT_FLOAT, LAYOUT_GEMLITE, LAYOUT_W8A16, SCALE_SUFFIX,
                               CheckpointError)
 from infer.ops.linear import DenseLinear, Linear
+
+if TYPE_CHECKING:
+    from infer.model import RWKV7
 
 ENGINES = ("fp16", "cutlass", "gemlite")
 LAYOUT_OF_ENGINE = {"fp16": LAYOUT_FLOAT, "cutlass": LAYOUT_W8A16, "gemlite": LAYOUT_GEMLITE}
@@ -73,3 +77,15 @@ def warm_up(linears: Iterable[Linear], batch_sizes: Iterable[int]) -> None:
         warmup = getattr(linear, "warmup", None)
         if warmup is not None:
             warmup(sizes)
+
+
+def warm_up_gemlite(model: "RWKV7", batch_sizes: Iterable[int], directory: Path) -> None:
+    """A GemLite model before serving: reuse the tuning an earlier start on this GPU model saved in
+    ``directory``, tune the batch sizes still missing (not those the fused GEMV serves: those steps never
+    call GemLite), and save the result for the next start."""
+    from infer.quant.gemlite_linear import load_tuning, save_tuning, tuning_file
+    tuning = tuning_file(directory, model.device)
+    load_tuning(tuning)
+    on_gemv = model.fused.gemv_covers(model) if model.fused else 0
+    warm_up(model.projections(), [rows for rows in batch_sizes if rows > on_gemv])
+    save_tuning(tuning)

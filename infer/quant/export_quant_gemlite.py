@@ -71,14 +71,14 @@ def packer(fmt: str, group_size: int, optimize: bool, device: torch.device,
     return convert
 
 
-def gptq_quantizer(args: argparse.Namespace, keys: list[str]) -> Callable[[str, torch.Tensor], tuple[torch.Tensor, ...]]:
+def gptq_quantizer(args: argparse.Namespace, text: str,
+                   keys: list[str]) -> Callable[[str, torch.Tensor], tuple[torch.Tensor, ...]]:
     """GPTQ for the matrices ``keys`` (in the order the export meets them), calibrated with the float model
-    on ``args.device`` in fp16 on the text of ``args.gptq``."""
+    on ``args.device`` in fp16 on ``text`` (the file ``args.gptq``)."""
     from infer.model import RWKV7
     from infer.quant.gptq import calibrated_quantizer, calibration_rows
     from infer.tokenizer import load_world_tokenizer
-    rows = calibration_rows(read_calibration(args.gptq), load_world_tokenizer().encode, args.calibration_rows,
-                            args.calibration_tokens)
+    rows = calibration_rows(text, load_world_tokenizer().encode, args.calibration_rows, args.calibration_tokens)
     model = RWKV7.load(args.input, device=args.device, dtype="fp16")
     largest = max(max(row) for row in rows)
     if largest >= model.config.vocab_size:
@@ -128,8 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--gptq calibrates the 4-bit format only: use it with --format {W4}")
         if args.gptq and (min(args.calibration_rows, args.calibration_tokens) < 1 or args.gptq_memory_gb <= 0):
             raise ValueError("--calibration-rows, --calibration-tokens and --gptq-memory-gb must be positive")
-        if args.gptq:
-            read_calibration(args.gptq)  # fail before any weight is read
+        text = read_calibration(args.gptq) if args.gptq else ""  # fails before any weight is read
         src, config = open_float_checkpoint(args.input)
         if args.fmt == W4:
             check_group_size(args.group_size, config)
@@ -137,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         quantize4 = None
         if args.gptq:
             matrices = set(config.linear_keys())
-            quantize4 = gptq_quantizer(args, [key for key in src.keys() if key in matrices])
+            quantize4 = gptq_quantizer(args, text, [key for key in src.keys() if key in matrices])
         convert = packer(args.fmt, args.group_size, not args.no_hqq_optimize, torch.device(args.device), quantize4)
         export(src, config, args.output, convert, markers(args.fmt, args.group_size), desc=f"packing {args.fmt}")
     except (CheckpointError, RuntimeError, ValueError) as e:

@@ -21,9 +21,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from infer.quant.quantize import SCALE_FLOOR, UINT4_MAX
+from infer.quant.quantize import UINT4_MAX, uint4_grid
 
-SYMMETRIC_ZERO = 8          # q - 8 spans -8..7
 DAMPING = 0.01              # of the Hessian's mean diagonal, added to its diagonal (keeps it invertible)
 BLOCK_COLUMNS = 128         # columns whose error updates are applied to the rest of the matrix at once
 
@@ -31,8 +30,8 @@ BLOCK_COLUMNS = 128         # columns whose error updates are applied to the res
 def quantize_uint4_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int = 64, symmetric: bool = True,
                         damping: float = DAMPING) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, scale, zero)`` in :func:`infer.quant.quantize.quantize_uint4_groups`' convention (uint8
-    ``[out, in]`` 0..15, fp16 ``[out, in / group_size]`` twice, ``W ~ (q - zero) * scale``): every zero point
-    8 when ``symmetric``, else each group's [min, max] mapped onto [0, 15] as round-to-nearest does.
+    ``[out, in]`` 0..15, fp16 ``[out, in / group_size]`` twice, ``W ~ (q - zero) * scale``), each group's
+    grid chosen as round-to-nearest chooses it (:func:`infer.quant.quantize.uint4_grid`).
     ``hessian`` is ``[in, in]``, e.g. from :func:`collect_hessians`; the work runs on its device."""
     n_out, n_in = weight.shape
     if group_size < 1 or n_in % group_size:
@@ -50,20 +49,15 @@ def quantize_uint4_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size:
 
     q = torch.empty(n_out, n_in, dtype=torch.uint8, device=w.device)
     scale = torch.empty(n_out, n_in // group_size, dtype=torch.float32, device=w.device)
-    zero = torch.full_like(scale, SYMMETRIC_ZERO)
+    zero = torch.empty_like(scale)
     for start in range(0, n_in, BLOCK_COLUMNS):
         end = min(start + BLOCK_COLUMNS, n_in)
         errors = torch.empty(n_out, end - start, device=w.device)
         for i in range(start, end):
             g = i // group_size
-            if i % group_size == 0:
-                group = w[:, i:i + group_size]  # later columns of the group already carry earlier errors
-                if symmetric:
-                    scale[:, g] = (2 * group.abs().amax(dim=1) / UINT4_MAX).clamp_min(SCALE_FLOOR).half().float()
-                else:
-                    lo, hi = group.amin(dim=1), group.amax(dim=1)
-                    scale[:, g] = ((hi - lo) / UINT4_MAX).clamp_min(SCALE_FLOOR).half().float()
-                    zero[:, g] = (-lo / scale[:, g]).half().float()
+            if i % group_size == 0:  # later columns of the group already carry earlier errors
+                group_scale, group_zero = uint4_grid(w[:, i:i + group_size], symmetric)
+                scale[:, g], zero[:, g] = group_scale[:, 0], group_zero[:, 0]
             s, z = scale[:, g], zero[:, g]
             column = w[:, i]
             code = torch.round(column / s + z).clamp_(0, UINT4_MAX)
@@ -73,13 +67,6 @@ def quantize_uint4_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size:
             errors[:, i - start] = error
         w[:, end:] -= errors @ inverse[start:end, end:]
     return q.cpu(), scale.half().cpu(), zero.half().cpu()
-
-
-def dequantize_uint4_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """fp32 ``(q - zero) * scale`` for the group layout of the 4-bit quantizers."""
-    n_out, n_in = q.shape
-    groups = q.float().reshape(n_out, scale.shape[1], -1)
-    return ((groups - zero.float()[..., None]) * scale.float()[..., None]).reshape(n_out, n_in)
 
 
 class _Recorder:
