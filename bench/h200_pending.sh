@@ -15,6 +15,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite2  # GemLite A16W4 decode, every engine's accuracy on the GPU
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh split     # GEMV row splitting: fused GPU tests, decode A/B, profile
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite-gemv  # GemLite A16W8_INT8 decode on the fused GEMV
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh hopper-w8 # the Hopper W8A16 GEMM: GPU tests, GEMMs alone, decode
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -24,7 +25,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -120,6 +121,19 @@ gemlite-gemv)
         --engine gemlite:A16W8_INT8 --batches 1,2 --steps 20 --wkv cuda --no-checks \
         --out bench/results/decode_h200_gemlite_w8_gemv.json
     copy bench/results/decode_h200_gemlite_w8_gemv.json
+    ;;
+hopper-w8)  # the sm_90a W8A16 build: GPU tests (the first builds it), GEMMs alone, decode against fp16
+    step 300 "W8A16 GPU tests (first run builds the sm_90a extension)" python -m pytest -q -rs -p no:cacheprovider \
+        test/test_quant_cuda.py -k "not gemlite"
+    step 120 "W8A16 GEMMs vs cuBLAS fp16" python bench/bench_w8_gemm.py --rows 128,256,512 \
+        --out bench/results/w8_gemm_h200.json
+    copy bench/results/w8_gemm_h200.json
+    step 200 "W8A16 decode" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b --batches 1,8,32,128,256,512 \
+        --steps 20 --no-checks --wkv cuda --out bench/results/decode_h200_w8_fused.json
+    copy bench/results/decode_h200_w8_fused.json
+    step 100 "W8A16 decode, grouped GEMV up to 8 rows" env RWKV_GEMV_ROWS=8 python bench/bench_decode.py --engine cutlass \
+        --sizes 7.2b --batches 2,4,8 --steps 20 --no-checks --wkv cuda --out bench/results/experiment_w8_gemv_rows8_h200.json
+    copy bench/results/experiment_w8_gemv_rows8_h200.json
     ;;
 batched)
     step 150 "fused and graph GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \

@@ -3,7 +3,8 @@
 #   cuda/*.cu        nvcc -c for sm_90 and sm_80 (with torch's no-implicit-half-conversion flags), and
 #                    no byte-wide global loads in their PTX
 #   cuda/w8a16_gemm.cu once more with its CUTLASS GEMM (-DW8A16_WITH_CUTLASS), when the headers of the
-#                    nvidia-cutlass wheel are installed (found like the JIT build finds them)
+#                    nvidia-cutlass wheel are installed (found like the JIT build finds them), and the
+#                    Hopper GEMM cuda/w8a16_gemm_sm90.cu for sm_90a (which needs those headers)
 #   cuda/*_op.cpp    g++ -fsyntax-only against torch's headers (a CPU build of torch is enough)
 #   hip/*.hip        hipcc -c for two AMD targets (HIP_PLATFORM=amd)
 #   cuda/sampler.cu and hip/sampler.hip once more with the flags of their JIT build
@@ -43,6 +44,7 @@ echo "CUDA kernels (cuda/*.cu):"
 if command -v nvcc >/dev/null 2>&1; then
     for src in cuda/*.cu; do
         [ -e "$src" ] || continue
+        case $src in cuda/w8a16_gemm_sm90*) continue ;; esac  # CUTLASS only: checked below
         base=$(basename "$src" .cu)
         run "$src  sm_90" nvcc -std=c++17 -O3 --use_fast_math -arch=sm_90 "${TORCH_NVCC_DEFINES[@]}" \
             -Xptxas -warn-spills,-warn-lmem-usage,--warning-as-error -Werror all-warnings -c "$src" -o "$TMP/$base.sm90.o"
@@ -73,6 +75,23 @@ else
             -Xptxas -warn-spills,-warn-lmem-usage,--warning-as-error -Werror all-warnings \
             -c cuda/w8a16_gemm.cu -o "$TMP/w8a16_gemm.cutlass.sm$arch.o"
     done
+    # the sm_90a build of infer/ops/linear_w8a16.py (SM90_FLAGS), ptxas warnings as errors (so C7510, a
+    # serialized WGMMA pipeline, fails the check); the Hopper GEMM's tiles compile side by side
+    SM90A=(nvcc -std=c++17 -O3 --use_fast_math -DNDEBUG -gencode=arch=compute_90a,code=sm_90a
+           "${TORCH_NVCC_DEFINES[@]}" -DW8A16_WITH_CUTLASS -DW8A16_WITH_CUTLASS_SM90 -isystem "$CUTLASS_INCLUDE"
+           -Xptxas -warn-spills,-warn-lmem-usage,--warning-as-error -Werror all-warnings)
+    for src in cuda/w8a16_gemm.cu cuda/w8a16_gemm_sm90.cu; do
+        run "$src +CUTLASS  sm_90a" "${SM90A[@]}" -c "$src" -o "$TMP/$(basename "$src" .cu).sm90a.o"
+    done
+    run "cuda/w8a16_gemm_sm90_*x*.cu (every tile)  sm_90a" bash -c '
+        out=$1; shift; pids=()
+        for src in cuda/w8a16_gemm_sm90_*x*.cu; do
+            "$@" -c "$src" -o "$out/$(basename "$src" .cu).o" > "$out/$(basename "$src" .cu).log" 2>&1 & pids+=($!)
+        done
+        status=0
+        for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+        [ $status = 0 ] || cat "$out"/w8a16_gemm_sm90_*x*.log
+        exit $status' _ "$TMP" "${SM90A[@]}"
 fi
 
 echo "torch bindings (cuda/*_op.cpp):"

@@ -22,6 +22,9 @@
 //    mixed-input upcast operator: the int8 operand is converted to fp16 in registers, products are
 //    accumulated in fp32, and a broadcast epilogue multiplies each output column n by scale[n] before the
 //    single rounding to fp16, so no fp32 workspace or second kernel is needed.
+//  * On Hopper (sm_90a builds, -DW8A16_WITH_CUTLASS_SM90): the GEMM of cuda/w8a16_gemm_sm90.cu, CUTLASS 3's
+//    TMA + WGMMA mixed-input kernel with the same math; the SM80 GEMM stays as the fallback the Python
+//    side switches to if it fails its self-test.
 //
 // The launchers take raw pointers, a device index and the stream as an integer (the caller's current
 // stream, so a launch can be captured in a CUDA graph) and return 0 or an error code for
@@ -42,6 +45,15 @@
 #include "cutlass/epilogue/thread/linear_combination_bias_elementwise.h"
 #include "cutlass/functional.h"
 #include "cutlass/gemm/device/gemm_universal_with_broadcast.h"
+#endif
+
+#if defined(W8A16_WITH_CUTLASS_SM90)
+// cuda/w8a16_gemm_sm90.cu: the same product with CUTLASS 3's Hopper mixed-input WGMMA kernel, in one of
+// w8a16_gemm_sm90_tile_count() tiles (-1: chosen per problem).
+int w8a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* w, const void* scale, void* y,
+                    cudaStream_t stream, int status_base, int tile);
+int w8a16_gemm_sm90_tile_count();
+int w8a16_gemm_sm90_tile_shape(int tile, int which);
 #endif
 
 namespace w8a16 {
@@ -217,6 +229,39 @@ extern "C" int w8a16_gemm_launch(int device, int64_t stream, int64_t M, int64_t 
     });
 #else
     (void)device, (void)stream, (void)M, (void)N, (void)K, (void)x, (void)w, (void)scale, (void)y;
+    return w8a16::kGemmNotBuilt;
+#endif
+}
+
+// The Hopper GEMM's tiles (0 without it, in builds other than sm_90a) and each one's output channels
+// (which 0) or batch rows (which 1) per CTA.
+extern "C" int w8a16_gemm_sm90_tiles() {
+#if defined(W8A16_WITH_CUTLASS_SM90)
+    return w8a16_gemm_sm90_tile_count();
+#else
+    return 0;
+#endif
+}
+
+extern "C" int w8a16_gemm_sm90_tile(int tile, int which) {
+#if defined(W8A16_WITH_CUTLASS_SM90)
+    return w8a16_gemm_sm90_tile_shape(tile, which);
+#else
+    (void)tile, (void)which;
+    return -1;
+#endif
+}
+
+// The same product with the Hopper GEMM in tile `tile` (-1: chosen per problem); kGemmNotBuilt without it.
+extern "C" int w8a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
+                                      const void* w, const void* scale, void* y, int tile) {
+#if defined(W8A16_WITH_CUTLASS_SM90)
+    return w8a16::on_device(device, [&] {
+        return w8a16_gemm_sm90(M, N, K, x, w, scale, y, reinterpret_cast<cudaStream_t>(stream),
+                               w8a16::kCutlassStatusBase, tile);
+    });
+#else
+    (void)device, (void)stream, (void)M, (void)N, (void)K, (void)x, (void)w, (void)scale, (void)y, (void)tile;
     return w8a16::kGemmNotBuilt;
 #endif
 }

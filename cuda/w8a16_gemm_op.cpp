@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 extern "C" int w8a16_gemv_max_rows();
 extern "C" int w8a16_gemm_available();
@@ -16,11 +18,13 @@ extern "C" int w8a16_gemv_launch(int device, int64_t stream, int64_t M, int64_t 
                                  const void* w, const void* scale, void* y);
 extern "C" int w8a16_gemm_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
                                  const void* w, const void* scale, void* y);
+extern "C" int w8a16_gemm_sm90_tiles();
+extern "C" int w8a16_gemm_sm90_tile(int tile, int which);
+extern "C" int w8a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
+                                      const void* w, const void* scale, void* y, int tile);
 extern "C" const char* w8a16_error_string(int code);
 
 namespace {
-
-using Launcher = int (*)(int, int64_t, int64_t, int64_t, int64_t, const void*, const void*, const void*, void*);
 
 // Numbers are formatted with std::to_string, never streamed into TORCH_CHECK messages (see
 // cuda/wkv7_slots_op.cpp: streaming an integer from an extension crashed one torch build).
@@ -41,8 +45,10 @@ void check(const torch::Tensor& t, const torch::Device& device, torch::ScalarTyp
                 " must be 16-byte aligned");
 }
 
-// y[M, N] = x[M, K] @ (w[N, K] * scale[N, None])^T: checks, then one launch.
-void run(const char* op, Launcher launch, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+// y[M, N] = x[M, K] @ (w[N, K] * scale[N, None])^T: checks, then one launch through
+// launch(device, stream, M, N, K, x, w, scale, y).
+template <typename Launch>
+void run(const char* op, Launch launch, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
          const torch::Tensor& y, int64_t stream) {
     TORCH_CHECK(x.is_cuda(), op, ": x must be on a CUDA device, got ", x.device().str());
     const torch::Device device = x.device();
@@ -76,13 +82,34 @@ void gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y
     run("w8a16 gemm", w8a16_gemm_launch, x, w, scale, y, stream);
 }
 
+void gemm_sm90(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y, int64_t stream, int64_t tile) {
+    TORCH_CHECK(tile >= -1 && tile < w8a16_gemm_sm90_tiles(), "w8a16 gemm (sm90): tile ", num(tile), " of ",
+                num(w8a16_gemm_sm90_tiles()));
+    run("w8a16 gemm (sm90)", [tile](int device, int64_t s, int64_t M, int64_t N, int64_t K, const void* xp,
+                                    const void* wp, const void* sp, void* yp) {
+        return w8a16_gemm_sm90_launch(device, s, M, N, K, xp, wp, sp, yp, static_cast<int>(tile));
+    }, x, w, scale, y, stream);
+}
+
+// (output channels, batch rows) of each Hopper GEMM tile; empty in builds without it.
+std::vector<std::pair<int64_t, int64_t>> gemm_sm90_tiles() {
+    std::vector<std::pair<int64_t, int64_t>> tiles;
+    for (int i = 0; i < w8a16_gemm_sm90_tiles(); ++i) tiles.emplace_back(w8a16_gemm_sm90_tile(i, 0), w8a16_gemm_sm90_tile(i, 1));
+    return tiles;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "W8A16 linear layer: fp16 activations times int8 weights with per-output-channel fp16 scales";
     m.def("gemv", &gemv, "gemv(x, w, scale, y, stream): y = x @ (w * scale[:, None]).T for at most gemv_max_rows() rows",
           py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("y"), py::arg("stream"));
     m.def("gemm", &gemm, "gemm(x, w, scale, y, stream): the same product with the CUTLASS tensor-core GEMM",
           py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("y"), py::arg("stream"));
+    m.def("gemm_sm90", &gemm_sm90, "gemm_sm90(x, w, scale, y, stream, tile=-1): the same product with the Hopper "
+          "WGMMA GEMM in tile `tile` of gemm_sm90_tiles() (-1: chosen from the shape)",
+          py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("y"), py::arg("stream"), py::arg("tile") = -1);
     m.def("gemv_max_rows", &w8a16_gemv_max_rows, "the most rows (M) the GEMV takes");
     m.def("gemm_available", []() { return w8a16_gemm_available() != 0; },
           "whether this build has the CUTLASS GEMM (else larger batches must dequantize)");
+    m.def("gemm_sm90_tiles", &gemm_sm90_tiles, "the Hopper GEMM's tiles as (output channels, batch rows); empty "
+          "unless this is an sm_90a build");
 }

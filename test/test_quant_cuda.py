@@ -11,7 +11,8 @@ import torch
 from conftest import make_model_file
 from infer.checkpoint import SCALE_SUFFIX
 from infer.model import RWKV7
-from infer.ops.linear_w8a16 import W8A16Linear, dequantize_matmul, load_w8a16_kernels, w8a16_kernels_error
+from infer.ops.linear_w8a16 import (W8A16Linear, cutlass_include_dir, dequantize_matmul, load_w8a16_kernels,
+                                   w8a16_kernels_error)
 from infer.quant import export_quant, export_quant_gemlite
 from infer.quant.engines import warm_up
 from infer.quant.gemlite_linear import load_tuning, save_tuning
@@ -47,6 +48,35 @@ def test_kernels_match_the_dequantizing_reference(kernels, n_out, n_in, rows):
     assert "cuda gemv" in layer.kind
     x = torch.randn(rows, n_in, generator=gen, device="cuda").half()
     assert relative_error(layer(x), dequantize_matmul(x.float(), q, scale.float())) <= KERNEL_TOL
+
+
+@pytest.mark.parametrize("n_out,n_in", [(264, 720), (4096, 16384)])
+@pytest.mark.parametrize("rows", [9, 40, 256, 300])
+def test_every_cutlass_gemm_matches_the_reference(kernels, n_out, n_in, rows):
+    """The GEMM the layers use, the SM80 one it falls back to (the same op off Hopper) and each tile of the
+    Hopper GEMM, on shapes that are not multiples of the tiles (264 channels, K 720, 9 or 300 rows)."""
+    if not kernels.gemm_available:
+        pytest.skip("this build has no CUTLASS GEMM (nvidia-cutlass not installed)")
+    gen = torch.Generator(device="cuda").manual_seed(rows + n_out)
+    q = torch.randint(-127, 128, (n_out, n_in), generator=gen, device="cuda", dtype=torch.int8)
+    scale = (torch.rand(n_out, generator=gen, device="cuda") * 0.01 + 1e-3).half()
+    x = torch.randn(rows, n_in, generator=gen, device="cuda").half()
+    want = dequantize_matmul(x.float(), q, scale.float())
+    ops = [kernels.gemm, kernels.gemm_sm80] + [lambda *a, tile=tile: kernels.gemm_sm90(*a, tile)
+                                               for tile in range(len(kernels.sm90_tiles))]
+    for op in ops:
+        y = torch.full((rows, n_out), float("nan"), dtype=torch.float16, device="cuda")
+        op(x, q, scale, y, torch.cuda.current_stream().cuda_stream)
+        assert relative_error(y, want) <= KERNEL_TOL
+
+
+def test_hopper_uses_the_wgmma_gemm(kernels):
+    if torch.cuda.get_device_capability() != (9, 0) or cutlass_include_dir() is None:
+        pytest.skip("the Hopper GEMM is built for compute capability 9.0 with the CUTLASS headers")
+    assert kernels.gemm_name == "cutlass sm90 wgmma"
+    assert kernels.gemm is not kernels.gemm_sm80
+    assert kernels.sm90_tiles == [(64, 256), (128, 128), (64, 128), (64, 64)]
+    assert "sm90 wgmma" in W8A16Linear(*quantize_int8(torch.randn(256, 256, device="cuda"))).kind
 
 
 def test_unaligned_rows_are_copied_not_misread(kernels):

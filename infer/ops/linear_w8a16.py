@@ -6,9 +6,11 @@ Checkpoint layout (``python -m infer.quant.export_quant``): each quantized matri
 
 * CUDA, fp16 activations, at most ``gemv_max_rows`` rows: the GEMV of ``cuda/w8a16_gemm.cu``, which
   reads each weight byte once (decode at small batch is bound by exactly that read).
-* CUDA, fp16, more rows: the CUTLASS mixed-input tensor-core GEMM of the same file. It is compiled only
-  when the CUTLASS headers of the ``nvidia-cutlass`` wheel are installed (found through importlib, never
-  downloaded at run time); without them those batches take the next path, with a logged warning.
+* CUDA, fp16, more rows: a CUTLASS mixed-input tensor-core GEMM, compiled only when the CUTLASS headers
+  of the ``nvidia-cutlass`` wheel are installed (found through importlib, never downloaded at run time);
+  without them those batches take the next path, with a logged warning. On a compute-capability 9.0 GPU
+  the extension is built for sm_90a with the Hopper TMA + WGMMA kernel of ``cuda/w8a16_gemm_sm90.cu``
+  (the SM80 kernel of ``cuda/w8a16_gemm.cu`` stays as its fallback); elsewhere the SM80 kernel runs.
 * Everything else (CPU; other activation dtypes; shapes the kernels cannot take): convert a slice of
   output channels at a time to the activation dtype and matmul. On CPU (torch 2.13, fp32, one thread)
   this beat ``torch._weight_int8pack_mm`` at every batch size measured: 2.5 ms against 14 ms for one
@@ -36,6 +38,12 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CUDA_SOURCES = [ROOT / "cuda" / "w8a16_gemm_op.cpp", ROOT / "cuda" / "w8a16_gemm.cu"]
+# The Hopper GEMM: its tile choice and one file per tile, so ninja compiles the tiles in parallel.
+SM90_SOURCES = [ROOT / "cuda" / f"w8a16_gemm_sm90{tile}.cu" for tile in ("", "_64x256", "_128x128", "_64x128", "_64x64")]
+# CUTLASS 3's Hopper kernels need the architecture-specific target (wgmma, setmaxnreg); an explicit
+# -gencode also stops torch from adding its own arch flags. NDEBUG: CUTLASS's device-side asserts are
+# calls that make ptxas serialize the WGMMA pipeline (warning C7510).
+SM90_FLAGS = ["-DW8A16_WITH_CUTLASS_SM90", "-DNDEBUG", "-gencode=arch=compute_90a,code=sm_90a"]
 HIP_SOURCES = [ROOT / "cuda" / "w8a16_gemm_op.cpp", ROOT / "hip" / "w8a16_gemm.hip"]
 EXTENSION_NAME = "rwkv7_w8a16"
 # Weight elements dequantized per matmul on the fallback path. On CPU a 4 MB fp32 slice stays in cache:
@@ -90,7 +98,7 @@ class W8A16Linear:
         if self._kernels is None:
             self.kind = "w8a16 int8 (dequantize + matmul)"
         elif self._kernels.gemm_available:
-            self.kind = f"w8a16 int8 (cuda gemv <= {self._kernels.gemv_max_rows} rows, cutlass gemm)"
+            self.kind = f"w8a16 int8 (cuda gemv <= {self._kernels.gemv_max_rows} rows, {self._kernels.gemm_name} gemm)"
         else:
             self.kind = (f"w8a16 int8 (cuda gemv <= {self._kernels.gemv_max_rows} rows, dequantize + matmul above: "
                          "no CUTLASS headers)")
@@ -115,9 +123,15 @@ class W8A16Kernels:
 
     def __init__(self, module) -> None:
         self.gemv = module.gemv
-        self.gemm = module.gemm
         self.gemv_max_rows: int = module.gemv_max_rows()
         self.gemm_available: bool = module.gemm_available()
+        self.gemm_sm80 = module.gemm
+        self.gemm_sm90 = module.gemm_sm90  # (x, w, scale, y, stream, tile=-1)
+        self.sm90_tiles: list[tuple[int, int]] = module.gemm_sm90_tiles()  # (channels, rows); [] unless sm_90a
+        # The GEMM larger batches use: the Hopper kernel when this build has it (set back to the SM80
+        # one if it fails its self-test).
+        self.gemm = module.gemm_sm90 if self.sm90_tiles else module.gemm
+        self.gemm_name = "cutlass sm90 wgmma" if self.sm90_tiles else "cutlass sm80"
 
 
 _kernels: BuildOnce[W8A16Kernels] = BuildOnce("W8A16 CUDA kernels")
@@ -137,15 +151,21 @@ def _compile():
     hip = torch.version.hip is not None
     include = None if hip else cutlass_include_dir()
     flags = ["-O3"] if hip else ["-O3", "--use_fast_math", "-lineinfo"]
+    sources = HIP_SOURCES if hip else CUDA_SOURCES
+    hopper = include is not None and torch.cuda.get_device_capability() == (9, 0)
     if include is not None:
         flags += ["-DW8A16_WITH_CUTLASS", "-isystem", str(include)]
     elif not hip:
         log.warning("CUTLASS headers not found (pip install --no-deps nvidia-cutlass): W8A16 batches larger than "
                     "the GEMV's will dequantize and use cuBLAS")
-    # Builds with and without CUTLASS differ, so they are cached under different names.
-    name = EXTENSION_NAME + ("_hip" if hip else "_cutlass" if include is not None else "")
-    what = "the W8A16 kernels (" + ("HIP GEMV" if hip else "CUDA GEMV + CUTLASS GEMM" if include else "CUDA GEMV") + ")"
-    return compile_extension(name, HIP_SOURCES if hip else CUDA_SOURCES, flags, what)
+    if hopper:
+        flags += SM90_FLAGS
+        sources = sources + SM90_SOURCES
+    # Builds with and without CUTLASS (and for sm_90a) differ, so they are cached under different names.
+    name = EXTENSION_NAME + ("_hip" if hip else "_cutlass_sm90a" if hopper else "_cutlass" if include else "")
+    what = "the W8A16 kernels (" + ("HIP GEMV" if hip else "CUDA GEMV + CUTLASS GEMMs (SM80, Hopper)" if hopper
+                                    else "CUDA GEMV + CUTLASS GEMM" if include else "CUDA GEMV") + ")"
+    return compile_extension(name, sources, flags, what)
 
 
 def _check(op, rows: int) -> str | None:
@@ -172,6 +192,9 @@ def load_w8a16_kernels(verify: bool = True) -> W8A16Kernels | None:
         kernels = W8A16Kernels(_compile())
         if verify and (reason := _check(kernels.gemv, 1) or _check(kernels.gemv, kernels.gemv_max_rows)):
             return None, f"GEMV self-test failed ({reason}); dequantizing instead"
+        if verify and kernels.sm90_tiles and (gemm_error := _check(kernels.gemm, 40) or _check(kernels.gemm, 300)):
+            log.warning("W8A16 Hopper GEMM switched off: self-test failed (%s); using the SM80 GEMM", gemm_error)
+            kernels.gemm, kernels.gemm_name = kernels.gemm_sm80, "cutlass sm80"
         if verify and kernels.gemm_available and (gemm_error := _check(kernels.gemm, 40)):
             log.warning("W8A16 CUTLASS GEMM switched off: self-test failed (%s); larger batches will dequantize",
                         gemm_error)

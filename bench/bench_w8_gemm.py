@@ -1,0 +1,96 @@
+"""The W8A16 GEMMs alone against cuBLAS fp16 on the matrix shapes of a decode step at large batch.
+
+For each (batch rows, out, in) shape of the 7.2B model (r/k/v/output 4096x4096, FFN key 16384x4096,
+FFN value 4096x16384, head 65536x4096): the time of y = x @ (w * scale)^T through the SM80 mixed-input
+CUTLASS GEMM, the Hopper WGMMA one (sm_90a builds) with its own tile choice and in each of its tiles,
+and torch.matmul on the dequantized fp16 matrix
+(cuBLAS, the fp16 engine's GEMM), with TFLOP/s and each kernel's largest difference from the float
+reference. Weights rotate over enough copies to overflow the 50 MB L2, so every call reads them from
+HBM as a decode step does.
+
+    python bench/bench_w8_gemm.py --rows 128,256,512 --out bench/results/w8_gemm_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from infer.ops.linear_w8a16 import load_w8a16_kernels  # noqa: E402
+
+SHAPES = {"rkvo": (4096, 4096), "ffn_key": (16384, 4096), "ffn_value": (4096, 16384), "head": (65536, 4096)}
+H200_FP16_TFLOPS = 790.0  # measured dense 16-bit matmul on an H200 (performance-limits.md; spec sheet 989)
+
+
+def time_op(fn, copies: int, reps: int) -> float:
+    """Mean seconds per call of fn(i) over reps calls, cycling through the weight copies."""
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for r in range(reps):
+        fn(r % copies)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="128,256,512")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default="bench/results/w8_gemm_h200.json")
+    args = ap.parse_args()
+    kernels = load_w8a16_kernels()
+    if kernels is None or not kernels.gemm_available:
+        sys.exit("the W8A16 CUTLASS GEMM is not available here")
+    ops = {"cutlass_sm80": kernels.gemm_sm80}
+    if kernels.sm90_tiles:
+        ops["cutlass_sm90"] = kernels.gemm_sm90
+        for tile, (channels, rows) in enumerate(kernels.sm90_tiles):
+            ops[f"sm90_{channels}x{rows}"] = lambda *a, tile=tile: kernels.gemm_sm90(*a, tile)
+    stream = torch.cuda.current_stream().cuda_stream
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = []
+    for name, (n_out, n_in) in SHAPES.items():
+        copies = max(2, -(-256 * 2**20 // (n_out * n_in)))  # >= 256 MB of int8 weights in rotation
+        qs = [torch.randint(-127, 128, (n_out, n_in), generator=gen, device="cuda", dtype=torch.int8)
+              for _ in range(copies)]
+        scales = [(torch.rand(n_out, generator=gen, device="cuda") * 0.01 + 1e-3).half() for _ in range(copies)]
+        dense = [(q.half() * s[:, None]) for q, s in zip(qs, scales)]
+        for rows in rows_list:
+            x = torch.randn(rows, n_in, generator=gen, device="cuda").half()
+            y = torch.empty(rows, n_out, dtype=torch.float16, device="cuda")
+            ref = x.float() @ (qs[0].float() * scales[0].float()[:, None]).T
+            row = {"shape": name, "rows": rows, "out": n_out, "in": n_in}
+            flops = 2.0 * rows * n_out * n_in
+            for label, op in ops.items():
+                op(x, qs[0], scales[0], y, stream)
+                row[f"{label}_max_rel_err"] = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                t = time_op(lambda i, op=op: op(x, qs[i], scales[i], y, stream), copies, args.reps)
+                row[f"{label}_us"], row[f"{label}_tflops"] = t * 1e6, flops / t / 1e12
+            t = time_op(lambda i: torch.matmul(x, dense[i].T, out=y), copies, args.reps)
+            row["cublas_fp16_us"], row["cublas_fp16_tflops"] = t * 1e6, flops / t / 1e12
+            results.append(row)
+            cols = [f"{label} {row[f'{label}_us']:8.1f} us {row[f'{label}_tflops']:6.1f} TF/s" for label in ops]
+            print(f"{name:9s} rows {rows:4d}: " + " | ".join(cols)
+                  + f" | cublas fp16 {row['cublas_fp16_us']:8.1f} us {row['cublas_fp16_tflops']:6.1f} TF/s", flush=True)
+        del qs, scales, dense
+        torch.cuda.empty_cache()
+    out = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "fp16_tflops_limit": H200_FP16_TFLOPS, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+// The Hopper W8A16 GEMM's tile choice (the tiles are cuda/w8a16_gemm_sm90_<tile>.cu, the kernel template
+// cuda/w8a16_gemm_sm90.cuh). Compiled only for an sm_90a build with the CUTLASS headers
+// (-DW8A16_WITH_CUTLASS_SM90, infer/ops/linear_w8a16.py); cuda/w8a16_gemm.cu calls it.
+//
+// Why several tiles: the int8 weights are converted to fp16 in registers once per batch tile that reads
+// them, so a taller batch tile (TILE_N) converts less, but fewer, larger tiles leave SMs idle on small
+// matrices. Measured on the H200 (bench/results/w8_gemm_variants_h200.json, 7.2B shapes at 128/256/512
+// rows): the fastest tile was, every time, the one with the tallest batch tile that still gives at
+// least ~90 % of the SMs a tile (preferring 128 channels over 64 at equal batch tile). At 256 and 512
+// rows that matches cuBLAS fp16 on the FFN and head matrices (50.6 us vs 50.6 us for 16384x4096 at 256).
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "w8a16_gemm_sm90.cuh"
+
+namespace {
+
+struct Tile {
+    int m, n;  // output channels x batch rows
+    int (*run)(int, int, int, const void*, const void*, const void*, void*, cudaStream_t, int);
+};
+
+// In order of preference: tallest batch tile first, then more channels per tile.
+constexpr Tile kTiles[] = {
+    {64, 256, w8a16_sm90::gemm<64, 256>},
+    {128, 128, w8a16_sm90::gemm<128, 128>},
+    {64, 128, w8a16_sm90::gemm<64, 128>},
+    {64, 64, w8a16_sm90::gemm<64, 64>},
+};
+constexpr int kTileCount = sizeof(kTiles) / sizeof(kTiles[0]);
+
+int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+int pick_tile(int rows, int channels, int sms) {
+    for (int i = 0; i < kTileCount; ++i) {
+        const Tile& t = kTiles[i];
+        if (t.n > rows) continue;  // a batch tile taller than the batch computes padding
+        if (10 * ceil_div(channels, t.m) * ceil_div(rows, t.n) >= 9 * sms) return i;
+    }
+    return kTileCount - 1;
+}
+
+}  // namespace
+
+int w8a16_gemm_sm90_tile_count() { return kTileCount; }
+
+int w8a16_gemm_sm90_tile_shape(int tile, int which) {
+    return tile < 0 || tile >= kTileCount ? -1 : which == 0 ? kTiles[tile].m : kTiles[tile].n;
+}
+
+// y[M, N] = x[M, K] @ (w[N, K] * scale[N, None])^T with tile `tile` (-1: chosen from the shape and the
+// device's SM count). 0, a cudaError_t, or status_base + a cutlass::Status.
+int w8a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* w, const void* scale, void* y,
+                    cudaStream_t stream, int status_base, int tile) {
+    if (M <= 0 || N <= 0 || K <= 0 || M > INT_MAX || N > INT_MAX || K > INT_MAX || tile >= kTileCount)
+        return cudaErrorInvalidValue;
+    const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
+    if (tile < 0) {
+        int device = 0, sms = 0;
+        cudaError_t err = cudaGetDevice(&device);
+        if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        if (err != cudaSuccess) return err;
+        tile = pick_tile(m, n, sms);
+    }
+    return kTiles[tile].run(m, n, k, x, w, scale, y, stream, status_base);
+}
