@@ -4,7 +4,7 @@ For each (batch rows, out, in) shape of the 7.2B model (r/k/v/output 4096x4096, 
 FFN value 4096x16384, head 65536x4096): the time of y = x @ (w * scale)^T through the SM80 mixed-input
 CUTLASS GEMM, the Hopper WGMMA one (sm_90a builds) with its own tile choice and in each of its tiles,
 and torch.matmul on the dequantized fp16 matrix
-(cuBLAS, the fp16 engine's GEMM), with TFLOP/s and each kernel's largest difference from the float
+(cuBLAS, the fp16 engine's GEMM), and at up to 8 rows the W8A16 GEMV, with TFLOP/s and each kernel's largest difference from the float
 reference. Weights rotate over enough copies to overflow the 50 MB L2, so every call reads them from
 HBM as a decode step does.
 
@@ -72,7 +72,8 @@ def main() -> None:
             ref = x.float() @ (qs[0].float() * scales[0].float()[:, None]).T
             row = {"shape": name, "rows": rows, "out": n_out, "in": n_in}
             flops = 2.0 * rows * n_out * n_in
-            for label, op in ops.items():
+            row_ops = dict(ops, **({"w8a16_gemv": kernels.gemv} if rows <= kernels.gemv_max_rows else {}))
+            for label, op in row_ops.items():
                 op(x, qs[0], scales[0], y, stream)
                 row[f"{label}_max_rel_err"] = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 t = time_op(lambda i, op=op: op(x, qs[i], scales[i], y, stream), copies, args.reps)
@@ -80,7 +81,7 @@ def main() -> None:
             t = time_op(lambda i: torch.matmul(x, dense[i].T, out=y), copies, args.reps)
             row["cublas_fp16_us"], row["cublas_fp16_tflops"] = t * 1e6, flops / t / 1e12
             results.append(row)
-            cols = [f"{label} {row[f'{label}_us']:8.1f} us {row[f'{label}_tflops']:6.1f} TF/s" for label in ops]
+            cols = [f"{label} {row[f'{label}_us']:8.1f} us {row[f'{label}_tflops']:6.1f} TF/s" for label in row_ops]
             print(f"{name:9s} rows {rows:4d}: " + " | ".join(cols)
                   + f" | cublas fp16 {row['cublas_fp16_us']:8.1f} us {row['cublas_fp16_tflops']:6.1f} TF/s", flush=True)
         del qs, scales, dense

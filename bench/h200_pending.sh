@@ -16,6 +16,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh split     # GEMV row splitting: fused GPU tests, decode A/B, profile
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite-gemv  # GemLite A16W8_INT8 decode on the fused GEMV
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh hopper-w8 # the Hopper W8A16 GEMM: GPU tests, GEMMs alone, decode
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh hopper-gemlite  # W8A16 small batches, GemLite int8 on the W8A16 kernels
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -25,7 +26,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -134,6 +135,20 @@ hopper-w8)  # the sm_90a W8A16 build: GPU tests (the first builds it), GEMMs alo
     step 100 "W8A16 decode, grouped GEMV up to 8 rows" env RWKV_GEMV_ROWS=8 python bench/bench_decode.py --engine cutlass \
         --sizes 7.2b --batches 2,4,8 --steps 20 --no-checks --wkv cuda --out bench/results/experiment_w8_gemv_rows8_h200.json
     copy bench/results/experiment_w8_gemv_rows8_h200.json
+    ;;
+hopper-gemlite)  # W8A16 GEMV vs Hopper GEMM at small batches, GemLite int8 layers on the W8A16 kernels
+    step 300 "W8A16 + GemLite int8 GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_quant_cuda.py \
+        -k "hopper or int8_decode or every_cutlass or kernels_match"
+    step 100 "W8A16 GEMV vs GEMMs, small batches" python bench/bench_w8_gemm.py --rows 1,2,3,4,8,16,32 \
+        --out bench/results/w8_gemm_small_h200.json
+    copy bench/results/w8_gemm_small_h200.json
+    step 120 "W8A16 decode, small batches" python bench/bench_decode.py --engine cutlass --sizes 7.2b --batches 2,3,4,8,16,32 \
+        --steps 20 --no-checks --wkv cuda --out bench/results/decode_h200_w8_small.json
+    copy bench/results/decode_h200_w8_small.json
+    step 200 "GemLite A16W8_INT8 decode on the W8A16 kernels" python bench/bench_decode.py --engine gemlite:A16W8_INT8 \
+        --sizes 7.2b --batches 1,8,32,128,256,512 --steps 20 --wkv cuda --no-checks \
+        --out bench/results/decode_h200_gemlite_w8.json
+    copy bench/results/decode_h200_gemlite_w8.json
     ;;
 batched)
     step 150 "fused and graph GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \

@@ -173,3 +173,27 @@ def test_gemlite_int8_decode_runs_on_the_fused_gemv(tmp_path):
     finally:
         fused.gemv_rows = rows
     assert 0 < relative_error(on_gemv, on_gemlite) <= 1e-2
+
+
+@needs_gemlite
+def test_gemlite_int8_batches_take_the_hopper_gemm(tmp_path):
+    """On Hopper, A16W8_INT8 layers run every batch on the W8A16 kernels, reading GemLite's own int8 memory,
+    and agree with GemLite's kernels on the same layer."""
+    if torch.cuda.get_device_capability() != (9, 0) or cutlass_include_dir() is None:
+        pytest.skip("the Hopper GEMM is built for compute capability 9.0 with the CUTLASS headers")
+    path = make_model_file(tmp_path, "L2-C128-V1024", torch.float16)
+    out = tmp_path / "w8.pth"
+    export_quant_gemlite.main([str(path), str(out), "--format", "A16W8_INT8"])
+    quant = RWKV7.load(str(out), device="cuda", dtype="fp16", engine="gemlite", progress=False)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for lin in quant.projections():
+        assert lin._w8a16 is not None and "sm90" in lin.kind
+        assert lin._w8a16.qweight.data_ptr() == lin._args[0].data_ptr()  # no copy
+        x = torch.randn(64, lin.in_features, generator=gen, device="cuda").half()
+        ours = lin(x)
+        routed, lin._w8a16 = lin._w8a16, None  # the same layer through GemLite's kernels
+        try:
+            theirs = lin(x)
+        finally:
+            lin._w8a16 = routed
+        assert relative_error(ours, theirs) <= KERNEL_TOL * 2

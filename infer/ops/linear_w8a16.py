@@ -4,8 +4,9 @@ Checkpoint layout (``python -m infer.quant.export_quant``): each quantized matri
 ``[out, in]`` tensor ``q`` and ``name + ".scale"`` ``[out]``; output channel n's weights are
 ``q[n] * scale[n]``. Every path below computes ``x @ (q * scale[:, None]).T``:
 
-* CUDA, fp16 activations, at most ``gemv_max_rows`` rows: the GEMV of ``cuda/w8a16_gemm.cu``, which
-  reads each weight byte once (decode at small batch is bound by exactly that read).
+* CUDA, fp16 activations, at most ``gemv_rows`` rows (8, or 4 where the Hopper GEMM is built;
+  ``RWKV_W8A16_GEMV_ROWS`` overrides): the GEMV of ``cuda/w8a16_gemm.cu``, which reads each weight byte
+  once (decode at small batch is bound by exactly that read).
 * CUDA, fp16, more rows: a CUTLASS mixed-input tensor-core GEMM, compiled only when the CUTLASS headers
   of the ``nvidia-cutlass`` wheel are installed (found through importlib, never downloaded at run time);
   without them those batches take the next path, with a logged warning. On a compute-capability 9.0 GPU
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -51,6 +53,10 @@ EXTENSION_NAME = "rwkv7_w8a16"
 # pages. On a GPU one large slice keeps each matmul big while bounding the temporary (128 MB in fp16).
 CPU_CHUNK_ELEMENTS = 1 << 20
 GPU_CHUNK_ELEMENTS = 1 << 26
+# Batches of more rows than this take the Hopper GEMM instead of the GEMV: on the H200 the GEMV was faster
+# for every 7.2B matrix at 1-4 rows (FFN value at 4 rows: 41.0 us against 64.5), the GEMM at 8 (59.4
+# against 102.2) (bench/results/w8_gemm_small_h200.json).
+SM90_GEMV_ROWS = 4
 # The kernels load 16 bytes at a time (K) and the CUTLASS epilogue stores 8 fp16 at a time (N).
 K_MULTIPLE, N_MULTIPLE = 16, 8
 
@@ -98,7 +104,7 @@ class W8A16Linear:
         if self._kernels is None:
             self.kind = "w8a16 int8 (dequantize + matmul)"
         elif self._kernels.gemm_available:
-            self.kind = f"w8a16 int8 (cuda gemv <= {self._kernels.gemv_max_rows} rows, {self._kernels.gemm_name} gemm)"
+            self.kind = f"w8a16 int8 (cuda gemv <= {self._kernels.gemv_rows} rows, {self._kernels.gemm_name} gemm)"
         else:
             self.kind = (f"w8a16 int8 (cuda gemv <= {self._kernels.gemv_max_rows} rows, dequantize + matmul above: "
                          "no CUTLASS headers)")
@@ -112,7 +118,7 @@ class W8A16Linear:
         if x.data_ptr() % 16:  # a row slice of a larger buffer; the kernels load 16 bytes at a time
             x = x.clone()
         y = torch.empty((rows, self.out_features), dtype=torch.float16, device=x.device)
-        op = kernels.gemv if rows <= kernels.gemv_max_rows else kernels.gemm
+        op = kernels.gemv if rows <= kernels.gemv_rows or not kernels.gemm_available else kernels.gemm
         op(x, self.qweight, self.scale, y, torch.cuda.current_stream(x.device).cuda_stream)
         return y
 
@@ -132,6 +138,10 @@ class W8A16Kernels:
         # one if it fails its self-test).
         self.gemm = module.gemm_sm90 if self.sm90_tiles else module.gemm
         self.gemm_name = "cutlass sm90 wgmma" if self.sm90_tiles else "cutlass sm80"
+        # Rows up to this many take the GEMV, more the GEMM (when built): the GEMV's cost grows with each
+        # row, the Hopper GEMM's barely changes below its tile.
+        default = SM90_GEMV_ROWS if self.sm90_tiles else self.gemv_max_rows
+        self.gemv_rows: int = min(int(os.environ.get("RWKV_W8A16_GEMV_ROWS", default)), self.gemv_max_rows)
 
 
 _kernels: BuildOnce[W8A16Kernels] = BuildOnce("W8A16 CUDA kernels")
