@@ -15,7 +15,7 @@ from infer.ops.linear_w8a16 import (W8A16Linear, cutlass_include_dir, dequantize
                                    w8a16_kernels_error)
 from infer.quant import export_quant, export_quant_gemlite
 from infer.quant.engines import warm_up
-from infer.quant.gemlite_linear import load_tuning, save_tuning
+from infer.quant.gemlite_linear import W8A16_ABOVE_ROWS, load_tuning, save_tuning
 from infer.quant.quantize import quantize_int8
 from infer.random_model import make_config, random_state_dict
 
@@ -177,8 +177,8 @@ def test_gemlite_int8_decode_runs_on_the_fused_gemv(tmp_path):
 
 @needs_gemlite
 def test_gemlite_int8_batches_take_the_hopper_gemm(tmp_path):
-    """On Hopper, A16W8_INT8 layers run every batch on the W8A16 kernels, reading GemLite's own int8 memory,
-    and agree with GemLite's kernels on the same layer."""
+    """On Hopper, A16W8_INT8 layers run batches above W8A16_ABOVE_ROWS on the W8A16 kernels, reading GemLite's
+    own int8 memory, and agree with GemLite's kernels on the same layer."""
     if torch.cuda.get_device_capability() != (9, 0) or cutlass_include_dir() is None:
         pytest.skip("the Hopper GEMM is built for compute capability 9.0 with the CUTLASS headers")
     path = make_model_file(tmp_path, "L2-C128-V1024", torch.float16)
@@ -189,7 +189,7 @@ def test_gemlite_int8_batches_take_the_hopper_gemm(tmp_path):
     for lin in quant.projections():
         assert lin._w8a16 is not None and "sm90" in lin.kind
         assert lin._w8a16.qweight.data_ptr() == lin._args[0].data_ptr()  # no copy
-        x = torch.randn(64, lin.in_features, generator=gen, device="cuda").half()
+        x = torch.randn(W8A16_ABOVE_ROWS + 8, lin.in_features, generator=gen, device="cuda").half()
         ours = lin(x)
         routed, lin._w8a16 = lin._w8a16, None  # the same layer through GemLite's kernels
         try:

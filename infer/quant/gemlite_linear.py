@@ -14,8 +14,8 @@ keep the chosen configurations in a file per GPU model, so only the first start 
 
 A16W8_INT8 is the W8A16 layout (int8 [out, in] rows, a scale per output channel after the sum), so its
 tensors are also read in place by the fused decode GEMV and, where the Hopper GEMM is built, by the
-W8A16 kernels for every batch (``infer.ops.linear_w8a16``; faster there than GemLite's kernels, and
-nothing to tune).
+W8A16 kernels for batches of more than 32 rows (``infer.ops.linear_w8a16``; faster there than GemLite's
+kernels, and nothing to tune for those sizes).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from infer.ops.linear_w8a16 import W8A16Linear
 log = logging.getLogger(__name__)
 
 SUPPORTED_VERSION = "0.6."
+W8A16_ABOVE_ROWS = 32  # A16W8_INT8 batches above this run on the W8A16 Hopper GEMM (see GemLiteLinear)
 
 
 def require_gemlite(device: torch.device | str, act: torch.dtype = torch.float16,
@@ -88,17 +89,19 @@ class GemLiteLinear:
                 and w_q.t().is_contiguous() and scales.dtype == torch.float16 and scales.numel() == self.out_features):
             self.int8_rows = (w_q.t(), scales.reshape(-1))
             self.kind += " (decode: fused int8 GEMV)"
-        # The same int8 rows through the W8A16 kernels where they have the Hopper GEMM: on the H200 it ran
-        # 7.2B batches of 128/256 rows at 13.1k/18.7k tok/s against 8.6k/11.0k through GemLite's kernels.
+        # The same int8 rows through the W8A16 kernels for batches above W8A16_ABOVE_ROWS where they have the
+        # Hopper GEMM: on the H200 it ran 7.2B batches of 128/256 rows at 13.1k/18.7k tok/s against
+        # 8.6k/11.0k through GemLite's kernels, whose split-K GEMV won at 8 rows (1,352 against 974) and
+        # tied at 32 (4,152 against 4,041).
         self._w8a16: W8A16Linear | None = None
         if self.int8_rows is not None:
             w8a16 = W8A16Linear(*self.int8_rows)
             if "sm90" in w8a16.kind:
                 self._w8a16 = w8a16
-                self.kind += f" (other batches: {w8a16.kind})"
+                self.kind += f" (batches above {W8A16_ABOVE_ROWS}: {w8a16.kind})"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._w8a16 is not None:
+        if self._w8a16 is not None and x.shape[0] > W8A16_ABOVE_ROWS:
             return self._w8a16(x)
         kernel = self._kernels[self._matmul_type(x.shape[0], self._nbits)]
         # meta_scale is only read by NVFP4 layers (GemLite passes 0.0 for every other format). RWKV-7 has
@@ -107,8 +110,8 @@ class GemLiteLinear:
 
     def warmup(self, batch_sizes: list[int]) -> None:
         """Run (and so autotune) the kernel of each batch size once."""
-        if self._w8a16 is not None:
-            return  # GemLite's kernels are not used: nothing to tune
+        if self._w8a16 is not None:  # GemLite's kernels run only the smaller batches
+            batch_sizes = [rows for rows in batch_sizes if rows <= W8A16_ABOVE_ROWS]
         device = self._args[0].device
         for rows in batch_sizes:
             self(torch.zeros((rows, self.in_features), dtype=self.dtype, device=device))
