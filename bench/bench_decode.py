@@ -160,7 +160,7 @@ def bench_size(name: str, batches: list[int], steps: int, states: list[str], eng
         graph, _ = capture(model, batch, pool)
         replay = time_steps(graph.replay, steps)
         row = {"size": name, "engine": engine, "forward": "fused" if model.fused else "readable",
-               "gemv_rows": model.fused.gemv_rows if model.fused else None, "batch": B, "state": state, "eager_ms": round(eager * 1000, 3),
+               "gemv_rows": model.fused.rows_for(model) if model.fused else None, "batch": B, "state": state, "eager_ms": round(eager * 1000, 3),
                "graph_ms": round(replay * 1000, 3), "eager_tok_s": round(B / eager, 1),
                "graph_tok_s": round(B / replay, 1), "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
         limit = LIMITS.get(name, {}).get(B) if state == "fp32" and engine == "fp16" else None

@@ -17,6 +17,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite-gemv  # GemLite A16W8_INT8 decode on the fused GEMV
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh hopper-w8 # the Hopper W8A16 GEMM: GPU tests, GEMMs alone, decode
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh hopper-gemlite  # W8A16 small batches, GemLite int8 on the W8A16 kernels
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-gemv   # 4-bit GemLite layers on the fused GEMV: GPU tests, decode
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -26,7 +27,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -149,6 +150,15 @@ hopper-gemlite)  # W8A16 GEMV vs Hopper GEMM at small batches, GemLite int8 laye
         --sizes 7.2b --batches 1,8,32,128,256,512 --steps 20 --wkv cuda --no-checks \
         --out bench/results/decode_h200_gemlite_w8.json
     copy bench/results/decode_h200_gemlite_w8.json
+    ;;
+w4-gemv)  # GemLite A16W4 on the fused GEMV's 4-bit tasks: GPU tests, then decode at batch 1-8
+    export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home
+    mkdir -p "$TRITON_CACHE_DIR" "$RWKV_SERVER_HOME"
+    step 300 "fused 4-bit GEMV GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \
+        test/test_quant_cuda.py -k "uint4 or gemlite"
+    step 150 "GemLite A16W4_HQQ_INT decode on the fused GEMV" python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT \
+        --sizes 7.2b,1.5b --batches 1,2,4,8 --steps 20 --wkv cuda --no-checks --out bench/results/decode_h200_gemlite_w4_gemv.json
+    copy bench/results/decode_h200_gemlite_w4_gemv.json
     ;;
 batched)
     step 150 "fused and graph GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \

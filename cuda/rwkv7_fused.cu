@@ -18,8 +18,9 @@
 //
 // 3. gemv: y = x W^T for a few rows of x (decode), several matrices per launch ("tasks"), one warp
 //    per output channel reading the weight row once with 16-byte loads (a long row split among up to 8
-//    warps of one block, summed in shared memory); fp16 or int8 (+ per-channel fp16 scale) weights;
-//    optional tanh/sigmoid on the input, relu^2 on the output, residual add.
+//    warps of one block, summed in shared memory); fp16 or int8 (+ per-channel fp16 scale) weights, or
+//    GemLite's packed 4-bit weights read in place (a block per band of output channels, see
+//    gemv_uint4_block); optional tanh/sigmoid on the input, relu^2 on the output, residual add.
 //
 // Every launcher takes the stream to launch on (graph-capturable) and returns a cudaError_t as int.
 
@@ -366,20 +367,23 @@ constexpr int kGemvWarps = 8;
 constexpr int kMaxTasks = 8;
 constexpr int kGemvMaxRows = 8;
 
-enum WeightType : int { kWeightHalf = 0, kWeightInt8 = 1 };
+enum WeightType : int { kWeightHalf = 0, kWeightInt8 = 1, kWeightUint4 = 2 };
 enum Activation : int { kActNone = 0, kActTanh = 1, kActSigmoid = 2 };
 enum Epilogue : int { kEpiNone = 0, kEpiReluSquare = 1 };
 
 struct GemvTask {
-    const void* w;           // [N, K] fp16 or int8, row-major (nn.Linear layout)
-    const __half* scale;     // [N] per output channel (int8 weights), else null
+    const void* w;           // [N, K] fp16 or int8, row-major (nn.Linear layout); 4-bit: [K/8, N] int32 words
+    const __half* scale;     // [N] per output channel (int8 weights); 4-bit: [K/group, N]; else null
+    const __half* zero;      // 4-bit: [K/group, N], added after the scale; else null
     const __half* x;         // [M, K]
     __half* y;               // [M, N]
     const __half* residual;  // [M, N] added to the result, or null (may alias y)
     int n, k;
+    int group;               // 4-bit: input columns per scale/zero group
     int weight_type, activation, epilogue;
-    int splits;              // warps per output channel (1, 2, 4 or 8), each reading one slice of the row
-    int first_block;         // blocks [first_block, first_block + ceil(n * splits / kGemvWarps)) compute this task
+    int splits;              // warps per output channel (1, 2, 4 or 8), each reading one slice of the row;
+                             // 4-bit: 1 or 2, a block takes kUint4Band / splits columns
+    int first_block;         // blocks [first_block, first_block + gemv_units(task) / kGemvWarps) compute this task
 };
 
 struct GemvArgs {
@@ -469,14 +473,251 @@ __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, 
     }
 }
 
-// Registers capped for occupancy: three blocks per multiprocessor for one or two rows without activations
-// (the big matrices at decode), else two.
+// y[m][n] = fp16(epilogue(fp16(product)) + residual[m][n]): the product rounded to fp16 first, as a
+// separate matmul would give it.
+__device__ __forceinline__ void store_output(const GemvTask& task, int m, int n, float product) {
+    const int64_t o = int64_t(m) * task.n + n;
+    float val = round_half(product);
+    if (task.epilogue == kEpiReluSquare) {
+        val = fmaxf(val, 0.0f);
+        val = val * val;
+    }
+    if (task.residual) val += __half2float(task.residual[o]);
+    task.y[o] = __float2half_rn(val);
+}
+
+// ---- 4-bit weights: GemLite's A16W4_HQQ_INT layers, read where GemLite's own kernels read them.
+// gemlite 0.6 GemLiteLinearTriton.pack (32-bit packing, fma mode, group < in_features) stores
+//   w            [K/8, N] int32, contiguous: word (c, n) holds W[n][8c + j] in bits 4j..4j+3 (j = 0..7)
+//   scale, zero  [K/group, N] fp16, contiguous; zero = fp16(-zero_point * scale)
+// and its kernels rebuild W[n][k] = fp16(q * scale + zero) with one fp16 fma (W_group_mode 4), then
+// sum x * W in fp32. Here the weight is rebuilt the same way (__hfma2 rounds once: the same fp16
+// value), and the tensor cores sum the products in fp32: the result differs from GemLite's only in the
+// order of the fp32 sums.
+//
+// Why tensor cores: rebuilding a pair of weights takes a shift, a mask, an f16x2 subtract and an f16x2
+// fma; a per-thread version with a converted fp32 fma per weight and row of x on top moved 1.67 TB/s
+// through a 7.2B layer at batch 1, 1.32 at 2 and 0.66 at 8 (H200; fp16 rows: 3.45). One mma.m16n8k16
+// takes 16 channels x 16 k of rebuilt weights (A) and 16 k of up to 8 rows of x (B), 2048 products in one
+// instruction whatever the batch size: 0.94 TB/s at 8 (a first version, 32 bytes per lane in flight).
+//
+// Layout of the work: consecutive output channels are consecutive words, so a block takes a band of 32
+// channels (splits == 1: 16-byte loads of 4 channels) or 16 (splits == 2: 8-byte loads of 2) the whole
+// depth of K. Lane 4g + t of a warp loads the words of channels 4g.. (2g..) at its rows; the block's 32
+// (warp, t) pairs each take a slice of whole groups of rows, so a batch of rows shares one scale/zero
+// pair per channel. A word's nibbles (i, i + 4) make the f16x2 pair i; k may be renumbered freely inside
+// an mma as long as A and B agree, so lane (g, t) puts pairs 0, 2 of its row at A's k 2t, 2t + 1 and
+// pairs 1, 3 at 2t + 8, 2t + 9 (two mmas per pair of channels), and gives B the same k of x row g. The
+// warps' sums are added in warp order through shared memory: deterministic.
+constexpr int kUint4Band = 32;      // output channels per block at splits == 1
+constexpr int kUint4MaxSplits = 2;  // 16 channels at the most
+constexpr int kUint4SplitMinK = 2048;  // only long rows are worth the narrower loads of a halved band
+// Bytes of words in flight per lane: 4 rows of 16-byte loads, or 8 of 8-byte ones in a halved band (16
+// registers either way: see gemv_kernel). With 4 rows of 8 bytes in a halved band (most of a 7.2B layer's
+// matrices), a layer at batch 1 took 86 us on an H200, the per-thread version with 64 bytes 76 us.
+constexpr int kUint4LaneBytes = 64;
+
+template <int kWords>
+struct Uint4Lane;  // a lane's words of one row of words, and its scales (or zeros) of one group
+template <>
+struct Uint4Lane<4> {
+    using Words = uint4;
+    using Meta = uint2;
+};
+template <>
+struct Uint4Lane<2> {
+    using Words = uint2;
+    using Meta = uint32_t;
+};
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ uint32_t word_of(const uint2& v, int i) { return i == 0 ? v.x : v.y; }
+__device__ __forceinline__ uint32_t word_of(uint32_t v, int) { return v; }
+
+__device__ __forceinline__ __half2 as_half2(uint32_t bits) {
+    __half2 h;
+    memcpy(&h, &bits, sizeof(h));
+    return h;
+}
+__device__ __forceinline__ uint32_t half2_bits(__half2 h) {
+    uint32_t bits;
+    memcpy(&bits, &h, sizeof(bits));
+    return bits;
+}
+
+// The 4 f16x2 pairs of one word of one channel: pair i = (W[8c + i], W[8c + i + 4]) = fp16(q * scale + zero).
+// Nibbles i and i + 4 go under the exponent of 1024 in the two halves (exactly 1024 + q), 1024 comes off
+// exactly, and one __hfma2 applies the group's scale and zero (both halves: the channel's).
+__device__ __forceinline__ void dequant_uint4x8(uint32_t word, __half2 scale, __half2 zero, uint32_t (&pair)[4]) {
+    const __half2 bias = as_half2(0x64006400u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __half2 q = __hsub2(as_half2(((word >> (4 * i)) & 0x000F000Fu) | 0x64006400u), bias);
+        pair[i] = half2_bits(__hfma2(q, scale, zero));
+    }
+}
+
+// d += A b on the tensor cores (one warp): A 16 x 16 fp16, b 16 x 8 fp16, d 16 x 8 fp32. Fragments of lane
+// 4g + t (PTX ISA, mma.m16n8k16, f16x2 registers with the lower k in the lower half):
+//   a[0] A[g][2t, 2t+1]   a[1] A[g+8][2t, 2t+1]   a[2] A[g][2t+8, 2t+9]   a[3] A[g+8][2t+8, 2t+9]
+//   b0 b[2t, 2t+1][g]     b1 b[2t+8, 2t+9][g]     d[0], d[1] d[g][2t, 2t+1]   d[2], d[3] d[g+8][2t, 2t+1]
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(EMU_WARP)
+    emu::mma_16x8x16(d, a, b0, b1);  // the CPU emulation's (test/kernel_emu/emu_device.h)
+#endif
+}
+
+// x[m][8c .. 8c + 7] as the B pairs of one row of words: pair i = (x[8c + i], x[8c + i + 4]), activated and
+// rounded to fp16 (the tensor cores' operands; the unfused forward's tanh/sigmoid give fp16 too).
+template <bool kAct>
+__device__ __forceinline__ void load_x_pairs(const __half* p, int act, uint32_t (&pair)[4]) {
+    if (kAct && act != kActNone) {
+        float xf[8];
+        load_x8<true>(p, act, xf);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            pair[i] = half2_bits(__halves2half2(__float2half_rn(xf[i]), __float2half_rn(xf[i + 4])));
+        return;
+    }
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    pair[0] = __byte_perm(u.x, u.z, 0x5410);
+    pair[1] = __byte_perm(u.x, u.z, 0x7632);
+    pair[2] = __byte_perm(u.y, u.w, 0x5410);
+    pair[3] = __byte_perm(u.y, u.w, 0x7632);
+}
+
+// Up to kLoads rows of words from row c on (all in one group), with the group's scales and zeros;
+// rows at or past end, and a lane past the band's channels, read zero words and scales (weights 0: finite
+// beside a zero x). Read once per step: streamed past the caches.
+template <int kWords>
+struct Uint4Batch {
+    static constexpr int kLoads = kUint4LaneBytes / (4 * kWords);
+    typename Uint4Lane<kWords>::Words w[kLoads];
+    typename Uint4Lane<kWords>::Meta scale, zero;
+};
+
+template <int kWords>
+__device__ __forceinline__ void load_uint4_batch(const GemvTask& task, int col, int c, int count, int end,
+                                                 Uint4Batch<kWords>& b) {
+    using Words = typename Uint4Lane<kWords>::Words;
+    using Meta = typename Uint4Lane<kWords>::Meta;
+    const bool mine = col < task.n;  // n % 4 == 0: a lane's channels are all in or all out
+    const Words* w = reinterpret_cast<const Words*>(static_cast<const uint32_t*>(task.w) + int64_t(c) * task.n + col);
+    const int stride = task.n / kWords;  // vectors per row of words
+#pragma unroll
+    for (int j = 0; j < b.kLoads; ++j) b.w[j] = mine && j < count && c + j < end ? __ldcs(w + j * stride) : Words{};
+    const int64_t meta = int64_t(c / (task.group / 8)) * task.n + col;
+    b.scale = mine && c < end ? __ldcs(reinterpret_cast<const Meta*>(task.scale + meta)) : Meta{};
+    b.zero = mine && c < end ? __ldcs(reinterpret_cast<const Meta*>(task.zero + meta)) : Meta{};
+}
+
+// d[i / 2] += the batch's products for the lane's channel pair i / 2 (see above), `count` rows from c on.
+template <int M, bool kAct, int kWords>
+__device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int count, int end, int g,
+                                                const Uint4Batch<kWords>& b, float (&d)[kWords / 2][4]) {
+    __half2 scale[kWords], zero[kWords];  // channel i's scale and zero in both halves
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
+        const unsigned dup = i % 2 ? 0x3232u : 0x1010u;
+        scale[i] = as_half2(__byte_perm(word_of(b.scale, i / 2), 0u, dup));
+        zero[i] = as_half2(__byte_perm(word_of(b.zero, i / 2), 0u, dup));
+    }
+#pragma unroll
+    for (int j = 0; j < b.kLoads; ++j) {
+        if (j >= count) break;  // block-uniform: every lane reaches every mma
+        uint32_t x[4] = {0u, 0u, 0u, 0u};  // x row g (whatever the lane's channels), zeros past M or the rows
+        if (g < M && c + j < end) load_x_pairs<kAct>(task.x + int64_t(g) * task.k + (c + j) * 8, task.activation, x);
+#pragma unroll
+        for (int h = 0; h < kWords / 2; ++h) {
+            uint32_t lo[4], hi[4];  // channels 2h (A's row g) and 2h + 1 (row g + 8)
+            dequant_uint4x8(word_of(b.w[j], 2 * h), scale[2 * h], zero[2 * h], lo);
+            dequant_uint4x8(word_of(b.w[j], 2 * h + 1), scale[2 * h + 1], zero[2 * h + 1], hi);
+            const uint32_t a0[4] = {lo[0], hi[0], lo[1], hi[1]}, a1[4] = {lo[2], hi[2], lo[3], hi[3]};
+            mma_16x8x16(d[h], a0, x[0], x[1]);
+            mma_16x8x16(d[h], a1, x[2], x[3]);
+        }
+    }
+}
+
+// One block of a 4-bit task with kWords channels per lane (see above). Every thread reaches the barrier.
+template <int M, bool kAct, int kWords>
+__device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&band_sum)[kGemvWarps][M][kUint4Band]) {
+    constexpr int kBand = 8 * kWords;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int first_col = (int(blockIdx.x) - task.first_block) * kBand;
+    const int col = first_col + kWords * g;
+    const int rows = task.k / 8, group_rows = task.group / 8;
+    // 32 slices of whole groups; a batch of rows divides a group (the largest power of two that does)
+    const int slice = (rows + 32 * group_rows - 1) / (32 * group_rows) * group_rows;
+    const int begin = min((4 * warp + t) * slice, rows), end = min(begin + slice, rows);
+    const int count = min(Uint4Batch<kWords>::kLoads, group_rows & -group_rows);
+    const bool busy = 4 * warp * slice < rows;  // warp-uniform: a warp past the last row has nothing to add
+    Uint4Batch<kWords> b;
+    if (busy) load_uint4_batch(task, col, begin, count, end, b);  // weights: load before the wait
+    dependency_wait();
+
+    float d[kWords / 2][4];
+#pragma unroll
+    for (int h = 0; h < kWords / 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) d[h][e] = 0.0f;
+    }
+    if (busy) {
+#pragma unroll 1
+        for (int c = begin, last = begin + slice; c < last;) {
+            mma_uint4_batch<M, kAct, kWords>(task, c, count, end, g, b, d);
+            c += count;
+            if (c < last) load_uint4_batch(task, col, c, count, end, b);
+        }
+    }
+    // Lane (g, t) holds rows m = 2t, 2t + 1 of x for channels col + i (d[i / 2][i % 2 * 2 + m % 2]).
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int m = 2 * t + e;
+        if (m >= M) break;
+#pragma unroll
+        for (int i = 0; i < kWords; ++i) band_sum[warp][m][kWords * g + i] = d[i / 2][i % 2 * 2 + e];
+    }
+    __syncthreads();
+    // One output per thread: (row m, channel first_col + j), the warps' sums added in warp order.
+    const int m = threadIdx.x / kBand, j = threadIdx.x % kBand;
+    if (m >= M || first_col + j >= task.n) return;
+    float sum = band_sum[0][m][j];
+#pragma unroll
+    for (int w = 1; w < kGemvWarps; ++w) sum += band_sum[w][m][j];
+    store_output(task, m, first_col + j, sum);
+}
+
 template <int M, bool kAct>
-__global__ void __launch_bounds__(kGemvWarps * 32, M <= 2 && !kAct ? 3 : 2) gemv_kernel(GemvArgs args) {
+__device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
+    __shared__ float band_sum[kGemvWarps][M][kUint4Band];
+    if (task.splits == 1) {
+        gemv_uint4_band<M, kAct, 4>(task, band_sum);
+    } else {
+        gemv_uint4_band<M, kAct, 2>(task, band_sum);
+    }
+}
+
+// Registers capped for occupancy: four blocks per multiprocessor for one row and three for two without
+// activations (the big matrices at decode), else two. (The fp16/int8 code takes 64 registers at one row
+// by itself; the cap keeps the 4-bit code from raising that.)
+template <int M, bool kAct>
+__global__ void __launch_bounds__(kGemvWarps * 32, M == 1 && !kAct ? 4 : M <= 2 && !kAct ? 3 : 2)
+    gemv_kernel(GemvArgs args) {
     int t = 0;
 #pragma unroll 1
     while (t + 1 < args.count && int(blockIdx.x) >= args.task[t + 1].first_block) ++t;
     const GemvTask& task = args.task[t];
+    if (task.weight_type == kWeightUint4) {  // block-uniform
+        gemv_uint4_block<M, kAct>(task);
+        return;
+    }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // This warp's (output channel, slice): a block holds whole channels, as kGemvWarps % splits == 0.
     const int unit = (int(blockIdx.x) - task.first_block) * kGemvWarps + warp;
@@ -525,16 +766,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M <= 2 && !kAct ? 3 : 2) gemv
     if (!active || lane != 0) return;
     const float scale = task.scale ? __half2float(task.scale[n]) : 1.0f;
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        const int64_t o = int64_t(m) * task.n + n;
-        float val = round_half(acc[m] * scale);  // the product in fp16, as a separate matmul would give
-        if (task.epilogue == kEpiReluSquare) {
-            val = fmaxf(val, 0.0f);
-            val = val * val;
-        }
-        if (task.residual) val += __half2float(task.residual[o]);
-        task.y[o] = __float2half_rn(val);
-    }
+    for (int m = 0; m < M; ++m) store_output(task, m, n, acc[m] * scale);
 }
 
 // Which instance of a kernel a launch takes (the launchers and the CPU emulator's harness both ask):
@@ -634,17 +866,31 @@ inline TimeMixArgs make_time_mix_args(const void* const* tensors, const void* co
     return p;
 }
 
-// Whether gemv_kernel takes a task: k a multiple of one 16-byte load (8 fp16 or 16 int8 weights).
-inline bool gemv_takes(int64_t n, int64_t k, int weight_type) {
-    const int multiple = weight_type == kWeightInt8 ? 16 : 8;
-    return n > 0 && k > 0 && n <= INT_MAX / 2 && k <= INT_MAX / 2 && k % multiple == 0;
+// Whether gemv_kernel takes a task: k a multiple of one 16-byte load (8 fp16 or 16 int8 weights); 4-bit:
+// whole 16-byte vectors of 4 channels (n % 4 == 0) and whole groups of whole words.
+inline bool gemv_takes(int64_t n, int64_t k, int weight_type, int64_t group) {
+    if (n <= 0 || k <= 0 || n > INT_MAX / 2 || k > INT_MAX / 2) return false;
+    if (weight_type == kWeightUint4) return n % 4 == 0 && group > 0 && group % 8 == 0 && k % group == 0;
+    return (weight_type == kWeightHalf && k % 8 == 0) || (weight_type == kWeightInt8 && k % 16 == 0);
+}
+
+// 16-byte vectors along K per unit of work: an fp16 row holds 8 weights per vector, an int8 row 16; a
+// 4-bit band's K/8 rows of words hold 8 k-values of 4 channels per vector.
+inline int gemv_vectors(const GemvTask& t) { return t.weight_type == kWeightInt8 ? t.k / 16 : t.k / 8; }
+
+// Warps of work (kGemvWarps per block) of a task split `splits` ways: one per (row, slice) for fp16 and
+// int8, whole blocks of kUint4Band / splits channels for 4-bit weights.
+inline int64_t gemv_units(const GemvTask& t, int splits) {
+    if (t.weight_type == kWeightUint4) return (int64_t(t.n) * splits + kUint4Band - 1) / kUint4Band * kGemvWarps;
+    return int64_t(t.n) * splits;
 }
 
 // Row splitting. A launch of few, long rows runs few blocks, and its last partial wave of blocks leaves
 // the memory idle for as long as a whole one (7.2B FFN value, 4,096 rows of 32 KB: 1.3 waves, 3.2 TB/s
 // against 3.7 for the 16,384 rows of the FFN key; bench/results/profile_nopdl_h200.json). So the rows of
 // the task with the longest slices are halved until the launch has kGemvSplitRows (row, slice) units,
-// while each slice keeps at least one full batch of loads per lane (kGemvMinSlice vectors).
+// while each slice keeps at least one full batch of loads per lane (kGemvMinSlice vectors). A 4-bit task
+// with long rows halves its band instead (once).
 // RWKV_GEMV_SPLIT=0 turns it off (for A/B timing).
 constexpr int kGemvSplitRows = 16384;
 constexpr int kGemvMinSlice = 32 * kGemvLoads;
@@ -661,40 +907,46 @@ inline void plan_gemv_splits(GemvArgs& args) {
     int64_t units = 0;
     for (int i = 0; i < args.count; ++i) {
         args.task[i].splits = 1;
-        units += args.task[i].n;
+        units += gemv_units(args.task[i], 1);
     }
     while (gemv_split_enabled() && units < kGemvSplitRows) {
         int best = -1, best_slice = 0;
         for (int i = 0; i < args.count; ++i) {
             const GemvTask& t = args.task[i];
-            const int count = t.weight_type == kWeightInt8 ? t.k / 16 : t.k / 8;
-            const int slice = count / t.splits;
-            if (t.splits < kGemvWarps && slice % 2 == 0 && slice / 2 >= kGemvMinSlice && slice > best_slice) {
+            const int slice = gemv_vectors(t) / t.splits;
+            const bool splittable = t.weight_type == kWeightUint4
+                                        ? t.splits < kUint4MaxSplits && t.k >= kUint4SplitMinK
+                                        : t.splits < kGemvWarps && slice % 2 == 0 && slice / 2 >= kGemvMinSlice;
+            if (splittable && slice > best_slice) {
                 best = i;
                 best_slice = slice;
             }
         }
         if (best < 0) break;
-        units += args.task[best].n * int64_t(args.task[best].splits);
-        args.task[best].splits *= 2;
+        GemvTask& t = args.task[best];
+        units += gemv_units(t, 2 * t.splits) - gemv_units(t, t.splits);
+        t.splits *= 2;
     }
 }
 
-// The `count` tasks of one grouped launch, kGemvWarps (output channel, slice) units per block; returns
-// the grid size. The caller has checked that gemv_kernel takes every task.
+// The `count` tasks of one grouped launch, kGemvWarps units per block; returns the grid size. The caller
+// has checked that gemv_kernel takes every task.
 inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void* const* scale,
-                     const void* const* x, void* const* y, const void* const* residual, const int64_t* n,
-                     const int64_t* k, const int* weight_type, const int* activation, const int* epilogue) {
+                     const void* const* zero, const void* const* x, void* const* y, const void* const* residual,
+                     const int64_t* n, const int64_t* k, const int64_t* group, const int* weight_type,
+                     const int* activation, const int* epilogue) {
     int blocks = 0;
     for (int i = 0; i < count; ++i) {
         GemvTask& t = args.task[i];
         t.w = w[i];
         t.scale = static_cast<const __half*>(scale[i]);
+        t.zero = static_cast<const __half*>(zero[i]);
         t.x = static_cast<const __half*>(x[i]);
         t.y = static_cast<__half*>(y[i]);
         t.residual = static_cast<const __half*>(residual[i]);
         t.n = static_cast<int>(n[i]);
         t.k = static_cast<int>(k[i]);
+        t.group = static_cast<int>(group[i]);
         t.weight_type = weight_type[i];
         t.activation = activation[i];
         t.epilogue = epilogue[i];
@@ -704,7 +956,7 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
     for (int i = 0; i < count; ++i) {
         GemvTask& t = args.task[i];
         t.first_block = blocks;
-        blocks += static_cast<int>((int64_t(t.n) * t.splits + kGemvWarps - 1) / kGemvWarps);
+        blocks += static_cast<int>((gemv_units(t, t.splits) + kGemvWarps - 1) / kGemvWarps);
     }
     return blocks;
 }
@@ -760,17 +1012,20 @@ extern "C" int fused_gemv_max_rows() { return fused::kGemvMaxRows; }
 extern "C" int fused_gemv_max_tasks() { return fused::kMaxTasks; }
 
 // One launch computing `count` tasks y_i = act(x_i) W_i^T (see GemvTask) for M rows each.
-// Weight k must be a multiple of 8 (fp16) or 16 (int8); every pointer 16-byte aligned.
+// Weight k must be a multiple of 8 (fp16) or 16 (int8); 4-bit (weight type 2): n % 4 == 0, group % 8 == 0,
+// k % group == 0; every pointer 16-byte aligned. zero and group are read for 4-bit tasks only.
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
-                                 const void* const* scale, const void* const* x, void* const* y,
-                                 const void* const* residual, const int64_t* n, const int64_t* k,
-                                 const int* weight_type, const int* activation, const int* epilogue) {
+                                 const void* const* scale, const void* const* zero, const void* const* x,
+                                 void* const* y, const void* const* residual, const int64_t* n, const int64_t* k,
+                                 const int64_t* group, const int* weight_type, const int* activation,
+                                 const int* epilogue) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return cudaErrorInvalidValue;
     for (int i = 0; i < count; ++i)
-        if (!gemv_takes(n[i], k[i], weight_type[i])) return cudaErrorInvalidValue;
+        if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return cudaErrorInvalidValue;
     GemvArgs args{};
-    const int blocks = pack_gemv(args, count, w, scale, x, y, residual, n, k, weight_type, activation, epilogue);
+    const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, activation,
+                                 epilogue);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {

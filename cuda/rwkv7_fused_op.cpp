@@ -19,9 +19,10 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
                                      const void* const* params, int first_layer);
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
-                                 const void* const* scale, const void* const* x, void* const* y,
-                                 const void* const* residual, const int64_t* n, const int64_t* k,
-                                 const int* weight_type, const int* activation, const int* epilogue);
+                                 const void* const* scale, const void* const* zero, const void* const* x,
+                                 void* const* y, const void* const* residual, const int64_t* n, const int64_t* k,
+                                 const int64_t* group, const int* weight_type, const int* activation,
+                                 const int* epilogue);
 extern "C" int fused_gemv_max_rows();
 extern "C" int fused_gemv_max_tasks();
 extern "C" const char* fused_error_string(int code);
@@ -129,44 +130,65 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
              op);
 }
 
-// Several small-M matrix products in one launch: y[i] = act[i](x[i]) @ w[i].T (* scale[i]) (relu^2 if
-// epilogue[i]) (+ residual[i]). Empty tensors mean "none" for scale and residual.
-void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::vector<torch::Tensor> x,
-          std::vector<torch::Tensor> y, std::vector<torch::Tensor> residual, std::vector<int64_t> activation,
-          std::vector<int64_t> epilogue, int64_t stream) {
+// Several small-M matrix products in one launch: y[i] = act[i](x[i]) @ W[i].T (* scale[i]) (relu^2 if
+// epilogue[i]) (+ residual[i]). The weights' dtype says their kind: fp16 [out, in]; int8 [out, in] with an
+// fp16 scale [out]; int32 [in/8, out]: GemLite's packed 4-bit words, with fp16 scale and zero
+// [in/group[i], out] (W = q * scale + zero per group of group[i] input columns). Empty tensors mean "none"
+// for scale, zero and residual; group[i] is read for 4-bit tasks only.
+void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::vector<torch::Tensor> zero,
+          std::vector<torch::Tensor> x, std::vector<torch::Tensor> y, std::vector<torch::Tensor> residual,
+          std::vector<int64_t> group, std::vector<int64_t> activation, std::vector<int64_t> epilogue,
+          int64_t stream) {
     const char* op = "gemv";
     const size_t count = w.size();
     TORCH_CHECK(count >= 1 && count <= static_cast<size_t>(fused_gemv_max_tasks()), op, ": 1 to ",
                 num(fused_gemv_max_tasks()), " tasks per launch, got ", num(count));
-    TORCH_CHECK(scale.size() == count && x.size() == count && y.size() == count && residual.size() == count &&
-                    activation.size() == count && epilogue.size() == count,
+    TORCH_CHECK(scale.size() == count && zero.size() == count && x.size() == count && y.size() == count &&
+                    residual.size() == count && group.size() == count && activation.size() == count &&
+                    epilogue.size() == count,
                 op, ": every argument list needs one entry per task");
     TORCH_CHECK(x[0].is_cuda() && x[0].dim() == 2, op, ": x must be 2-D CUDA tensors");
     const auto device = x[0].device();
     const int64_t M = x[0].size(0);
     TORCH_CHECK(M >= 1 && M <= fused_gemv_max_rows(), op, ": 1 to ", num(fused_gemv_max_rows()), " rows, got ", num(M));
-    std::vector<const void*> w_ptr, s_ptr, x_ptr, r_ptr;
+    std::vector<const void*> w_ptr, s_ptr, z_ptr, x_ptr, r_ptr;
     std::vector<void*> y_ptr;
     std::vector<int64_t> n(count), k(count);
     std::vector<int> wt(count), act(count), epi(count);
     for (size_t i = 0; i < count; ++i) {
         const std::string tag = "[" + num(i) + "]";
-        TORCH_CHECK(w[i].dim() == 2, op, ": w", tag, " must be 2-D [out, in], got ", shape(w[i]));
-        n[i] = w[i].size(0);
-        k[i] = w[i].size(1);
-        const bool int8 = w[i].scalar_type() == torch::kInt8;
-        wt[i] = int8 ? 1 : 0;
-        check(w[i], device, int8 ? torch::kInt8 : torch::kFloat16, {n[i], k[i]}, op, "w" + tag);
-        TORCH_CHECK(k[i] % (int8 ? 16 : 8) == 0, op, ": w", tag, " needs in_features % ", int8 ? "16" : "8", " == 0");
-        TORCH_CHECK(int8 == (scale[i].numel() > 0), op, ": task ", num(i), " needs a scale iff its weights are int8");
-        if (int8) check(scale[i], device, torch::kFloat16, {n[i]}, op, "scale" + tag);
+        TORCH_CHECK(w[i].dim() == 2, op, ": w", tag, " must be 2-D, got ", shape(w[i]));
+        const auto dtype = w[i].scalar_type();
+        TORCH_CHECK(dtype == torch::kFloat16 || dtype == torch::kInt8 || dtype == torch::kInt32, op, ": w", tag,
+                    " must be float16 or int8 [out, in], or int32 [in/8, out] (4-bit words), got ", dtype);
+        const bool int8 = dtype == torch::kInt8, uint4 = dtype == torch::kInt32;
+        wt[i] = uint4 ? 2 : int8 ? 1 : 0;
+        n[i] = uint4 ? w[i].size(1) : w[i].size(0);
+        k[i] = uint4 ? 8 * w[i].size(0) : w[i].size(1);
+        check(w[i], device, dtype, {w[i].size(0), w[i].size(1)}, op, "w" + tag);
+        if (uint4) {
+            const int64_t g = group[i];
+            TORCH_CHECK(g > 0 && g % 8 == 0 && k[i] % g == 0 && n[i] % 4 == 0, op, ": 4-bit task ", num(i),
+                        " needs group % 8 == 0 dividing in_features and out_features % 4 == 0, got group ", num(g),
+                        ", w ", shape(w[i]));
+            check(scale[i], device, torch::kFloat16, {k[i] / g, n[i]}, op, "scale" + tag);
+            check(zero[i], device, torch::kFloat16, {k[i] / g, n[i]}, op, "zero" + tag);
+        } else {
+            TORCH_CHECK(k[i] % (int8 ? 16 : 8) == 0, op, ": w", tag, " needs in_features % ", int8 ? "16" : "8",
+                        " == 0");
+            TORCH_CHECK(int8 == (scale[i].numel() > 0), op, ": task ", num(i),
+                        " needs a scale iff its weights are int8");
+            TORCH_CHECK(zero[i].numel() == 0, op, ": task ", num(i), " has a zero, which only 4-bit weights take");
+            if (int8) check(scale[i], device, torch::kFloat16, {n[i]}, op, "scale" + tag);
+        }
         check(x[i], device, torch::kFloat16, {M, k[i]}, op, "x" + tag);
         check(y[i], device, torch::kFloat16, {M, n[i]}, op, "y" + tag);
         if (residual[i].numel()) check(residual[i], device, torch::kFloat16, {M, n[i]}, op, "residual" + tag);
         TORCH_CHECK(activation[i] >= 0 && activation[i] <= 2 && epilogue[i] >= 0 && epilogue[i] <= 1, op,
                     ": bad activation/epilogue code");
         w_ptr.push_back(w[i].data_ptr());
-        s_ptr.push_back(int8 ? scale[i].data_ptr() : nullptr);
+        s_ptr.push_back(int8 || uint4 ? scale[i].data_ptr() : nullptr);
+        z_ptr.push_back(uint4 ? zero[i].data_ptr() : nullptr);
         x_ptr.push_back(x[i].data_ptr());
         y_ptr.push_back(y[i].data_ptr());
         r_ptr.push_back(residual[i].numel() ? residual[i].data_ptr() : nullptr);
@@ -174,8 +196,8 @@ void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::v
         epi[i] = static_cast<int>(epilogue[i]);
     }
     raise_on(fused_gemv_launch(static_cast<int>(device.index()), stream, M, static_cast<int>(count), w_ptr.data(),
-                               s_ptr.data(), x_ptr.data(), y_ptr.data(), r_ptr.data(), n.data(), k.data(), wt.data(),
-                               act.data(), epi.data()),
+                               s_ptr.data(), z_ptr.data(), x_ptr.data(), y_ptr.data(), r_ptr.data(), n.data(),
+                               k.data(), group.data(), wt.data(), act.data(), epi.data()),
              op);
 }
 
@@ -183,7 +205,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "Fused RWKV-7 forward kernels: layer norm + token shift + mix, time mix, grouped GEMV";
     m.def("ln_shift_mix", &ln_shift_mix, "ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mix, out, stream)");
     m.def("time_mix", &time_mix, "time_mix(state, slots, starts, lasts, tensors, params, first_layer, stream)");
-    m.def("gemv", &gemv, "gemv(w, scale, x, y, residual, activation, epilogue, stream)");
+    m.def("gemv", &gemv, "gemv(w, scale, zero, x, y, residual, group, activation, epilogue, stream)");
     m.def("gemv_max_rows", &fused_gemv_max_rows);
     m.def("gemv_max_tasks", &fused_gemv_max_tasks);
 }

@@ -10,6 +10,8 @@
 //   32-thread team (threadIdx.x >> 5) on both; the GEMV keeps one team per output row, and a team past
 //   the last row still joins the shuffles instead of returning (a wave64 holds two teams);
 // - the weights of the GEMV are streamed with nontemporal loads (CUDA: __ldcs);
+// - the GEMV's 4-bit tasks multiply with an fp32 fma per thread instead of the CUDA file's tensor-core
+//   mma, over a work split of their own (the same rebuilt weights and fp16 x: see above kUint4Band);
 // - the state staging helpers of cuda/wkv7_state.cuh are copied in below (as hip/wkv7_slots.hip does),
 //   since that header includes the CUDA runtime.
 //
@@ -519,20 +521,23 @@ constexpr int kGemvWarps = 8;  // 32-thread teams per block, one output row each
 constexpr int kMaxTasks = 8;
 constexpr int kGemvMaxRows = 8;
 
-enum WeightType : int { kWeightHalf = 0, kWeightInt8 = 1 };
+enum WeightType : int { kWeightHalf = 0, kWeightInt8 = 1, kWeightUint4 = 2 };
 enum Activation : int { kActNone = 0, kActTanh = 1, kActSigmoid = 2 };
 enum Epilogue : int { kEpiNone = 0, kEpiReluSquare = 1 };
 
 struct GemvTask {
-    const void* w;           // [N, K] fp16 or int8, row-major (nn.Linear layout)
-    const __half* scale;     // [N] per output channel (int8 weights), else null
+    const void* w;           // [N, K] fp16 or int8, row-major (nn.Linear layout); 4-bit: [K/8, N] int32 words
+    const __half* scale;     // [N] per output channel (int8 weights); 4-bit: [K/group, N]; else null
+    const __half* zero;      // 4-bit: [K/group, N], added after the scale; else null
     const __half* x;         // [M, K]
     __half* y;               // [M, N]
     const __half* residual;  // [M, N] added to the result, or null (may alias y)
     int n, k;
+    int group;               // 4-bit: input columns per scale/zero group
     int weight_type, activation, epilogue;
-    int splits;              // teams per output channel (1, 2, 4 or 8), each reading one slice of the row
-    int first_block;         // blocks [first_block, first_block + ceil(n * splits / kGemvWarps)) compute this task
+    int splits;              // teams per output channel (1, 2, 4 or 8), each reading one slice of the row;
+                             // 4-bit: 1 or 2, a block takes kUint4Band / splits columns
+    int first_block;         // blocks [first_block, first_block + gemv_units(task) / kGemvWarps) compute this task
 };
 
 struct GemvArgs {
@@ -617,6 +622,175 @@ __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, 
     }
 }
 
+// y[m][n] = fp16(epilogue(fp16(product)) + residual[m][n]): the product rounded to fp16 first, as a
+// separate matmul would give it.
+__device__ __forceinline__ void store_output(const GemvTask& task, int m, int n, float product) {
+    const int64_t o = int64_t(m) * task.n + n;
+    float val = round_half(product);
+    if (task.epilogue == kEpiReluSquare) {
+        val = fmaxf(val, 0.0f);
+        val = val * val;
+    }
+    if (task.residual) val += __half2float(task.residual[o]);
+    task.y[o] = __float2half_rn(val);
+}
+
+// ---- 4-bit weights: GemLite's A16W4_HQQ_INT layout read in place (read the CUDA source's comment above
+// kUint4Band), W[n][k] = fp16(q * scale + zero) with one fp16 fma as GemLite rebuilds it, an activated x
+// rounded to fp16 (as the CUDA tensor cores take it), fp32 sums. The CUDA source sums on the tensor cores
+// (mma.m16n8k16, whose fragments have no counterpart here); this port does each product with an fp32 fma:
+// a block per band of kUint4Band / splits channels, `lanes` threads across it loading 4 channels x 8 k
+// each, the block's other threads slices of the K/8 rows of words, the slices' sums added in a fixed order
+// (a butterfly inside each team, then the teams in order through shared memory).
+constexpr int kUint4Band = 32;      // output channels per block at splits == 1 (8 lanes)
+constexpr int kUint4MaxSplits = 2;  // 16 channels (4 lanes: 64-byte runs) at the most
+constexpr int kUint4SplitMinK = 2048;  // only long rows are worth the narrower band
+constexpr int kUint4Loads = 4;      // 16-byte loads per thread per batch (128 weights)
+
+__device__ __forceinline__ __half2 as_half2(uint32_t bits) {
+    __half2 h;
+    __builtin_memcpy(&h, &bits, sizeof(h));
+    return h;
+}
+
+// The 8 weights of one word (k = 8c .. 8c + 7) of one channel as floats: nibbles i and i + 4 under the
+// exponent of 1024 in a half2 (exactly 1024 + q), 1024 off exactly, one __hfma2 for scale and zero.
+__device__ __forceinline__ void dequant_uint4x8(uint32_t word, __half2 scale, __half2 zero, float (&w)[8]) {
+    const __half2 bias = as_half2(0x64006400u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __half2 q = __hsub2(as_half2(((word >> (4 * i)) & 0x000F000Fu) | 0x64006400u), bias);
+        const __half2 v = __hfma2(q, scale, zero);
+        w[i] = __low2float(v);
+        w[i + 4] = __high2float(v);
+    }
+}
+
+// Up to kUint4Loads consecutive rows of words of one group (4 channels each) and that group's scales and
+// zeros of the 4 channels.
+struct Uint4Batch {
+    uint4 w[kUint4Loads];
+    uint2 scale, zero;
+    int count;  // rows loaded
+};
+
+// Rows [c, c + count) below end, count <= kUint4Loads, all in c's group; the weights stream past the caches.
+__device__ __forceinline__ void load_uint4_batch(const GemvTask& task, int col, int c, int end, Uint4Batch& b) {
+    const int group_rows = task.group / 8;
+    const int g = c / group_rows;
+    b.count = min(min(end, (g + 1) * group_rows) - c, kUint4Loads);
+    const uint32_t* w = static_cast<const uint32_t*>(task.w) + int64_t(c) * task.n + col;
+#pragma unroll
+    for (int j = 0; j < kUint4Loads; ++j) {
+        if (j < b.count) b.w[j] = load_stream(w + int64_t(j) * task.n);
+    }
+    const int64_t meta = int64_t(g) * task.n + col;
+    b.scale = *reinterpret_cast<const uint2*>(task.scale + meta);
+    b.zero = *reinterpret_cast<const uint2*>(task.zero + meta);
+}
+
+// acc[m][i] += x[m][k] * W[col + i][k] over the batch's rows; the rows of x in passes of at most 4.
+template <int M, bool kAct>
+__device__ __forceinline__ void fma_uint4_batch(const GemvTask& task, int c, const Uint4Batch& b, float (&acc)[M][4]) {
+    constexpr int kPasses = (M + 3) / 4, kRows = (M + kPasses - 1) / kPasses;
+    const uint32_t scales[2] = {b.scale.x, b.scale.y}, zeros[2] = {b.zero.x, b.zero.y};
+    __half2 scale[4], zero[4];  // channel i's scale and zero in both halves
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned dup = i % 2 ? 0x3232u : 0x1010u;
+        scale[i] = as_half2(__byte_perm(scales[i / 2], 0u, dup));
+        zero[i] = as_half2(__byte_perm(zeros[i / 2], 0u, dup));
+    }
+#pragma unroll
+    for (int j = 0; j < kUint4Loads; ++j) {
+        if (j >= b.count) continue;  // (not break: clang then leaves the loop rolled)
+        const int k = (c + j) * 8;
+        const uint32_t words[4] = {b.w[j].x, b.w[j].y, b.w[j].z, b.w[j].w};
+#pragma unroll
+        for (int p = 0; p < kPasses; ++p) {
+            float xf[kRows][8];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) {
+                const int m = p * kRows + r;
+                if (m >= M) break;
+                load_x8<kAct>(task.x + int64_t(m) * task.k + k, task.activation, xf[r]);
+                if (kAct && task.activation != kActNone) {  // fp16, as the CUDA source's tensor cores take it
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) xf[r][e] = round_half(xf[r][e]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float wf[8];
+                dequant_uint4x8(words[i], scale[i], zero[i], wf);
+#pragma unroll
+                for (int r = 0; r < kRows; ++r) {
+                    const int m = p * kRows + r;
+                    if (m >= M) break;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[m][i] = fmaf(wf[e], xf[r][e], acc[m][i]);
+                }
+            }
+        }
+    }
+}
+
+// One block of a 4-bit task. Every thread reaches the shuffles and the barrier.
+template <int M, bool kAct>
+__device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
+    const int lanes_log2 = task.splits == 1 ? 3 : 2;  // threads across the band: 8 or 4
+    const int lanes = 1 << lanes_log2, band = 4 * lanes;
+    const int quad = threadIdx.x & (lanes - 1), slice = threadIdx.x >> lanes_log2;
+    const int first_col = (int(blockIdx.x) - task.first_block) * band;
+    const int col = first_col + 4 * quad;
+    const bool active = col < task.n;  // n % 4 == 0: all 4 channels of a vector, or none
+    const int rows = task.k / 8, slices = kGemvWarps * kTeam / lanes;
+    const int chunk = (rows + slices - 1) / slices;
+    const int begin = min(slice * chunk, rows), end = min(begin + chunk, rows);
+    dependency_wait();
+
+    float acc[M][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
+    }
+    if (active) {
+        Uint4Batch b;
+#pragma unroll 1
+        for (int c = begin; c < end; c += b.count) {
+            load_uint4_batch(task, col, c, end, b);
+            fma_uint4_batch<M, kAct>(task, c, b, acc);
+        }
+    }
+    // The slices of a team hold the same channels in lanes `lanes` apart: a butterfly over those lanes.
+#pragma unroll 1
+    for (int o = lanes; o < kTeam; o <<= 1) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[m][i] += __shfl_xor(acc[m][i], o, kTeam);
+        }
+    }
+    __shared__ float band_sum[kGemvWarps][M][kUint4Band];
+    const int lane = threadIdx.x & (kTeam - 1), team = int(threadIdx.x / kTeam);
+    if (lane < lanes) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) band_sum[team][m][4 * quad + i] = acc[m][i];
+        }
+    }
+    __syncthreads();
+    // One output per thread: (row m, channel first_col + j), the teams' sums added in team order.
+    const int m = threadIdx.x >> (lanes_log2 + 2), j = threadIdx.x & (band - 1);
+    if (m >= M || first_col + j >= task.n) return;
+    float sum = band_sum[0][m][j];
+#pragma unroll
+    for (int w = 1; w < kGemvWarps; ++w) sum += band_sum[w][m][j];
+    store_output(task, m, first_col + j, sum);
+}
+
 // (No minimum-occupancy argument: HIP's second __launch_bounds__ parameter means something else.)
 template <int M, bool kAct>
 __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args) {
@@ -624,6 +798,10 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args)
 #pragma unroll 1
     while (t + 1 < args.count && int(blockIdx.x) >= args.task[t + 1].first_block) ++t;
     const GemvTask& task = args.task[t];
+    if (task.weight_type == kWeightUint4) {  // block-uniform
+        gemv_uint4_block<M, kAct>(task);
+        return;
+    }
     const int lane = threadIdx.x & (kTeam - 1), team = int(threadIdx.x / kTeam);
     // This team's (output channel, slice): a block holds whole channels, as kGemvWarps % splits == 0.
     const int unit = (int(blockIdx.x) - task.first_block) * kGemvWarps + team;
@@ -671,16 +849,7 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args)
     if (!active || lane != 0) return;
     const float scale = task.scale ? __half2float(task.scale[n]) : 1.0f;
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        const int64_t o = int64_t(m) * task.n + n;
-        float val = round_half(acc[m] * scale);  // the product in fp16, as a separate matmul would give
-        if (task.epilogue == kEpiReluSquare) {
-            val = fmaxf(val, 0.0f);
-            val = val * val;
-        }
-        if (task.residual) val += __half2float(task.residual[o]);
-        task.y[o] = __float2half_rn(val);
-    }
+    for (int m = 0; m < M; ++m) store_output(task, m, n, acc[m] * scale);
 }
 
 // Which instance of a kernel a launch takes (the launchers and the CPU emulator's harness both ask):
@@ -772,15 +941,25 @@ inline TimeMixArgs make_time_mix_args(const void* const* tensors, const void* co
     return p;
 }
 
-// Whether gemv_kernel takes a task: k a multiple of one 16-byte load (8 fp16 or 16 int8 weights).
-inline bool gemv_takes(int64_t n, int64_t k, int weight_type) {
-    const int multiple = weight_type == kWeightInt8 ? 16 : 8;
-    return n > 0 && k > 0 && n <= INT_MAX / 2 && k <= INT_MAX / 2 && k % multiple == 0;
+// Whether gemv_kernel takes a task: k a multiple of one 16-byte load (8 fp16 or 16 int8 weights); 4-bit:
+// whole 16-byte vectors of 4 channels (n % 4 == 0) and whole groups of whole words.
+inline bool gemv_takes(int64_t n, int64_t k, int weight_type, int64_t group) {
+    if (n <= 0 || k <= 0 || n > INT_MAX / 2 || k > INT_MAX / 2) return false;
+    if (weight_type == kWeightUint4) return n % 4 == 0 && group > 0 && group % 8 == 0 && k % group == 0;
+    return (weight_type == kWeightHalf && k % 8 == 0) || (weight_type == kWeightInt8 && k % 16 == 0);
+}
+
+// 16-byte vectors along K per unit of work (fp16 rows: 8 weights each, int8: 16, 4-bit words: 8 k-values
+// of 4 channels), and the teams of work (kGemvWarps per block) of a task split `splits` ways.
+inline int gemv_vectors(const GemvTask& t) { return t.weight_type == kWeightInt8 ? t.k / 16 : t.k / 8; }
+inline int64_t gemv_units(const GemvTask& t, int splits) {
+    if (t.weight_type == kWeightUint4) return (int64_t(t.n) * splits + kUint4Band - 1) / kUint4Band * kGemvWarps;
+    return int64_t(t.n) * splits;
 }
 
 // Row splitting, as in the CUDA source: the rows of the task with the longest slices are halved until the
-// launch has kGemvSplitRows (row, slice) units, each slice keeping a full batch of loads per lane.
-// RWKV_GEMV_SPLIT=0 turns it off.
+// launch has kGemvSplitRows (row, slice) units, each slice keeping a full batch of loads per lane; a 4-bit
+// task with long rows halves its band instead (once). RWKV_GEMV_SPLIT=0 turns it off.
 constexpr int kGemvSplitRows = 16384;
 constexpr int kGemvMinSlice = kTeam * kGemvLoads;
 
@@ -796,40 +975,46 @@ inline void plan_gemv_splits(GemvArgs& args) {
     int64_t units = 0;
     for (int i = 0; i < args.count; ++i) {
         args.task[i].splits = 1;
-        units += args.task[i].n;
+        units += gemv_units(args.task[i], 1);
     }
     while (gemv_split_enabled() && units < kGemvSplitRows) {
         int best = -1, best_slice = 0;
         for (int i = 0; i < args.count; ++i) {
             const GemvTask& t = args.task[i];
-            const int count = t.weight_type == kWeightInt8 ? t.k / 16 : t.k / 8;
-            const int slice = count / t.splits;
-            if (t.splits < kGemvWarps && slice % 2 == 0 && slice / 2 >= kGemvMinSlice && slice > best_slice) {
+            const int slice = gemv_vectors(t) / t.splits;
+            const bool splittable = t.weight_type == kWeightUint4
+                                        ? t.splits < kUint4MaxSplits && t.k >= kUint4SplitMinK
+                                        : t.splits < kGemvWarps && slice % 2 == 0 && slice / 2 >= kGemvMinSlice;
+            if (splittable && slice > best_slice) {
                 best = i;
                 best_slice = slice;
             }
         }
         if (best < 0) break;
-        units += args.task[best].n * int64_t(args.task[best].splits);
-        args.task[best].splits *= 2;
+        GemvTask& t = args.task[best];
+        units += gemv_units(t, 2 * t.splits) - gemv_units(t, t.splits);
+        t.splits *= 2;
     }
 }
 
-// The `count` tasks of one grouped launch, kGemvWarps (output channel, slice) units per block; returns
-// the grid size. The caller has checked that gemv_kernel takes every task.
+// The `count` tasks of one grouped launch, kGemvWarps units per block; returns the grid size. The caller
+// has checked that gemv_kernel takes every task.
 inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void* const* scale,
-                     const void* const* x, void* const* y, const void* const* residual, const int64_t* n,
-                     const int64_t* k, const int* weight_type, const int* activation, const int* epilogue) {
+                     const void* const* zero, const void* const* x, void* const* y, const void* const* residual,
+                     const int64_t* n, const int64_t* k, const int64_t* group, const int* weight_type,
+                     const int* activation, const int* epilogue) {
     int blocks = 0;
     for (int i = 0; i < count; ++i) {
         GemvTask& t = args.task[i];
         t.w = w[i];
         t.scale = static_cast<const __half*>(scale[i]);
+        t.zero = static_cast<const __half*>(zero[i]);
         t.x = static_cast<const __half*>(x[i]);
         t.y = static_cast<__half*>(y[i]);
         t.residual = static_cast<const __half*>(residual[i]);
         t.n = static_cast<int>(n[i]);
         t.k = static_cast<int>(k[i]);
+        t.group = static_cast<int>(group[i]);
         t.weight_type = weight_type[i];
         t.activation = activation[i];
         t.epilogue = epilogue[i];
@@ -839,7 +1024,7 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
     for (int i = 0; i < count; ++i) {
         GemvTask& t = args.task[i];
         t.first_block = blocks;
-        blocks += static_cast<int>((int64_t(t.n) * t.splits + kGemvWarps - 1) / kGemvWarps);
+        blocks += static_cast<int>((gemv_units(t, t.splits) + kGemvWarps - 1) / kGemvWarps);
     }
     return blocks;
 }
@@ -894,17 +1079,20 @@ extern "C" int fused_gemv_max_rows() { return fused::kGemvMaxRows; }
 extern "C" int fused_gemv_max_tasks() { return fused::kMaxTasks; }
 
 // One launch computing `count` tasks y_i = act(x_i) W_i^T (see GemvTask) for M rows each.
-// Weight k must be a multiple of 8 (fp16) or 16 (int8); every pointer 16-byte aligned.
+// Weight k must be a multiple of 8 (fp16) or 16 (int8); 4-bit (weight type 2): n % 4 == 0, group % 8 == 0,
+// k % group == 0; every pointer 16-byte aligned. zero and group are read for 4-bit tasks only.
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
-                                 const void* const* scale, const void* const* x, void* const* y,
-                                 const void* const* residual, const int64_t* n, const int64_t* k,
-                                 const int* weight_type, const int* activation, const int* epilogue) {
+                                 const void* const* scale, const void* const* zero, const void* const* x,
+                                 void* const* y, const void* const* residual, const int64_t* n, const int64_t* k,
+                                 const int64_t* group, const int* weight_type, const int* activation,
+                                 const int* epilogue) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return hipErrorInvalidValue;
     for (int i = 0; i < count; ++i)
-        if (!gemv_takes(n[i], k[i], weight_type[i])) return hipErrorInvalidValue;
+        if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return hipErrorInvalidValue;
     GemvArgs args{};
-    const int blocks = pack_gemv(args, count, w, scale, x, y, residual, n, k, weight_type, activation, epilogue);
+    const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, activation,
+                                 epilogue);
     const hipStream_t s = reinterpret_cast<hipStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {

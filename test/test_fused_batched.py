@@ -87,3 +87,22 @@ def test_add_product_adds_the_product_in_place():
     target = x.clone()
     add_product(target, quant, y)
     assert torch.equal(target, x + quant(y))
+
+
+def test_a_failed_4bit_self_test_switches_off_only_the_4bit_tasks():
+    """FusedKernels.operands: the grouped GEMV's operands of each linear; 4-bit GemLite words drop out (to
+    GemLite's kernels) once the 4-bit self-test failed, while fp16 and int8 layers keep the GEMV."""
+    from types import SimpleNamespace
+
+    from infer.ops.fused import FusedKernels
+    from infer.ops.linear import DenseLinear
+    kernels = FusedKernels(SimpleNamespace(gemv_max_rows=lambda: 8))
+    words = torch.zeros(16, 48, dtype=torch.int32)
+    meta = torch.zeros(4, 48, dtype=torch.float16)
+    uint4 = SimpleNamespace(uint4_groups=(words, meta, meta, 32), in_features=128, out_features=48)
+    dense = DenseLinear(torch.zeros(48, 128, dtype=torch.float16))
+    int8 = W8A16Linear(torch.zeros(48, 128, dtype=torch.int8), torch.ones(48, dtype=torch.float16))
+    assert kernels.operands(uint4).weight is words
+    kernels.uint4 = False
+    assert kernels.operands(uint4) is None
+    assert kernels.operands(dense).weight is dense.weight and kernels.operands(int8).scale is int8.scale

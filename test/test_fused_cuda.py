@@ -3,6 +3,8 @@ official package's fp16 drift; batch invariance with CUDA graphs. Needs a CUDA G
 and is the `--check` for any CUDA machine: ``python -m pytest -q test/test_fused_cuda.py``."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -15,6 +17,9 @@ from infer.ops.wkv_cuda import select_wkv
 from infer.random_model import make_config, random_state_dict
 from infer.runner import ModelRunner
 from infer.sampler import SamplingParams
+
+needs_gemlite = pytest.mark.skipif(importlib.util.find_spec("gemlite") is None, reason="needs gemlite 0.6.x")
+
 
 def test_select_on_cpu_keeps_readable_forward():
     sd = random_state_dict(make_config(1, 64, 256), seed=0, dtype=torch.float32)
@@ -264,3 +269,96 @@ def test_gemv_rejects_bad_arguments(kernels):
         kernels.gemv([(w, x, y, ACT_NONE, EPI_NONE, None)])
     with pytest.raises(RuntimeError, match="shape"):
         kernels.gemv([(w, x[:2], y[:3], ACT_NONE, EPI_NONE, None)])
+
+
+# --------------------------------------------------------------------------------------------- GemLite 4-bit
+def gemlite_uint4(n_out: int, n_in: int, group: int, seed: int):
+    """A GemLite A16W4_HQQ_INT layer packed by gemlite itself, as export_quant_gemlite packs one."""
+    from infer.quant.gemlite_linear import GemLiteLinear, require_gemlite
+    from infer.quant.quantize import quantize_uint4_groups
+    gemlite = require_gemlite("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, scale, zero = quantize_uint4_groups(torch.randn(n_out, n_in, generator=gen, device="cuda") * n_in ** -0.5, group)
+    helper = gemlite.helper.A16W4_HQQ_INT(device=f"cuda:{torch.cuda.current_device()}", dtype=torch.float16)
+    return GemLiteLinear(helper.from_weights(q, scale, zero).state_dict())
+
+
+@pytest.fixture(scope="module")
+def uint4_layer(kernels):
+    if importlib.util.find_spec("gemlite") is None:
+        pytest.skip("needs gemlite 0.6.x")
+    lin = gemlite_uint4(1040, 512, 64, seed=1)  # 1040 channels: the last block's band half empty
+    assert lin.uint4_groups is not None and "fused 4-bit GEMV" in lin.kind
+    assert [t.data_ptr() for t in lin.uint4_groups[:3]] == [t.data_ptr() for t in lin._args[:3]], "not in place"
+    # GemLite's own W [out, in]: one-hot rows through its kernel, one product per output, so exact
+    dense = lin(torch.eye(512, device="cuda", dtype=torch.float16)).t().contiguous()
+    return lin, dense
+
+
+def test_gemv_uint4_rebuilds_gemlite_weights_bit_for_bit(kernels, uint4_layer):
+    """One-hot x through the fused GEMV gives back each weight: equal to GemLite's, bit for bit (the same
+    fp16 fma rebuilds it from the same words, scales and zeros)."""
+    lin, dense = uint4_layer
+    eye = torch.eye(512, device="cuda", dtype=torch.float16)
+    got = torch.full((512, 1040), float("nan"), device="cuda", dtype=torch.float16)
+    for first in range(0, 512, 8):
+        kernels.gemv([(lin, eye[first:first + 8], got[first:first + 8], ACT_NONE, EPI_NONE, None)])
+    assert torch.equal(got.t(), dense)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_gemv_uint4_tasks_match_gemlite(kernels, uint4_layer, rows):
+    """4-bit tasks beside fp16 ones in one launch (relu^2, residual in place) against float64 products of
+    GemLite's weights, and against GemLite's own forward (whose split-K sums add in fp16: looser)."""
+    lin, dense = uint4_layer
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 512, generator=gen, device="cuda").half()
+    res = torch.randn(rows, 1040, generator=gen, device="cuda").half()
+    w16 = (torch.randn(96, 512, generator=gen, device="cuda") * 0.05).half()
+    y, z, h = torch.empty(rows, 1040, device="cuda").half(), res.clone(), torch.empty(rows, 96, device="cuda").half()
+    kernels.gemv([(lin, x, y, ACT_NONE, EPI_NONE, None), (DenseLinear(w16), x, h, ACT_TANH, EPI_NONE, None),
+                  (lin, x, z, ACT_NONE, EPI_RELU_SQUARE, z)])
+    exact = x.double() @ dense.double().T
+    torch.testing.assert_close(y.double(), exact, atol=1e-3, rtol=1e-3)
+    relu2 = exact.half().double().clamp_min(0) ** 2
+    torch.testing.assert_close(z.double(), res.double() + relu2, atol=2e-2, rtol=2e-3)
+    torch.testing.assert_close(h, torch.tanh(x) @ w16.T, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(y, lin(x), atol=1e-2, rtol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def uint4_model(kernels, tmp_path_factory):
+    if importlib.util.find_spec("gemlite") is None:
+        pytest.skip("needs gemlite 0.6.x")
+    from conftest import make_model_file
+
+    from infer.quant import export_quant_gemlite
+    directory = tmp_path_factory.mktemp("w4")
+    out = directory / "w4.pth"
+    export_quant_gemlite.main([str(make_model_file(directory, "L2-C128-V1024", torch.float16)), str(out),
+                               "--format", "A16W4_HQQ_INT"])
+    model = RWKV7.load(str(out), device="cuda", dtype="fp16", engine="gemlite", progress=False)
+    assert select_fused(model, "on") is kernels
+    return model
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_gemlite_uint4_decode_runs_on_the_fused_gemv(uint4_model, batch, monkeypatch):
+    """A16W4_HQQ_INT layers hand their packed words, scales and zeros to the fused GEMV (no copy): a decode
+    step of up to gemv_rows rows takes it for every matrix and agrees with the same step through GemLite's
+    own kernels."""
+    model, fused = uint4_model, uint4_model.fused
+    assert fused.rows_for(model) == fused.uint4_gemv_rows == 8 and fused.gemv_covers(model) == 8
+    assert all(lin.uint4_groups[0].data_ptr() == lin._args[0].data_ptr() for lin in model.projections())
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(1, 1024, (5 + 3 * i,), generator=gen).tolist() for i in range(batch)]
+    slots = list(range(batch))
+    pools = [model.new_state_pool(batch) for _ in range(2)]
+    for pool in pools:
+        model.prefill(prompts, slots, pool)
+    tokens = [(7 * i + 9) % 1024 for i in range(batch)]
+    on_gemv = model.decode(tokens, slots, pools[0])
+    monkeypatch.setattr(fused, "uint4_gemv_rows", 0)  # the same step through GemLite's kernels
+    on_gemlite = model.decode(tokens, slots, pools[1])
+    relative = ((on_gemv - on_gemlite).abs().max() / on_gemlite.abs().max()).item()
+    assert 0 < relative <= 1e-2, relative

@@ -27,7 +27,11 @@ References and tolerances (ulp: the spacing of fp16 numbers at the magnitude com
 - gemv: act(x) @ W^T (* scale) in float64; the kernel's fp16 product must lie between the fp16
   roundings of the exact product -/+ a bound on its fp32 accumulation error (K * 2^-23 * sum|w x|), and
   relu^2 and the residual add must follow exactly (both monotone and exact in fp32 before the final
-  rounding); >95% of the outputs are the exact product rounded.
+  rounding); >95% of the outputs are the exact product rounded. 4-bit tasks take W as GemLite's kernels
+  rebuild it from its packed layout (fp16(q * scale + zero), rounded once; the test packs and unpacks
+  that layout itself, without gemlite) and sum on the (emulated) tensor cores, whose operands are fp16:
+  an activated x is rounded to fp16 first, within one ulp. One-hot rows of x check every rebuilt weight
+  bit for bit.
 - wkv7_slots: TorchWKV (fp32 math): y within 3e-5 (+1e-5 relative) and an fp32 state within 1e-5
   (+1e-5 relative): summation order (seen: 8e-6, 1e-6); an fp16 state pool within 1 ulp (+2^-20),
   >99% identical.
@@ -80,10 +84,11 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
         if name.startswith("fused"):
             so.emu_fused_ln_shift_mix.argtypes = [i64, i64, i64, p, p, p, p, p, p, p, p, p, i32]
             so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32]
-            so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p]
+            so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p, p]
             so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p]
             so.emu_f32_to_f16.argtypes = [p, p, i64]
             so.emu_f16_to_f32.argtypes = [p, p, i64]
+            so.emu_f16_fma.argtypes = [p, p, p, p, i64]
         else:
             so.emu_wkv7_slots.argtypes = [i32, i32, i64, i64, i64, i64, p, p, p, p, p, p, p, p, p, p, p]
         out[name] = so
@@ -393,29 +398,91 @@ def test_time_mix(variant, C, layer, state_dtype, libs):
 
 
 # --------------------------------------------------------------------------------------------- gemv
-def gemv_task(gen, M, n, k, int8=False, act=ACT_NONE, epi=EPI_NONE, residual=False) -> dict:
-    if int8:
+F16, I8 = "f16", "i8"
+WEIGHT_TYPE = {F16: 0, I8: 1, "u4": 2}
+
+
+def U4(group: int) -> tuple[str, int]:  # noqa: N802 - reads as a weight kind beside F16 and I8
+    """GemLite's 4-bit layout with a scale and zero per `group` input columns."""
+    return "u4", group
+
+
+def f16_round(x: torch.Tensor) -> torch.Tensor:
+    """float64 values rounded once to the nearest fp16 number, ties to even (torch's .half() of a float64
+    goes through fp32: two roundings); as fp16."""
+    a = x.abs()
+    _, e = torch.frexp(a)
+    ulp = torch.ldexp(torch.ones_like(a), (e - 1).clamp_min(-14) - 10)
+    r = torch.round(a / ulp) * ulp  # exact scaling; round() is half-to-even
+    r = torch.where(r >= 65520.0, torch.full_like(r, math.inf), r)
+    return torch.copysign(r, x).half()  # r is an fp16 number: exact
+
+
+def pack_gemlite_uint4(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What gemlite 0.6's A16W4_HQQ_INT packing stores for q (uint8 [N, K], 0..15) and a scale and zero point
+    per group (fp16 [N, K / group]), written from its source (core.py pack, bitpack.py): 32-bit words
+    [K/8, N], contiguous, W[n][8c + j] in bits 4j..4j+3 of word (c, n); scale and zero [K/group, N],
+    zero = fp16(-zero_point * scale) (fma mode: W = q * scale + zero)."""
+    N, K = q.shape
+    words = (q.to(torch.int64).view(N, K // 8, 8) << (4 * torch.arange(8))).sum(-1)  # disjoint bits
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    zero = (-zero_point.float() * scale.float()).half()  # the fp32 product of two fp16 numbers is exact
+    return words.t().contiguous(), scale.t().contiguous(), zero.t().contiguous()
+
+
+def dequantize_gemlite_uint4(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """GemLite's W [N, K] from its packed tensors: fp16(q * scale + zero) rounded once (its fp16 fma), as
+    float64. The packer above is not read back: the bits are unpacked here independently."""
+    rows, N = words.shape
+    group = rows * 8 // scale.shape[0]
+    shifts = 4 * torch.arange(8, dtype=torch.int64)
+    q = ((words.to(torch.int64) & 0xFFFFFFFF)[:, :, None] >> shifts) & 0xF  # [K/8, N, 8]
+    q = q.permute(1, 0, 2).reshape(N, rows * 8).double()
+    s = scale.t().double().repeat_interleave(group, dim=1)
+    z = zero.t().double().repeat_interleave(group, dim=1)
+    return f16_round(q * s + z).double()  # q * s + z is exact in float64 (at most 44 significant bits)
+
+
+def uint4_layer(gen, n: int, k: int, group: int) -> tuple[torch.Tensor, ...]:
+    """Random 4-bit weights of magnitude ~k^-0.5 in GemLite's layout: (words, scale, zero, dense W).
+    Zero points are real numbers in [0, 15] (HQQ), some exactly 0 or tiny (the fp16 fma's ties)."""
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = ((torch.rand(n, k // group, generator=gen) + 0.5) * k ** -0.5 / 4).half()
+    zero_point = torch.rand(n, k // group, generator=gen) * 15
+    zero_point[:, ::3] = torch.rand(n, len(range(0, k // group, 3)), generator=gen) * 2.0 ** -9
+    zero_point[::4, ::5] = 0.0
+    words, scale, zero = pack_gemlite_uint4(q, scale, zero_point.half())
+    return words, scale, zero, dequantize_gemlite_uint4(words, scale, zero)
+
+
+def gemv_task(gen, M, n, k, kind=F16, act=ACT_NONE, epi=EPI_NONE, residual=False) -> dict:
+    zero, dense, group = None, None, 0
+    if kind == I8:
         w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
         scale = (torch.rand(n, generator=gen) * 0.02 + 0.001).half()
-    else:
+    elif kind == F16:
         w, scale = (torch.randn(n, k, generator=gen) * k ** -0.5).half(), None
+    else:
+        kind, group = kind
+        w, scale, zero, dense = uint4_layer(gen, n, k, group)
     x = (torch.randn(M, k, generator=gen) * (2.0 if act else 1.0)).half()
     res = torch.randn(M, n, generator=gen).half() if residual else None
-    return dict(w=w, scale=scale, x=x, residual=res, act=act, epi=epi)
+    return dict(w=w, scale=scale, zero=zero, dense=dense, n=n, k=k, group=group, type=WEIGHT_TYPE[kind], x=x,
+                residual=res, act=act, epi=epi)
 
 
 def run_gemv(so, tasks, M):
     ys = []
     for t in tasks:
-        n = t["w"].shape[0]
         # a residual task adds into y in place (the fused forward's x += W y): residual aliases y
-        ys.append(t["residual"].clone() if t["residual"] is not None else torch.full((M, n), 777.0).half())
+        ys.append(t["residual"].clone() if t["residual"] is not None else torch.full((M, t["n"]), 777.0).half())
     residual = [y if t["residual"] is not None else None for t, y in zip(tasks, ys)]
     _check_rc(so.emu_fused_gemv(M, len(tasks), _ptrs([t["w"] for t in tasks]), _ptrs([t["scale"] for t in tasks]),
-                                _ptrs([t["x"] for t in tasks]), _ptrs(ys), _ptrs(residual),
-                                _ints([t["w"].shape[0] for t in tasks], ctypes.c_int64),
-                                _ints([t["w"].shape[1] for t in tasks], ctypes.c_int64),
-                                _ints([int(t["w"].dtype == torch.int8) for t in tasks], ctypes.c_int),
+                                _ptrs([t["zero"] for t in tasks]), _ptrs([t["x"] for t in tasks]), _ptrs(ys),
+                                _ptrs(residual), _ints([t["n"] for t in tasks], ctypes.c_int64),
+                                _ints([t["k"] for t in tasks], ctypes.c_int64),
+                                _ints([t["group"] for t in tasks], ctypes.c_int64),
+                                _ints([t["type"] for t in tasks], ctypes.c_int),
                                 _ints([t["act"] for t in tasks], ctypes.c_int),
                                 _ints([t["epi"] for t in tasks], ctypes.c_int)))
     return ys
@@ -423,14 +490,20 @@ def run_gemv(so, tasks, M):
 
 def check_gemv(t: dict, y: torch.Tensor, what: str) -> None:
     """y = fp16(epi(fp16(act(x) W^T * scale)) + residual), the inner fp16 product being one of the fp16
-    numbers around the exact product +- a bound on the fp32 accumulation (and activation) error."""
+    numbers around the exact product +- a bound on the fp32 accumulation (and activation) error. 4-bit
+    weights: W is GemLite's dequantized matrix (dequantize_gemlite_uint4), and the tensor cores take act(x)
+    rounded to fp16 (its fp32 value may round to either neighbour: one ulp of slack)."""
     x = t["x"].double()
     x = torch.tanh(x) if t["act"] == ACT_TANH else torch.sigmoid(x) if t["act"] == ACT_SIGMOID else x
-    w = t["w"].double()
-    scale = t["scale"].double() if t["scale"] is not None else torch.ones(w.shape[0], dtype=torch.float64)
+    w = t["dense"] if t["dense"] is not None else t["w"].double()
+    slack = 0.0
+    if t["type"] == WEIGHT_TYPE["u4"] and t["act"] != ACT_NONE:
+        x = f16_round(x).double()
+        slack = ulp16(x) @ w.abs().T
+    scale = t["scale"].double() if t["type"] == WEIGHT_TYPE[I8] else torch.ones(w.shape[0], dtype=torch.float64)
     exact = (x @ w.T) * scale
     K = w.shape[1]
-    err = (x.abs() @ w.abs().T) * scale * (K + 4) * 2.0 ** -23 + 1e-30
+    err = (x.abs() @ w.abs().T) * scale * (K + 4) * 2.0 ** -23 + slack + 1e-30
 
     def finish(val16: torch.Tensor) -> torch.Tensor:
         val = val16.float()
@@ -450,50 +523,127 @@ def check_gemv(t: dict, y: torch.Tensor, what: str) -> None:
 
 
 GEMV_CASES = {
-    # M, tasks: (n, k, int8, act, epi, residual)
-    "one-row": (1, [(37, 136, False, ACT_NONE, EPI_NONE, False)]),  # a partly idle last block, lanes past k
-    "lora-and-ffn": (2, [(64, 128, False, ACT_TANH, EPI_NONE, False), (40, 160, True, ACT_SIGMOID, EPI_NONE, False),
-                         (48, 96, False, ACT_NONE, EPI_RELU_SQUARE, False), (24, 512, True, ACT_NONE, EPI_NONE, True),
-                         (20, 264, False, ACT_NONE, EPI_NONE, True)]),
-    "eight-rows": (8, [(9, 8, False, ACT_NONE, EPI_NONE, False), (16, 16, True, ACT_TANH, EPI_RELU_SQUARE, True),
-                       (33, 272, True, ACT_NONE, EPI_RELU_SQUARE, False), (8, 1032, False, ACT_SIGMOID, EPI_NONE, True),
-                       (3, 64, False, ACT_NONE, EPI_NONE, False), (5, 48, True, ACT_NONE, EPI_NONE, False),
-                       (17, 24, False, ACT_TANH, EPI_NONE, False), (2, 32, True, ACT_SIGMOID, EPI_NONE, True)]),
-    "three-rows": (3, [(11, 40, False, ACT_NONE, EPI_RELU_SQUARE, True), (13, 32, True, ACT_NONE, EPI_NONE, False)]),
-    "five-rows": (5, [(7, 56, False, ACT_SIGMOID, EPI_NONE, False)]),
-    "seven-rows": (7, [(10, 48, True, ACT_TANH, EPI_NONE, True)]),
+    # M, tasks: (n, k, weights, act, epi, residual)
+    "one-row": (1, [(37, 136, F16, ACT_NONE, EPI_NONE, False)]),  # a partly idle last block, lanes past k
+    "lora-and-ffn": (2, [(64, 128, F16, ACT_TANH, EPI_NONE, False), (40, 160, I8, ACT_SIGMOID, EPI_NONE, False),
+                         (48, 96, F16, ACT_NONE, EPI_RELU_SQUARE, False), (24, 512, I8, ACT_NONE, EPI_NONE, True),
+                         (20, 264, F16, ACT_NONE, EPI_NONE, True)]),
+    "eight-rows": (8, [(9, 8, F16, ACT_NONE, EPI_NONE, False), (16, 16, I8, ACT_TANH, EPI_RELU_SQUARE, True),
+                       (33, 272, I8, ACT_NONE, EPI_RELU_SQUARE, False), (8, 1032, F16, ACT_SIGMOID, EPI_NONE, True),
+                       (3, 64, F16, ACT_NONE, EPI_NONE, False), (5, 48, I8, ACT_NONE, EPI_NONE, False),
+                       (17, 24, F16, ACT_TANH, EPI_NONE, False), (2, 32, I8, ACT_SIGMOID, EPI_NONE, True)]),
+    "three-rows": (3, [(11, 40, F16, ACT_NONE, EPI_RELU_SQUARE, True), (13, 32, I8, ACT_NONE, EPI_NONE, False)]),
+    "five-rows": (5, [(7, 56, F16, ACT_SIGMOID, EPI_NONE, False)]),
+    "seven-rows": (7, [(10, 48, I8, ACT_TANH, EPI_NONE, True)]),
     # rows longer than one batch of loads per lane (256 vectors): a full batch, then a partial one
-    "long-rows": (2, [(5, 2312, False, ACT_NONE, EPI_NONE, True), (3, 4112, True, ACT_TANH, EPI_NONE, False),
-                      (2, 4096, False, ACT_SIGMOID, EPI_RELU_SQUARE, False)]),
+    "long-rows": (2, [(5, 2312, F16, ACT_NONE, EPI_NONE, True), (3, 4112, I8, ACT_TANH, EPI_NONE, False),
+                      (2, 4096, F16, ACT_SIGMOID, EPI_RELU_SQUARE, False)]),
     # the same without any activation (the plain kernel instance), int8 and fp16
-    "long-rows-plain": (1, [(6, 4112, True, ACT_NONE, EPI_NONE, False), (4, 2312, False, ACT_NONE, EPI_NONE, True)]),
+    "long-rows-plain": (1, [(6, 4112, I8, ACT_NONE, EPI_NONE, False), (4, 2312, F16, ACT_NONE, EPI_NONE, True)]),
     # few long rows: split among 8, 2 and 4 warps of a block (GEMV_SPLITS), idle warps in the last blocks
-    "split-rows": (2, [(5, 16384, False, ACT_NONE, EPI_NONE, True), (3, 8192, True, ACT_TANH, EPI_NONE, False),
-                       (9, 8192, False, ACT_NONE, EPI_RELU_SQUARE, False)]),
-    "split-rows-plain": (1, [(6, 4096, False, ACT_NONE, EPI_NONE, False), (7, 8192, True, ACT_NONE, EPI_NONE, True)]),
+    "split-rows": (2, [(5, 16384, F16, ACT_NONE, EPI_NONE, True), (3, 8192, I8, ACT_TANH, EPI_NONE, False),
+                       (9, 8192, F16, ACT_NONE, EPI_RELU_SQUARE, False)]),
+    "split-rows-plain": (1, [(6, 4096, F16, ACT_NONE, EPI_NONE, False), (7, 8192, I8, ACT_NONE, EPI_NONE, True)]),
+    # 4-bit (GemLite) bands of 32 channels: 36 leaves 8 of a block's 9 channel quads idle; k = 64: fewer rows
+    # of words than slices; 16-column groups: batches of 2 rows
+    "u4-one-row": (1, [(36, 64, U4(16), ACT_NONE, EPI_NONE, False), (32, 128, U4(64), ACT_NONE, EPI_NONE, True)]),
+    # groups of 3 rows of words (24 columns) that straddle the slices' 4-row chunks; 8 channels: one quad
+    "u4-two-rows": (2, [(16, 960, U4(24), ACT_TANH, EPI_NONE, False),
+                        (8, 256, U4(128), ACT_SIGMOID, EPI_RELU_SQUARE, True),
+                        (44, 96, U4(32), ACT_NONE, EPI_RELU_SQUARE, True)]),
+    "u4-three-rows": (3, [(28, 136, U4(8), ACT_NONE, EPI_NONE, False)]),  # one row of words per group
+    "u4-five-rows": (5, [(20, 320, U4(32), ACT_SIGMOID, EPI_NONE, True)]),  # two passes over x: 3 and 2 rows
+    # fp16, int8 and 4-bit tasks in one launch; 8 rows (two passes of 4)
+    "u4-eight-rows": (8, [(40, 256, U4(64), ACT_TANH, EPI_RELU_SQUARE, True), (9, 8, F16, ACT_NONE, EPI_NONE, False),
+                          (16, 16, I8, ACT_TANH, EPI_NONE, True), (12, 520, U4(40), ACT_NONE, EPI_NONE, False),
+                          (4, 8, U4(8), ACT_SIGMOID, EPI_NONE, False), (33, 272, I8, ACT_NONE, EPI_RELU_SQUARE, False),
+                          (64, 1024, U4(128), ACT_NONE, EPI_NONE, True), (17, 24, F16, ACT_SIGMOID, EPI_NONE, False)]),
+    "u4-mixed": (1, [(37, 136, F16, ACT_NONE, EPI_NONE, False), (24, 512, I8, ACT_NONE, EPI_NONE, True),
+                     (32, 4096, U4(128), ACT_NONE, EPI_NONE, True),
+                     (12, 64, U4(64), ACT_NONE, EPI_RELU_SQUARE, False)]),
+    # long 4-bit rows (a 16384-wide FFN value scaled down in width): bands halved to 16 channels (GEMV_SPLITS),
+    # 32 rows of words per thread; a short one beside them keeps its 32-channel band
+    "u4-long": (2, [(32, 16384, U4(128), ACT_NONE, EPI_NONE, True),
+                    (64, 2048, U4(64), ACT_NONE, EPI_RELU_SQUARE, False),
+                    (40, 1024, U4(32), ACT_TANH, EPI_NONE, False)]),
+    "u4-long-plain": (1, [(48, 8192, U4(64), ACT_NONE, EPI_NONE, True), (8, 4096, F16, ACT_NONE, EPI_NONE, False)]),
 }
-# the planner halves the longest slices (vectors of 16 bytes per warp) while each keeps >= 256 of them
-GEMV_SPLITS = {"split-rows": [8, 2, 4], "split-rows-plain": [2, 2], "long-rows": [1, 1, 2], "one-row": [1]}
+# the planner halves the longest slices (vectors of 16 bytes per warp) while each keeps >= 256 of them; a
+# 4-bit task halves its band (at most once) while each thread keeps >= 4 rows of words
+GEMV_SPLITS = {"split-rows": [8, 2, 4], "split-rows-plain": [2, 2], "long-rows": [1, 1, 2], "one-row": [1],
+               "u4-long": [2, 2, 1], "u4-long-plain": [2, 2], "u4-mixed": [1, 1, 2, 1]}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", GEMV_CASES)
 def test_gemv(variant, case, libs):
-    """Grouped GEMV: fp16 and int8 (+ scale) weights, tanh/sigmoid inputs, relu^2, residual add (in place),
-    1-8 rows, up to 8 tasks per launch, widths that leave warps of the last block without a row."""
+    """Grouped GEMV: fp16, int8 (+ scale) and GemLite 4-bit weights, tanh/sigmoid inputs, relu^2, residual
+    add (in place), 1-8 rows, up to 8 tasks per launch, widths that leave warps of the last block without
+    a row (or lanes without a band's channels)."""
     M, specs = GEMV_CASES[case]
     so = libs[f"fused-{variant}"]
-    if case in GEMV_SPLITS:
-        splits = (ctypes.c_int * len(specs))()
-        so.emu_fused_gemv_splits(len(specs), _ints([s[0] for s in specs], ctypes.c_int64),
-                                 _ints([s[1] for s in specs], ctypes.c_int64), _ints([int(s[2]) for s in specs], ctypes.c_int),
-                                 splits)
-        assert list(splits) == GEMV_SPLITS[case]
     gen = torch.Generator().manual_seed(len(case) * 31 + M)
     tasks = [gemv_task(gen, M, *spec) for spec in specs]
+    if case in GEMV_SPLITS:
+        splits = (ctypes.c_int * len(tasks))()
+        so.emu_fused_gemv_splits(len(tasks), _ints([t["n"] for t in tasks], ctypes.c_int64),
+                                 _ints([t["k"] for t in tasks], ctypes.c_int64),
+                                 _ints([t["type"] for t in tasks], ctypes.c_int), splits)
+        assert list(splits) == GEMV_SPLITS[case]
     ys = run_gemv(so, tasks, M)
     for i, (t, y) in enumerate(zip(tasks, ys)):
         check_gemv(t, y, f"task {i}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gemv_uint4_rebuilds_gemlite_weights_exactly(variant, libs):
+    """x = one-hot rows picks single weights: y[m][n] = W[n][k_m] exactly (one product, the rest zeros), so
+    every 4-bit weight the kernel rebuilds (bit order in the word, word and group indexing, the fp16 fma's
+    single rounding) must equal GemLite's, bit for bit. 8 rows per launch, all k covered. Planted ties:
+    in group 1 of every other channel q = 3 and the scale lies in [0.5, 2/3) with its last bit set, so
+    q * scale in [1, 2) falls halfway between two fp16 numbers, and zero = +-2^-24 decides the rounding
+    (a sum rounded to fp32 first loses it)."""
+    so = libs[f"fused-{variant}"]
+    gen = torch.Generator().manual_seed(7)
+    n, k, group = 40, 96, 24
+    words, scale, zero, _ = uint4_layer(gen, n, k, group)
+    ties = slice(None, None, 2)
+    words[3:6, ties] = 0x33333333  # rows of words 3..5: k = 24..47, group 1
+    scale[1, ties] = (torch.randint(512, 683, (n // 2,), generator=gen) * 2 + 1).double().mul(2.0 ** -11).half()
+    zero[1, ties] = torch.where(torch.rand(n // 2, generator=gen) < 0.5, -1.0, 1.0).mul(2.0 ** -24).half()
+    dense = dequantize_gemlite_uint4(words, scale, zero)
+    twice = (3 * scale[1, ties].float() + zero[1, ties].float()).half().double()  # rounded in fp32, then fp16
+    assert (dense[ties, group] != twice).sum() >= 5, "too few ties that double rounding gets wrong"
+    for first in range(0, k, 8):
+        x = torch.zeros(8, k, dtype=torch.float16)
+        x[torch.arange(8), first + torch.arange(8)] = 1.0
+        task = dict(w=words, scale=scale, zero=zero, dense=dense, n=n, k=k, group=group, type=WEIGHT_TYPE["u4"],
+                    x=x, residual=None, act=ACT_NONE, epi=EPI_NONE)
+        (y,) = run_gemv(so, [task], 8)
+        want = dense[:, first:first + 8].t().half()
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), \
+            f"columns {first}..{first + 7}: {int((y != want).sum())} weights differ from GemLite's"
+
+
+def test_half_fma_rounds_once(libs):
+    """The emulation's fp16 fma (its __hfma2) against the exact q * s + z rounded once, for the kernel's
+    operands (q = 0..15): random scales and zeros of every magnitude, and ties (q * s halfway between two
+    fp16 numbers) pushed off by a tiny zero, where rounding the sum twice would go wrong."""
+    gen = torch.Generator().manual_seed(3)
+    count = 1 << 16
+    q = torch.randint(0, 16, (count,), generator=gen).half()
+    s = (torch.randn(count, generator=gen) * torch.exp2(torch.randint(-12, 6, (count,), generator=gen))).half()
+    z = (torch.randn(count, generator=gen) * torch.exp2(torch.randint(-24, 6, (count,), generator=gen))).half()
+    # q = 3, s in [0.5, 1) with its last mantissa bit set: q * s in [1.5, 2) needs 12 bits, a tie at fp16's
+    # 11; z = +-2^-24 decides it, 24 bits below: lost to an fp32 sum first
+    s[:4096] = (torch.randint(1025, 2048, (4096,), generator=gen) | 1).double().mul(2.0 ** -11).half()
+    q[:4096] = 3.0
+    z[:4096] = torch.where(torch.rand(4096, generator=gen) < 0.5, -1.0, 1.0).half() * 2.0 ** -24
+    got = torch.empty(count, dtype=torch.int16)
+    libs["fused-cuda"].emu_f16_fma(_ptr(q), _ptr(s), _ptr(z), _ptr(got), count)
+    want = f16_round(q.double() * s.double() + z.double())
+    assert torch.equal(got, want.view(torch.int16)), f"{int((got != want.view(torch.int16)).sum())} fma results differ"
+    assert not torch.equal(want[:4096], (q.float() * s.float() + z.float())[:4096].half()), "no double-rounding case"
 
 
 # --------------------------------------------------------------------------------------------- wkv7_slots

@@ -4,7 +4,7 @@ about nine launches per layer instead of ~60.
 Per layer: ``ln_shift_mix`` (layer norm + token shift + the six mixes, and the shift-state update),
 the projections and LoRAs, ``time_mix`` (decay/gates/normalisation + the WKV recurrence on the
 slot state + group norm + bonus + output gate), the output projection with the residual added,
-then ``ln_shift_mix`` and the two FFN matrices. Up to ``gemv_rows`` tokens (decode) the matrix
+then ``ln_shift_mix`` and the two FFN matrices. Up to ``gemv_rows`` tokens (decode; 8 for 4-bit models) the matrix
 products go through the kernel's grouped GEMV: seven matrices of the time-mix in one launch, the four
 LoRA second halves (with their tanh/sigmoid) in another, relu^2 and the residual add folded in.
 Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite); with fp16 dense weights the
@@ -23,7 +23,8 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,15 +58,28 @@ def _empty(device: torch.device) -> torch.Tensor:
     return _EMPTY[device]
 
 
-def gemv_operands(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, scale) when the grouped GEMV can compute this linear layer, else None."""
+class GemvOperands(NamedTuple):
+    """What the grouped GEMV reads for one linear layer: fp16 weights [out, in]; int8 weights [out, in] with
+    an fp16 scale [out]; or GemLite's packed 4-bit words [in/8, out] int32 with fp16 scale and zero
+    [in/group, out] (the kernel tells them apart by the weights' dtype)."""
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    group: int = 0
+
+
+def gemv_operands(linear) -> GemvOperands | None:
+    """The tensors the grouped GEMV computes this linear layer from, or None when it cannot."""
     if isinstance(linear, DenseLinear) and linear.weight.dtype == torch.float16 and linear.in_features % 8 == 0:
-        return linear.weight, None
+        return GemvOperands(linear.weight)
     if isinstance(linear, W8A16Linear) and linear.scale.dtype == torch.float16 and linear.in_features % 16 == 0:
-        return linear.qweight, linear.scale
+        return GemvOperands(linear.qweight, linear.scale)
     int8_rows = getattr(linear, "int8_rows", None)  # GemLite A16W8_INT8 layers (infer.quant.gemlite_linear)
     if int8_rows is not None and linear.in_features % 16 == 0:
-        return int8_rows
+        return GemvOperands(*int8_rows)
+    uint4 = getattr(linear, "uint4_groups", None)  # GemLite A16W4_HQQ_INT layers: (words, scale, zero, group)
+    if uint4 is not None and linear.out_features % 4 == 0 and uint4[3] % 8 == 0:  # 16-byte loads of 4 channels
+        return GemvOperands(*uint4)
     return None
 
 
@@ -130,11 +144,18 @@ class FusedKernels:
         # Batches of at most this many tokens take the grouped GEMV (weights read once, CUDA cores),
         # larger ones the model's linears (tensor cores); set from the decode grid in BENCHMARKS.md.
         self.gemv_rows: int = min(int(os.environ.get("RWKV_GEMV_ROWS", DEFAULT_GEMV_ROWS)), module.gemv_max_rows())
+        # The same for models of 4-bit GemLite matrices, whose other kernels are GemLite's own: the 4-bit
+        # GEMV took 4.4 ms for the matrices of a 7.2B step at 8 rows on an H200, GemLite's whole step 7.9.
+        self.uint4_gemv_rows: int = min(int(os.environ.get("RWKV_GEMV_ROWS", module.gemv_max_rows())),
+                                        module.gemv_max_rows())
         # A batch of fewer than FEW_ROWS rows with a row this long (a long prompt alone) runs the readable
         # forward, whose WKV is chunked: the fused time-mix walks a row's tokens one after another, so it
         # pays only with many rows side by side. H200, 7.2B: 1 x 1024 tokens 70.6 ms readable vs 84.9
         # fused; 1 x 128 55 vs 20.6 ms; 16 x 1024 25.6k vs 36.2k tok/s (bench/results/experiment_prefill_fused_h200.json).
         self.long_row: int = int(os.environ.get("RWKV_FUSED_LONG_ROW", FUSED_LONG_ROW))
+        # Whether 4-bit tasks are taken: switched off alone (those layers then use GemLite's kernels) if
+        # they fail their self-test, so the fp16 and int8 paths do not depend on them.
+        self.uint4: bool = True
 
     # -------------------------------------------------------------- ops
     @staticmethod
@@ -148,17 +169,20 @@ class FusedKernels:
 
     def gemv(self, tasks: list[tuple]) -> None:
         """tasks: (linear, x, y, activation, epilogue, residual or None); every x has the same rows."""
-        ws, scales, xs, ys, res, acts, epis = [], [], [], [], [], [], []
+        ws, scales, zeros, xs, ys, res, groups, acts, epis = [], [], [], [], [], [], [], [], []
         for linear, x, y, act, epi, residual in tasks:
-            w, scale = gemv_operands(linear)
+            w, scale, zero, group = self.operands(linear)
+            empty = _empty(x.device)
             ws.append(w)
-            scales.append(scale if scale is not None else _empty(x.device))
+            scales.append(scale if scale is not None else empty)
+            zeros.append(zero if zero is not None else empty)
             xs.append(x)
             ys.append(y)
-            res.append(residual if residual is not None else _empty(x.device))
+            res.append(residual if residual is not None else empty)
+            groups.append(group)
             acts.append(act)
             epis.append(epi)
-        self._m.gemv(ws, scales, xs, ys, res, acts, epis, self._stream(xs[0]))
+        self._m.gemv(ws, scales, zeros, xs, ys, res, groups, acts, epis, self._stream(xs[0]))
 
     def time_mix(self, state: torch.Tensor, batch: PackedBatch, blk: "Block", first_layer: bool,
                  tensors: list[torch.Tensor]) -> None:
@@ -173,7 +197,7 @@ class FusedKernels:
         if len(batch.lens) < FEW_ROWS and max(batch.lens) >= self.long_row:
             return model.forward_reference(batch, state, all_logits)
         T, C = batch.num_tokens, model.config.n_embd
-        small = T <= self.gemv_rows and all(self._gemv_ok(b) for b in model.blocks)
+        small = T <= self.rows_for(model) and all(self._gemv_ok(b) for b in model.blocks)
         cfg = model.config
         x = model.emb[batch.tokens]
         new = lambda *shape: x.new_empty(shape)  # noqa: E731
@@ -222,7 +246,7 @@ class FusedKernels:
             x = x[batch.last]
         x = F.layer_norm(x, (C,), model.ln_out_w, model.ln_out_b, 1e-5)
         rows = x.shape[0]
-        if rows <= self.gemv_rows and gemv_operands(model.head) is not None:
+        if rows <= self.rows_for(model) and self.operands(model.head) is not None:
             logits = x.new_empty(rows, model.head.out_features)
             self.gemv([(model.head, x.contiguous(), logits, ACT_NONE, EPI_NONE, None)])
             return logits.float()
@@ -231,15 +255,25 @@ class FusedKernels:
     def gemv_covers(self, model: "RWKV7") -> int:
         """Steps of up to this many tokens run every matrix of ``model`` on the grouped GEMV (0 when some
         matrix has no GEMV form): the linears' own kernels need no tuning for those batch sizes."""
-        if all(self._gemv_ok(b) for b in model.blocks) and gemv_operands(model.head) is not None:
-            return self.gemv_rows
+        if all(self._gemv_ok(b) for b in model.blocks) and self.operands(model.head) is not None:
+            return self.rows_for(model)
         return 0
 
-    @staticmethod
-    def _gemv_ok(blk: "Block") -> bool:
+    def rows_for(self, model: "RWKV7") -> int:
+        """Steps of up to this many tokens take the grouped GEMV: ``uint4_gemv_rows`` for a model of 4-bit
+        matrices (one checkpoint has one format, so its head tells), else ``gemv_rows``."""
+        head = self.operands(model.head)
+        return self.uint4_gemv_rows if head is not None and head.weight.dtype == torch.int32 else self.gemv_rows
+
+    def operands(self, linear) -> GemvOperands | None:
+        """:func:`gemv_operands`, unless they are 4-bit words and the 4-bit tasks are switched off."""
+        ops = gemv_operands(linear)
+        return None if ops is not None and ops.weight.dtype == torch.int32 and not self.uint4 else ops
+
+    def _gemv_ok(self, blk: "Block") -> bool:
         linears = [blk.receptance, blk.key, blk.value, blk.output, blk.ffn_key, blk.ffn_value,
                    blk.w1, blk.w2, blk.a1, blk.a2, blk.g1, blk.g2] + [lin for lin in (blk.v1, blk.v2) if lin]
-        return all(gemv_operands(lin) is not None for lin in linears)
+        return all(self.operands(lin) is not None for lin in linears)
 
 
 # --------------------------------------------------------------------------- loading
@@ -278,7 +312,11 @@ def _self_test(kernels: FusedKernels) -> str | None:
                     float((pools[0].att_shift.float() - pools[1].att_shift.float()).abs().max()))
     if not worst <= 0.05:
         return f"self-test against the readable forward failed (relative max |diff| {worst:.3g})"
-    return _self_test_int8(kernels, device)
+    reason = _self_test_int8(kernels, device)
+    if reason is None and (uint4_error := _self_test_uint4(kernels, device)):
+        log.warning("fused 4-bit GEMV switched off (%s): 4-bit layers use GemLite's kernels", uint4_error)
+        kernels.uint4 = False
+    return reason
 
 
 def _self_test_int8(kernels: FusedKernels, device: torch.device) -> str | None:
@@ -294,6 +332,30 @@ def _self_test_int8(kernels: FusedKernels, device: torch.device) -> str | None:
     err = float((y.float() - expect.float()).abs().max()) / (float(expect.abs().max()) + 1e-6)
     if not err <= 1e-2:
         return f"self-test of the int8 GEMV against dequantize + matmul failed (relative max |diff| {err:.3g})"
+    return None
+
+
+def _self_test_uint4(kernels: FusedKernels, device: torch.device) -> str | None:
+    """The GEMV's 4-bit tasks (GemLite's A16W4 words, scales and zeros) against unpacking + matmul: a short
+    row in a whole band, and rows of 2048 (the length from which a lone task's band is halved) at 1 and 2
+    rows of x (the launch bounds differ)."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    for n, k, group, rows in ((48, 128, 32, 2), (64, 2048, 64, 1), (64, 2048, 64, 2)):
+        words = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 8, n), generator=gen, device=device, dtype=torch.int32)
+        scale = (torch.rand(k // group, n, generator=gen, device=device) * 0.01 + 0.001).half()
+        zero = (torch.rand(k // group, n, generator=gen, device=device) * -15 * scale.float()).half()
+        x = torch.randn(rows, k, generator=gen, device=device).half()
+        y = torch.empty(rows, n, device=device, dtype=torch.float16)
+        layer = SimpleNamespace(uint4_groups=(words, scale, zero, group), in_features=k, out_features=n)  # as GemLiteLinear
+        kernels.gemv([(layer, x, y, ACT_NONE, EPI_NONE, None)])
+        q = (words[:, :, None] >> (4 * torch.arange(8, device=device, dtype=torch.int32))) & 15  # nibble j: k = 8c + j
+        q = q.permute(1, 0, 2).reshape(n, k).float()
+        w = q * scale.float().t().repeat_interleave(group, 1) + zero.float().t().repeat_interleave(group, 1)
+        expect = x.float() @ w.half().float().T
+        err = float((y.float() - expect).abs().max()) / (float(expect.abs().max()) + 1e-6)
+        if not err <= 1e-2:
+            return (f"self-test of the 4-bit GEMV against unpacking + matmul failed ({rows} x {k} -> {n}: "
+                    f"relative max |diff| {err:.3g})")
     return None
 
 

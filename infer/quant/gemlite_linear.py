@@ -99,6 +99,21 @@ class GemLiteLinear:
             if "sm90" in w8a16.kind:
                 self._w8a16 = w8a16
                 self.kind += f" (batches above {W8A16_ABOVE_ROWS}: {w8a16.kind})"
+        # A16W4_HQQ_INT with groups narrower than a row (W_group_mode 4, "fma mode") packs 8 weights of a row
+        # along K into each int32 word, the words of consecutive output channels side by side ([in/8, out]),
+        # with fp16 scales and zeros [in/group, out], zero = -zero_point * scale: W = fp16(q * scale + zero).
+        # The fused decode GEMV reads these tensors in place too. Anything else (other packings, group ==
+        # in_features, which GemLite stores as mode 3) stays on GemLite's kernels.
+        self.uint4_groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        group = layer.group_size
+        if (layer.W_nbits == 4 and layer.elements_per_sample == 8 and layer.unpack_mask == 15
+                and layer.W_group_mode == 4 and layer.channel_scale_mode == 0 and w_q.dtype == torch.int32
+                and w_q.shape == (self.in_features // 8, self.out_features) and w_q.is_contiguous()
+                and 0 < group and group % 8 == 0 and self.in_features % group == 0
+                and all(t.dtype == torch.float16 and t.shape == (self.in_features // group, self.out_features)
+                        and t.is_contiguous() for t in (scales, zeros))):
+            self.uint4_groups = (w_q, scales, zeros, group)
+            self.kind += " (decode: fused 4-bit GEMV)"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._w8a16 is not None and x.shape[0] > W8A16_ABOVE_ROWS:

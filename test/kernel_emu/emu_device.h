@@ -18,7 +18,10 @@
 //   libm functions here, while the GPU build (--use_fast_math) approximates them to a few ulp: the
 //   tests' tolerances are stated against that.
 // - __half and __nv_bfloat16 are 16-bit storage types with explicit conversions only (torch builds its
-//   extensions with __CUDA_NO_HALF_CONVERSIONS__ & co.), converting with IEEE round-to-nearest-even.
+//   extensions with __CUDA_NO_HALF_CONVERSIONS__ & co.), converting with IEEE round-to-nearest-even; the
+//   f16x2 arithmetic the kernels use (__hsub2, __hfma2) rounds each exact result once.
+// - The one tensor-core instruction the kernels use (mma.m16n8k16, fp16 operands, fp32 sums) is
+//   emu::mma_16x8x16: the PTX ISA's fragment layout over a warp, its sums in k order in fp32.
 #pragma once
 
 #include <math.h>
@@ -27,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -58,7 +62,10 @@ struct alignas(16) float4 {
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
-static_assert(sizeof(float4) == 16 && sizeof(uint4) == 16, "vector types");
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+static_assert(sizeof(float4) == 16 && sizeof(uint4) == 16 && sizeof(uint2) == 8, "vector types");
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
@@ -94,6 +101,27 @@ inline uint16_t f32_to_f16(float f) {
     }
     const uint32_t r = ax - 0x38000000u;  // rebias the exponent (127 -> 15)
     return static_cast<uint16_t>(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+}
+
+// A double rounded to binary16 once (round to nearest even; overflow to infinity, subnormals); `below` is
+// what the double left off (the exact value is d + below, |below| < half an ulp of d): it only decides a
+// d that lies exactly halfway between two fp16 numbers.
+inline uint16_t f64_to_f16(double d, double below = 0.0) {
+    if (std::isnan(d)) return 0x7e00u;
+    const uint16_t sign = std::signbit(d) ? 0x8000u : 0u;
+    const double a = std::fabs(d);
+    int e = 0;
+    std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
+    const double ulp = std::ldexp(1.0, std::max(e - 1, -14) - 10);
+    const double scaled = a / ulp;  // exact: a power-of-two scaling
+    double units = std::nearbyint(scaled);  // ties to even
+    if (scaled - std::floor(scaled) == 0.5 && below != 0.0) {  // a tie that is none: round by what was left off
+        const bool larger = (below > 0.0) != static_cast<bool>(sign);
+        units = larger ? std::ceil(scaled) : std::floor(scaled);
+    }
+    const double r = units * ulp;
+    if (r >= 65520.0) return static_cast<uint16_t>(sign | 0x7c00u);
+    return static_cast<uint16_t>(sign | f32_to_f16(static_cast<float>(r)));  // r is an fp16 number: exact
 }
 
 inline float f16_to_f32(uint16_t h) {
@@ -142,6 +170,7 @@ struct Barrier {
 struct Warp {
     Barrier bar;
     uint64_t buf[EMU_WARP];
+    alignas(16) unsigned char gathered[EMU_WARP][32];  // all_gather's
 };
 inline Barrier block_barrier;
 inline Warp* warps = nullptr;
@@ -161,6 +190,17 @@ T exchange(T v, int src, bool valid) {
     if (valid) std::memcpy(&out, &w.buf[src], sizeof(T));
     w.bar.wait();
     return out;
+}
+
+// Every lane of the warp publishes v (up to 32 bytes); each gets all the lanes' values, in lane order.
+template <typename T>
+void all_gather(const T& v, T (&out)[EMU_WARP]) {
+    static_assert(sizeof(T) <= 32 && std::is_trivially_copyable_v<T>, "gather of a wide type");
+    Warp& w = warps[threadIdx.x / EMU_WARP];
+    std::memcpy(w.gathered[lane()], &v, sizeof(T));
+    w.bar.wait();
+    for (int l = 0; l < EMU_WARP; ++l) std::memcpy(&out[l], w.gathered[l], sizeof(T));
+    w.bar.wait();
 }
 
 // The shuffles with a segment width (a power of two <= EMU_WARP), as HIP defines them; CUDA's agree.
@@ -338,6 +378,63 @@ inline __half __float2half_rn(float f) { return __half{emu::f32_to_f16(f)}; }
 inline __half __float2half(float f) { return __float2half_rn(f); }
 inline unsigned short __half_as_ushort(__half h) { return h.__x; }
 inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
+// Two halves; the arithmetic rounds each lane's exact result once, as the GPU's f16x2 instructions do.
+struct alignas(4) __half2 {
+    __half x, y;
+};
+static_assert(sizeof(__half2) == 4, "half2");
+inline __half2 __halves2half2(__half lo, __half hi) { return __half2{lo, hi}; }
+inline float __low2float(__half2 h) { return __half2float(h.x); }
+inline float __high2float(__half2 h) { return __half2float(h.y); }
+namespace emu {
+inline __half fma_half(__half a, __half b, __half c) {
+    const double p = double(__half2float(a)) * double(__half2float(b));  // exact: 22 significant bits
+    const double q = __half2float(c);
+    const double s = p + q;
+    const double t = s - p;
+    const double below = std::isfinite(s) ? (p - (s - t)) + (q - t) : 0.0;  // two-sum: s + below = p + q exactly
+    return __ushort_as_half(f64_to_f16(s, below));
+}
+}  // namespace emu
+inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
+    return __half2{emu::fma_half(a.x, b.x, c.x), emu::fma_half(a.y, b.y, c.y)};
+}
+inline __half2 __hsub2(__half2 a, __half2 b) {  // a - b is exact in a double
+    return __half2{__ushort_as_half(emu::f64_to_f16(double(__half2float(a.x)) - double(__half2float(b.x)))),
+                   __ushort_as_half(emu::f64_to_f16(double(__half2float(a.y)) - double(__half2float(b.y))))};
+}
 inline float __bfloat162float(__nv_bfloat16 b) { return emu::bf16_to_f32(b.__x); }
 inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16{emu::f32_to_bf16(f)}; }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __float2bfloat16(f); }
+
+// ------------------------------------------------------------------------------------ tensor cores
+namespace emu {
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 of one 32-lane warp, with the PTX ISA's fragments (lane
+// 4g + t; f16x2 registers, the lower k in the lower half):
+//   a[0] A[g][2t, 2t+1]   a[1] A[g+8][2t, 2t+1]   a[2] A[g][2t+8, 2t+9]   a[3] A[g+8][2t+8, 2t+9]
+//   b0 B[2t, 2t+1][g]     b1 B[2t+8, 2t+9][g]     d[0], d[1] D[g][2t, 2t+1]   d[2], d[3] D[g+8][2t, 2t+1]
+// Each element of D is C plus its 16 products (exact: fp16 times fp16) added in k order in fp32; the
+// tensor cores' own order and rounding differ in the last fp32 bits.
+inline void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    struct Fragments {
+        uint32_t a[4], b[2];
+    };
+    if (EMU_WARP != 32) std::abort();  // a CUDA warp
+    Fragments all[EMU_WARP];
+    all_gather(Fragments{{a[0], a[1], a[2], a[3]}, {b0, b1}}, all);
+    const auto half_at = [](uint32_t reg, int k) {
+        return __half2float(__ushort_as_half(static_cast<unsigned short>(reg >> (16 * (k % 2)))));
+    };
+    const auto A = [&](int row, int k) {
+        return half_at(all[(row % 8) * 4 + (k % 8) / 2].a[(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k);
+    };
+    const auto B = [&](int k, int col) { return half_at(all[col * 4 + (k % 8) / 2].b[k >= 8 ? 1 : 0], k); };
+    const int g = lane() / 4, t = lane() % 4;
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + (e >= 2 ? 8 : 0), col = 2 * t + e % 2;
+        float sum = d[e];
+        for (int k = 0; k < 16; ++k) sum = fmaf(A(row, k), B(k, col), sum);
+        d[e] = sum;
+    }
+}
+}  // namespace emu

@@ -48,14 +48,16 @@ int run_gemv(const fused::GemvArgs& args, int blocks) {
 }
 
 EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const void* const* scale,
-                              const void* const* x, void* const* y, const void* const* residual, const int64_t* n,
-                              const int64_t* k, const int* weight_type, const int* activation, const int* epilogue) {
+                              const void* const* zero, const void* const* x, void* const* y,
+                              const void* const* residual, const int64_t* n, const int64_t* k, const int64_t* group,
+                              const int* weight_type, const int* activation, const int* epilogue) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return -1;
     for (int i = 0; i < count; ++i)
-        if (!gemv_takes(n[i], k[i], weight_type[i])) return -1;
+        if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return -1;
     GemvArgs args{};
-    const int blocks = pack_gemv(args, count, w, scale, x, y, residual, n, k, weight_type, activation, epilogue);
+    const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, activation,
+                                 epilogue);
     switch (M) {
         case 1: return run_gemv<1>(args, blocks);
         case 2: return run_gemv<2>(args, blocks);
@@ -68,7 +70,8 @@ EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const 
     }
 }
 
-// The warps per output channel that pack_gemv plans for each task (the rest of GemvTask is not read).
+// The splits that pack_gemv plans for each task (the rest of GemvTask is not read): warps per output
+// channel, or for 4-bit tasks the halvings of the block's band of channels.
 EMU_EXPORT void emu_fused_gemv_splits(int count, const int64_t* n, const int64_t* k, const int* weight_type,
                                       int* splits) {
     fused::GemvArgs args{};
@@ -82,10 +85,16 @@ EMU_EXPORT void emu_fused_gemv_splits(int count, const int64_t* n, const int64_t
     for (int i = 0; i < count; ++i) splits[i] = args.task[i].splits;
 }
 
-// The emulation's fp16 conversions, for the test that holds them to torch's.
+// The emulation's fp16 conversions, for the test that holds them to torch's, and its fp16 fma (__hfma2).
 EMU_EXPORT void emu_f32_to_f16(const float* in, uint16_t* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = __half_as_ushort(__float2half_rn(in[i]));
 }
 EMU_EXPORT void emu_f16_to_f32(const uint16_t* in, float* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = __half2float(__ushort_as_half(in[i]));
+}
+EMU_EXPORT void emu_f16_fma(const uint16_t* a, const uint16_t* b, const uint16_t* c, uint16_t* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        const __half r = emu::fma_half(__ushort_as_half(a[i]), __ushort_as_half(b[i]), __ushort_as_half(c[i]));
+        out[i] = __half_as_ushort(r);
+    }
 }
