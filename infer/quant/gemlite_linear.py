@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from infer.ops.linear_w8a16 import W8A16Linear
+from infer.ops.linear_w8a16 import W8A16Linear, cutlass_include_dir
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,8 @@ class GemLiteLinear:
         # 8.6k/11.0k through GemLite's kernels, whose split-K GEMV won at 8 rows (1,352 against 974) and
         # tied at 32 (4,152 against 4,041).
         self._w8a16: W8A16Linear | None = None
-        if self.int8_rows is not None:
+        hopper = torch.cuda.get_device_capability(w_q.device) == (9, 0) and cutlass_include_dir() is not None
+        if self.int8_rows is not None and hopper:  # elsewhere the W8A16 extension is not even built
             w8a16 = W8A16Linear(*self.int8_rows)
             if "sm90" in w8a16.kind:
                 self._w8a16 = w8a16
