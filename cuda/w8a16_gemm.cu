@@ -45,6 +45,7 @@
 #include "cutlass/epilogue/thread/linear_combination_bias_elementwise.h"
 #include "cutlass/functional.h"
 #include "cutlass/gemm/device/gemm_universal_with_broadcast.h"
+#include "cutlass_run.cuh"
 #endif
 
 #if defined(W8A16_WITH_CUTLASS_SM90)
@@ -176,15 +177,7 @@ int gemm(int64_t M, int64_t N, int64_t K, const void* x, const void* w, const vo
         x, w, /*ptr_C=*/nullptr, y, /*ptr_Vector=*/const_cast<void*>(scale), /*ptr_Tensor=*/nullptr,
         /*batch strides (unused with batch_count 1)*/ 0, 0, 0, 0, 0, 0,
         /*lda=*/k, /*ldb=*/k, /*ldc=*/n, /*ldd=*/n, /*ldr=*/0, /*ldt=*/0);
-    Gemm op;
-    cutlass::Status status = op.can_implement(args);
-    if (status == cutlass::Status::kSuccess) status = op.initialize(args, /*workspace=*/nullptr, stream);
-    if (status == cutlass::Status::kSuccess) status = op.run(stream);
-    if (status != cutlass::Status::kSuccess) {
-        const cudaError_t launch = cudaGetLastError();
-        return launch != cudaSuccess ? static_cast<int>(launch) : kCutlassStatusBase + static_cast<int>(status);
-    }
-    return cudaSuccess;
+    return run_cutlass_gemm<Gemm>(args, stream, kCutlassStatusBase);
 }
 #endif
 

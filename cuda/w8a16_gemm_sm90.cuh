@@ -24,6 +24,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass_run.cuh"
 #endif
 
 namespace w8a16_sm90 {
@@ -95,8 +96,7 @@ Stride column_major(int rows, int cols) {
     return s;
 }
 
-// 0, a cudaError_t, or status_base + cutlass::Status of a failed CUTLASS call (kErrorWorkspaceNull if a
-// tile ever asked for a workspace, which a launch being captured into a graph could not allocate).
+// 0, a cudaError_t, or status_base + cutlass::Status of a failed CUTLASS call (run_cutlass_gemm).
 template <int TILE_M, int TILE_N>
 int gemm(int m, int n, int k, const void* x, const void* w, const void* scale, void* y, cudaStream_t stream,
          int status_base) {
@@ -111,17 +111,7 @@ int gemm(int m, int n, int k, const void* x, const void* w, const void* scale, v
          static_cast<Half*>(y), column_major<typename Kernel::StrideD>(n, m)}};
     // Fusion arguments, children first: the scale vector, the accumulator, then the product.
     args.epilogue.thread = {{static_cast<const Half*>(scale)}, {}, {}};
-    typename C::Gemm op;
-    cutlass::Status status = op.can_implement(args);
-    if (status == cutlass::Status::kSuccess && C::Gemm::get_workspace_size(args) != 0)
-        status = cutlass::Status::kErrorWorkspaceNull;
-    if (status == cutlass::Status::kSuccess) status = op.initialize(args, /*workspace=*/nullptr, stream);
-    if (status == cutlass::Status::kSuccess) status = op.run(stream);
-    if (status != cutlass::Status::kSuccess) {
-        const cudaError_t launch = cudaGetLastError();
-        return launch != cudaSuccess ? static_cast<int>(launch) : status_base + static_cast<int>(status);
-    }
-    return cudaSuccess;
+    return run_cutlass_gemm<typename C::Gemm>(args, stream, status_base);
 }
 
 #define W8A16_SM90_INSTANTIATE(TILE_M, TILE_N)                                                              \

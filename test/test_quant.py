@@ -395,3 +395,22 @@ def test_cpu_engines_never_import_gemlite(tmp_path):
             f"RWKV7.load({str(tmp_path / 'w8.pth')!r}, device='cpu', engine='cutlass', progress=False); "
             "bad = [m for m in sys.modules if 'gemlite' in m]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+@pytest.mark.parametrize("tiles", [[(64, 256), (64, 64)], []])
+def test_w8a16_kernels_choose_the_gemm_and_the_gemv_rows(tiles, monkeypatch):
+    """W8A16Kernels over a stand-in module: with Hopper tiles the Hopper GEMM serves batches above 4 rows
+    until its self-test switches it back to the SM80 one; without them the GEMV keeps all 8 rows."""
+    from types import SimpleNamespace
+
+    from infer.ops.linear_w8a16 import SM90_GEMV_ROWS, W8A16Kernels
+    monkeypatch.delenv("RWKV_W8A16_GEMV_ROWS", raising=False)
+    module = SimpleNamespace(gemv=object(), gemm=object(), gemm_sm90=object(), gemv_max_rows=lambda: 8,
+                             gemm_available=lambda: True, gemm_sm90_tiles=lambda: tiles)
+    kernels = W8A16Kernels(module)
+    assert kernels.hopper_gemm == bool(tiles)
+    assert kernels.gemm is (module.gemm_sm90 if tiles else module.gemm)
+    assert kernels.gemm_name == ("cutlass sm90 wgmma" if tiles else "cutlass sm80")
+    assert kernels.gemv_rows == (SM90_GEMV_ROWS if tiles else 8)
+    kernels.gemm = kernels.gemm_sm80  # what a failed Hopper self-test does
+    assert not kernels.hopper_gemm and kernels.gemm_name == "cutlass sm80"

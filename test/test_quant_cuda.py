@@ -74,7 +74,7 @@ def test_hopper_uses_the_wgmma_gemm(kernels):
     if torch.cuda.get_device_capability() != (9, 0) or cutlass_include_dir() is None:
         pytest.skip("the Hopper GEMM is built for compute capability 9.0 with the CUTLASS headers")
     assert kernels.gemm_name == "cutlass sm90 wgmma"
-    assert kernels.gemm is not kernels.gemm_sm80
+    assert kernels.gemm is not kernels.gemm_sm80 and kernels.hopper_gemm
     assert kernels.sm90_tiles == [(64, 256), (128, 128), (64, 128), (64, 64)]
     assert "sm90 wgmma" in W8A16Linear(*quantize_int8(torch.randn(256, 256, device="cuda"))).kind
 

@@ -109,6 +109,11 @@ class W8A16Linear:
             self.kind = (f"w8a16 int8 (cuda gemv <= {self._kernels.gemv_max_rows} rows, dequantize + matmul above: "
                          "no CUTLASS headers)")
 
+    @property
+    def hopper_gemm(self) -> bool:
+        """Whether batches above the GEMV's rows run on the Hopper GEMM."""
+        return self._kernels is not None and self._kernels.hopper_gemm
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         kernels, rows = self._kernels, x.shape[0]
         if kernels is None or x.dtype != torch.float16 or (rows > kernels.gemv_max_rows
@@ -136,12 +141,20 @@ class W8A16Kernels:
         self.sm90_tiles: list[tuple[int, int]] = module.gemm_sm90_tiles()  # (channels, rows); [] unless sm_90a
         # The GEMM larger batches use: the Hopper kernel when this build has it (set back to the SM80
         # one if it fails its self-test).
-        self.gemm = module.gemm_sm90 if self.sm90_tiles else module.gemm
-        self.gemm_name = "cutlass sm90 wgmma" if self.sm90_tiles else "cutlass sm80"
+        self.gemm = self.gemm_sm90 if self.sm90_tiles else self.gemm_sm80
         # Rows up to this many take the GEMV, more the GEMM (when built): the GEMV's cost grows with each
         # row, the Hopper GEMM's barely changes below its tile.
         default = SM90_GEMV_ROWS if self.sm90_tiles else self.gemv_max_rows
         self.gemv_rows: int = min(int(os.environ.get("RWKV_W8A16_GEMV_ROWS", default)), self.gemv_max_rows)
+
+    @property
+    def hopper_gemm(self) -> bool:
+        """Whether larger batches run on the Hopper GEMM (built, and passed its self-test)."""
+        return self.gemm is self.gemm_sm90
+
+    @property
+    def gemm_name(self) -> str:
+        return "cutlass sm90 wgmma" if self.hopper_gemm else "cutlass sm80"
 
 
 _kernels: BuildOnce[W8A16Kernels] = BuildOnce("W8A16 CUDA kernels")
@@ -157,12 +170,19 @@ def cutlass_include_dir() -> Path | None:
     return include if (include / "cutlass" / "cutlass.h").is_file() else None
 
 
+def hopper_gemm_buildable(device: torch.device | int) -> bool:
+    """Whether the extension built for ``device`` has the Hopper GEMM: compute capability 9.0 and the
+    CUTLASS headers (:func:`_compile` then builds for sm_90a)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) == (9, 0) \
+        and cutlass_include_dir() is not None
+
+
 def _compile():
     hip = torch.version.hip is not None
     include = None if hip else cutlass_include_dir()
     flags = ["-O3"] if hip else ["-O3", "--use_fast_math", "-lineinfo"]
     sources = HIP_SOURCES if hip else CUDA_SOURCES
-    hopper = include is not None and torch.cuda.get_device_capability() == (9, 0)
+    hopper = hopper_gemm_buildable(torch.cuda.current_device())
     if include is not None:
         flags += ["-DW8A16_WITH_CUTLASS", "-isystem", str(include)]
     elif not hip:
@@ -202,10 +222,11 @@ def load_w8a16_kernels(verify: bool = True) -> W8A16Kernels | None:
         kernels = W8A16Kernels(_compile())
         if verify and (reason := _check(kernels.gemv, 1) or _check(kernels.gemv, kernels.gemv_max_rows)):
             return None, f"GEMV self-test failed ({reason}); dequantizing instead"
-        if verify and kernels.sm90_tiles and (gemm_error := _check(kernels.gemm, 40) or _check(kernels.gemm, 300)):
+        if verify and kernels.hopper_gemm and (gemm_error := _check(kernels.gemm, 40) or _check(kernels.gemm, 300)):
             log.warning("W8A16 Hopper GEMM switched off: self-test failed (%s); using the SM80 GEMM", gemm_error)
-            kernels.gemm, kernels.gemm_name = kernels.gemm_sm80, "cutlass sm80"
-        if verify and kernels.gemm_available and (gemm_error := _check(kernels.gemm, 40)):
+            kernels.gemm = kernels.gemm_sm80
+        # (a Hopper GEMM that passed its own check above needs no second one)
+        if verify and kernels.gemm_available and not kernels.hopper_gemm and (gemm_error := _check(kernels.gemm, 40)):
             log.warning("W8A16 CUTLASS GEMM switched off: self-test failed (%s); larger batches will dequantize",
                         gemm_error)
             kernels.gemm_available = False

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from infer.ops.linear_w8a16 import W8A16Linear, cutlass_include_dir
+from infer.ops.linear_w8a16 import W8A16Linear, hopper_gemm_buildable
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +94,9 @@ class GemLiteLinear:
         # 8.6k/11.0k through GemLite's kernels, whose split-K GEMV won at 8 rows (1,352 against 974) and
         # tied at 32 (4,152 against 4,041).
         self._w8a16: W8A16Linear | None = None
-        hopper = torch.cuda.get_device_capability(w_q.device) == (9, 0) and cutlass_include_dir() is not None
-        if self.int8_rows is not None and hopper:  # elsewhere the W8A16 extension is not even built
+        if self.int8_rows is not None and hopper_gemm_buildable(w_q.device):  # else the extension is not built
             w8a16 = W8A16Linear(*self.int8_rows)
-            if "sm90" in w8a16.kind:
+            if w8a16.hopper_gemm:
                 self._w8a16 = w8a16
                 self.kind += f" (batches above {W8A16_ABOVE_ROWS}: {w8a16.kind})"
         # A16W4_HQQ_INT with groups narrower than a row (W_group_mode 4, "fma mode") packs 8 weights of a row
