@@ -4,6 +4,11 @@ a CUDA graph. The difference between the two is what the kernels' boundaries cos
 ramp-up), the part that fewer or overlapping launches can remove.
 
     python bench/profile_decode.py --sizes 1.5b,7.2b --batches 1,256 --out bench/results/profile_h200.json
+
+With ``--prompts 1x1024,16x1024`` it profiles prefill forwards instead (rows x tokens each, eager, as the
+engine runs them), timed with CUDA events.
+
+    python bench/profile_decode.py --sizes 7.2b --batches "" --prompts 1x1024 --out bench/results/profile_prefill_h200.json
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_decode import SIZES, capture, random_weights, static_batch, time_steps  # noqa: E402
+from infer.batch import PackedBatch  # noqa: E402
 from infer.model import RWKV7  # noqa: E402
 from infer.ops.fused import select_fused  # noqa: E402
 from infer.ops.wkv_cuda import select_wkv  # noqa: E402
@@ -59,37 +65,53 @@ def kernel_times(fn, steps: int) -> tuple[dict[str, dict], float, list]:
     return table, sum(v["us_per_step"] for v in table.values()), sequence
 
 
-def profile_size(name: str, batches: list[int], steps: int, forward: str) -> list[dict]:
+def profile_size(name: str, batches: list[int], prompts: list[tuple[int, int]], steps: int, forward: str) -> list[dict]:
     L, C = SIZES[name]
     model = RWKV7.from_state_dict(random_weights(make_config(L, C, 65536), "fp16"), device="cuda", dtype="fp16")
     model.wkv = select_wkv(model.device, "cuda")
     select_fused(model, "on" if forward == "fused" else "off")
     rows = []
-    for B in batches:
+    for B in batches:  # decode steps, replayed as CUDA graphs
         pool = model.new_state_pool(B)
         batch = static_batch(torch.randint(1, 65530, (B,)).tolist(), list(range(B)))
         graph, _ = capture(model, batch, pool)
-        step_us = time_steps(graph.replay, steps * 3) * 1e6
-        kernels, kernel_us, sequence = kernel_times(graph.replay, steps)
-        launches = sum(v["launches_per_step"] for v in kernels.values())
-        row = {"size": name, "batch": B, "forward": forward, "graph_step_us": round(step_us, 1),
-               "kernel_us_per_step": round(kernel_us, 1), "launches_per_step": round(launches, 1),
-               "boundary_us_per_launch": round((step_us - kernel_us) / max(launches, 1), 2),
-               "kernels": kernels, "sequence": sequence}
-        rows.append(row)
-        print(f"\n{name} batch {B} ({forward}): graph step {step_us:.0f} us, kernels {kernel_us:.0f} us in "
-              f"{launches:.0f} launches, {row['boundary_us_per_launch']} us per boundary", flush=True)
-        for kname, v in list(kernels.items())[:12]:
-            print(f"  {v['us_per_step']:>9.1f} us {v['launches_per_step']:>6.1f}x  {kname}", flush=True)
+        rows.append(profile_step(graph.replay, steps, {"size": name, "batch": B, "forward": forward}))
         del graph, pool
         torch.cuda.empty_cache()
+    for count, length in prompts:  # prefill forwards, eager as the engine runs them
+        pool = model.new_state_pool(count)
+        batch = PackedBatch.from_rows([torch.randint(1, 65530, (length,)).tolist() for _ in range(count)],
+                                      list(range(count)), "cuda")
+        rows.append(profile_step(lambda: model.forward(batch, pool), max(2, steps // 4),
+                                 {"size": name, "prompts": count, "prompt_tokens": length, "forward": forward}))
+        del pool
+        torch.cuda.empty_cache()
     return rows
+
+
+def profile_step(fn, steps: int, row: dict) -> dict:
+    """Time ``fn`` (one step) with CUDA events and per kernel with the profiler; print and return ``row``
+    completed with both."""
+    step_us = time_steps(fn, steps * 3) * 1e6
+    kernels, kernel_us, sequence = kernel_times(fn, steps)
+    launches = sum(v["launches_per_step"] for v in kernels.values())
+    row.update({"step_us": round(step_us, 1), "kernel_us_per_step": round(kernel_us, 1),
+                "launches_per_step": round(launches, 1),
+                "boundary_us_per_launch": round((step_us - kernel_us) / max(launches, 1), 2),
+                "kernels": kernels, "sequence": sequence})
+    what = f"batch {row['batch']}" if "batch" in row else f"prefill {row['prompts']} x {row['prompt_tokens']}"
+    print(f"\n{row['size']} {what} ({row['forward']}): step {step_us:.0f} us, kernels {kernel_us:.0f} us in "
+          f"{launches:.0f} launches, {row['boundary_us_per_launch']} us per boundary", flush=True)
+    for kname, v in list(kernels.items())[:14]:
+        print(f"  {v['us_per_step']:>9.1f} us {v['launches_per_step']:>6.1f}x  {kname}", flush=True)
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1.5b,7.2b")
-    ap.add_argument("--batches", default="1,256")
+    ap.add_argument("--batches", default="1,256", help="decode batch sizes ('' for none)")
+    ap.add_argument("--prompts", default="", help="prefill forwards to profile, ROWSxTOKENS, e.g. 1x1024,16x1024")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--forward", default="fused", choices=("fused", "readable"))
     ap.add_argument("--out", default="bench/results/profile_h200.json")
@@ -97,7 +119,9 @@ def main() -> None:
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "profile": []}
     for name in args.sizes.split(","):
-        result["profile"] += profile_size(name, [int(b) for b in args.batches.split(",")], args.steps, args.forward)
+        batches = [int(b) for b in args.batches.split(",") if b]
+        prompts = [tuple(int(n) for n in p.split("x")) for p in args.prompts.split(",") if p]
+        result["profile"] += profile_size(name, batches, prompts, args.steps, args.forward)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
