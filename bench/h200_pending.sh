@@ -19,6 +19,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh hopper-gemlite  # W8A16 small batches, GemLite int8 on the W8A16 kernels
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-gemv   # 4-bit GemLite layers on the fused GEMV: GPU tests, decode
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ttft      # where a prompt's prefill time goes (7.2B, profiler)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh prefill   # after a time-mix change: GPU tests, profile, prefill
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -28,7 +29,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -152,10 +153,23 @@ hopper-gemlite)  # W8A16 GEMV vs Hopper GEMM at small batches, GemLite int8 laye
         --out bench/results/decode_h200_gemlite_w8.json
     copy bench/results/decode_h200_gemlite_w8.json
     ;;
-ttft)  # per-kernel time of prefill forwards: one 1k prompt (readable forward) and 16 of them (fused)
+ttft)  # per-kernel time of prefill forwards (7.2B): one prompt of 1k and of 128 tokens, 16 prompts of 1k
     step 150 "prefill profile, 7.2B" python bench/profile_decode.py --sizes 7.2b --batches "" \
         --prompts 1x1024,1x128,16x1024 --out bench/results/profile_prefill_h200.json
     copy bench/results/profile_prefill_h200.json
+    ;;
+prefill)  # after a time-mix change: fused GPU tests, prefill profile, prefill fused vs readable (7.2B, 1.5B)
+    step 240 "fused + graph GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \
+        test/test_graphs_cuda.py
+    step 120 "prefill profile, 7.2B" python bench/profile_decode.py --sizes 7.2b --batches "" \
+        --prompts 1x1024,1x128,16x1024 --out bench/results/profile_prefill_h200.json
+    copy bench/results/profile_prefill_h200.json
+    step 120 "prefill, fused" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 128,1024,4096 \
+        --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill.json
+    copy bench/results/decode_h200_prefill.json
+    step 90 "prefill, readable forward" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 128,1024,4096 \
+        --prefill-rows 1 --forward readable --wkv cuda --no-checks --out bench/results/experiment_prefill_readable_h200.json
+    copy bench/results/experiment_prefill_readable_h200.json
     ;;
 w4-gemv)  # GemLite A16W4 on the fused GEMV's 4-bit tasks: GPU tests, then decode at batch 1-8
     export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home

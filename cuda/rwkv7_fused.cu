@@ -362,6 +362,212 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
     wkv7::tile_to_block(tile, block);
 }
 
+// ------------------------------------------------------------------------------------ time_mix, prefill
+// time_mix_kernel walks a row's tokens one after another, each thread doing all of its channel's work, with
+// six barriers and a 64-long dot product per token: a prompt alone is bound by that latency (7.2B, 1 x 128
+// tokens: 1.66 us per token and layer; bench/results/profile_prefill_h200.json). For rows of several tokens
+// this kernel separates what depends on the state from what does not. Per chunk of kPrefillChunk tokens:
+//   A. in parallel over the chunk's tokens (64 threads per token): decay, gates, kk normalisation, k', v',
+//      the bonus sum; the key-axis vectors and v' go to shared memory;
+//   B. the recurrence, token after token without a barrier: four threads per state row i, each holding 16
+//      of its 64 columns (j = 16c + 4q + e for quarter q, so the float4 reads are conflict-free), the dot
+//      products summed over the quad by shuffles;
+//   C. in parallel over the tokens again: group norm, bonus, gate, store.
+// Five barriers per chunk. Same math and rounding points as time_mix_kernel (only summation orders differ).
+constexpr int kPrefillThreads = 4 * N;
+constexpr int kPrefillChunk = 8;
+constexpr int kPrefillPerPass = kPrefillThreads / N;            // tokens side by side in phases A and C
+constexpr int kPrefillPasses = kPrefillChunk / kPrefillPerPass;  // tokens per thread in phases A and C
+
+struct PrefillChunk {  // shared: the chunk's key-axis vectors (r, w, k', -kk, kk*a), v' and y, per token
+    float r[kPrefillChunk][N], w[kPrefillChunk][N], k[kPrefillChunk][N], a[kPrefillChunk][N], b[kPrefillChunk][N];
+    float v[kPrefillChunk][N], y[kPrefillChunk][N];
+    float norm[kPrefillChunk][2], bonus[kPrefillChunk][2], mean[kPrefillChunk][2], var[kPrefillChunk][2];  // per warp
+};
+
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+template <typename S>
+__global__ void __launch_bounds__(kPrefillThreads)
+time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
+                        const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
+                        const int64_t* __restrict__ lasts, TimeMixArgs p) {
+    const int64_t row = blockIdx.x / H;
+    const int h = blockIdx.x % H;
+    const int ci = threadIdx.x % N;         // phases A and C: channel h*64+ci of tokens u0, u0+4, ...
+    const int u0 = threadIdx.x / N;
+    const int half_head = (threadIdx.x / 32) % 2;  // which of the token's two warps
+    const int si = threadIdx.x / 4, q = threadIdx.x % 4;  // phase B: state row si, quarter q
+    const int64_t C = int64_t(H) * N;
+    const int64_t col = int64_t(h) * N + ci;
+
+    const int64_t first = starts[row];
+    const int64_t last = lasts[row];
+    const int64_t slot = slots[row];
+    if (last < first || first < 0 || last >= num_tokens) {  // block-uniform
+        dependency_wait();
+        return;
+    }
+    if (slot < 0 || slot >= num_slots) {  // bad slot: NaN output, state untouched
+        dependency_wait();
+        for (int64_t t = first + u0; t <= last; t += kPrefillPerPass)
+            p.out[t * C + col] = __float2half_rn(__int_as_float(0x7fc00000));
+        return;
+    }
+
+    // The staging tile is needed before the first chunk and after the last: the chunk buffers share it.
+    __shared__ __align__(16) float tile[N][wkv7::LD];
+    static_assert(sizeof(PrefillChunk) <= sizeof(tile), "chunk buffers must fit in the staging tile");
+    PrefillChunk& buf = *reinterpret_cast<PrefillChunk*>(&tile[0][0]);
+
+    S* block = state + (slot * H + h) * N * N;
+    const bool stager = threadIdx.x < N;  // the staging helpers work with 64 threads
+    wkv7::Staged<S> staged;
+    if (stager) wkv7::block_load(block, staged);  // only this kernel writes the state: safe before the wait
+
+    const float w0 = p.w0[col], r_k = p.r_k[col], lnx_w = p.lnx_w[col], lnx_b = p.lnx_b[col];
+    const float a0 = h2f(p.a0[col]), k_k = h2f(p.k_k[col]), k_a = h2f(p.k_a[col]);
+    const float v0 = p.first_layer ? 0.0f : h2f(p.v0[col]);
+
+    dependency_wait();
+    TokenInputs in[kPrefillPasses];
+    auto fetch = [&](int64_t t0) {  // this thread's inputs of the chunk starting at token t0
+#pragma unroll
+        for (int m = 0; m < kPrefillPasses; ++m) {
+            const int64_t t = t0 + u0 + m * kPrefillPerPass;
+            if (t <= last) in[m] = load_token_inputs(p, t * C + col);
+        }
+    };
+    fetch(first);
+    if (stager) wkv7::staged_to_tile(staged, tile);
+    __syncthreads();
+    float s[16];  // s[4c + e] = S[si][16c + 4q + e]
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const float4 f = *reinterpret_cast<const float4*>(&tile[si][16 * c + 4 * q]);
+        s[4 * c + 0] = f.x;
+        s[4 * c + 1] = f.y;
+        s[4 * c + 2] = f.z;
+        s[4 * c + 3] = f.w;
+    }
+    __syncthreads();  // the tile's memory now holds the chunk buffers
+
+    for (int64_t t0 = first; t0 <= last; t0 += kPrefillChunk) {
+        const int count = static_cast<int>(last - t0 + 1 < kPrefillChunk ? last - t0 + 1 : kPrefillChunk);
+        // A: per token and channel (tokens past the row's end compute on zeros and store nothing)
+        float kkr[kPrefillPasses], kn[kPrefillPasses], vn[kPrefillPasses], bonus[kPrefillPasses], g[kPrefillPasses];
+        float r[kPrefillPasses], w[kPrefillPasses], a[kPrefillPasses];
+#pragma unroll
+        for (int m = 0; m < kPrefillPasses; ++m) {
+            const int u = u0 + m * kPrefillPerPass;
+            const TokenInputs cur = u < count ? in[m] : TokenInputs{};
+            r[m] = cur.r;
+            g[m] = cur.g;
+            w[m] = __expf(-kExpMinusHalf * sigmoidf(w0 + cur.dw));
+            a[m] = sigmoidf(a0 + cur.da);
+            kkr[m] = cur.k * k_k;
+            kn[m] = cur.k * (1.0f + (a[m] - 1.0f) * k_a);
+            vn[m] = cur.v;
+            if (p.first_layer) {
+                if (u < count) p.v_first[(t0 + u) * C + col] = __float2half_rn(cur.v);
+            } else {
+                vn[m] = cur.v + (cur.v_first - cur.v) * sigmoidf(v0 + cur.dv);
+            }
+            const float norm_part = warp_sum(kkr[m] * kkr[m]), bonus_part = warp_sum(r[m] * kn[m] * r_k);
+            if (threadIdx.x % 32 == 0) {
+                buf.norm[u][half_head] = norm_part;
+                buf.bonus[u][half_head] = bonus_part;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < kPrefillPasses; ++m) {
+            const int u = u0 + m * kPrefillPerPass;
+            const float kk = kkr[m] / fmaxf(sqrtf(buf.norm[u][0] + buf.norm[u][1]), 1e-12f);
+            bonus[m] = buf.bonus[u][0] + buf.bonus[u][1];
+            buf.r[u][ci] = r[m];
+            buf.w[u][ci] = w[m];
+            buf.k[u][ci] = kn[m];
+            buf.a[u][ci] = -kk;
+            buf.b[u][ci] = kk * a[m];
+            buf.v[u][ci] = vn[m];
+        }
+        if (t0 + kPrefillChunk <= last) fetch(t0 + kPrefillChunk);  // in flight across phase B
+        __syncthreads();
+
+        // B: the recurrence on this thread's quarter row (see token_step in wkv7_state.cuh)
+        for (int u = 0; u < count; ++u) {
+            const float4 *a4 = reinterpret_cast<const float4*>(buf.a[u]), *w4 = reinterpret_cast<const float4*>(buf.w[u]),
+                         *k4 = reinterpret_cast<const float4*>(buf.k[u]), *b4 = reinterpret_cast<const float4*>(buf.b[u]),
+                         *r4 = reinterpret_cast<const float4*>(buf.r[u]);
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const float4 av = a4[4 * c + q];
+                acc.x = fmaf(s[4 * c + 0], av.x, acc.x);
+                acc.y = fmaf(s[4 * c + 1], av.y, acc.y);
+                acc.z = fmaf(s[4 * c + 2], av.z, acc.z);
+                acc.w = fmaf(s[4 * c + 3], av.w, acc.w);
+            }
+            const float sa = quad_sum((acc.x + acc.y) + (acc.z + acc.w));
+            const float v = buf.v[u][si];
+            float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const float4 wv = w4[4 * c + q], bv = b4[4 * c + q], kv = k4[4 * c + q], rv = r4[4 * c + q];
+                s[4 * c + 0] = fmaf(s[4 * c + 0], wv.x, fmaf(sa, bv.x, v * kv.x));
+                s[4 * c + 1] = fmaf(s[4 * c + 1], wv.y, fmaf(sa, bv.y, v * kv.y));
+                s[4 * c + 2] = fmaf(s[4 * c + 2], wv.z, fmaf(sa, bv.z, v * kv.z));
+                s[4 * c + 3] = fmaf(s[4 * c + 3], wv.w, fmaf(sa, bv.w, v * kv.w));
+                out.x = fmaf(s[4 * c + 0], rv.x, out.x);
+                out.y = fmaf(s[4 * c + 1], rv.y, out.y);
+                out.z = fmaf(s[4 * c + 2], rv.z, out.z);
+                out.w = fmaf(s[4 * c + 3], rv.w, out.w);
+            }
+            const float y = quad_sum((out.x + out.y) + (out.z + out.w));
+            if (q == 0) buf.y[u][si] = y;
+        }
+        __syncthreads();
+
+        // C: group norm over the head, bonus, gate (two passes over y, as time_mix_kernel)
+        float y[kPrefillPasses], mean[kPrefillPasses];
+#pragma unroll
+        for (int m = 0; m < kPrefillPasses; ++m) {
+            const int u = u0 + m * kPrefillPerPass;
+            y[m] = buf.y[u][ci];  // (stale past the row's end: reduced, never stored)
+            const float part = warp_sum(y[m]);
+            if (threadIdx.x % 32 == 0) buf.mean[u][half_head] = part;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < kPrefillPasses; ++m) {
+            const int u = u0 + m * kPrefillPerPass;
+            mean[m] = (buf.mean[u][0] + buf.mean[u][1]) * (1.0f / N);
+            const float part = warp_sum((y[m] - mean[m]) * (y[m] - mean[m]));
+            if (threadIdx.x % 32 == 0) buf.var[u][half_head] = part;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < kPrefillPasses; ++m) {
+            const int u = u0 + m * kPrefillPerPass;
+            if (u >= count) continue;
+            const float var = (buf.var[u][0] + buf.var[u][1]) * (1.0f / N);
+            const float yn = (y[m] - mean[m]) * rsqrtf(var + kGroupNormEps) * lnx_w + lnx_b;
+            p.out[(t0 + u) * C + col] = __float2half_rn(round_half(yn + bonus[m] * vn[m]) * g[m]);
+        }
+    }
+
+    __syncthreads();  // the chunk buffers are read for the last time above; the tile takes their memory back
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+        *reinterpret_cast<float4*>(&tile[si][16 * c + 4 * q]) = make_float4(s[4 * c], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3]);
+    __syncthreads();
+    if (stager) wkv7::tile_to_block(tile, block);
+}
+
 // ------------------------------------------------------------------------------------ gemv
 constexpr int kGemvWarps = 8;
 constexpr int kMaxTasks = 8;
@@ -986,26 +1192,29 @@ extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, 
 
 // tensors: r, k, v, dw, da, dv, g, v_first, out ([T, C] fp16; dv unused in layer 0);
 // params: w0, r_k, lnx_w, lnx_b (fp32 [C]), a0, v0, k_k, k_a (fp16 [C]; v0 unused in layer 0).
+// prefill: 1 takes time_mix_prefill_kernel (rows of several tokens), 0 time_mix_kernel (decode).
 extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
-                                     const void* const* params, int first_layer) {
+                                     const void* const* params, int first_layer, int prefill) {
     using namespace fused;
     if (B == 0) return cudaSuccess;
     if (B < 0 || H <= 0 || B * H > INT_MAX) return cudaErrorInvalidConfiguration;
+    if (state_dtype != wkv7::kFloat32 && state_dtype != wkv7::kFloat16) return cudaErrorInvalidValue;
     const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-    return on_device(device, [&] {
-        const unsigned grid = static_cast<unsigned>(B * H);
-        if (state_dtype == wkv7::kFloat32)
-            return launch(time_mix_kernel<float>, grid, N, s, h, num_slots, num_tokens, static_cast<float*>(state),
-                          slots, starts, lasts, p);
-        if (state_dtype == wkv7::kFloat16)
-            return launch(time_mix_kernel<__half>, grid, N, s, h, num_slots, num_tokens, static_cast<__half*>(state),
-                          slots, starts, lasts, p);
-        return cudaErrorInvalidValue;
-    });
+    const unsigned grid = static_cast<unsigned>(B * H);
+    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel) {
+        return on_device(device, [&] {
+            return prefill ? launch(prefill_kernel, grid, kPrefillThreads, s, h, num_slots, num_tokens, pool, slots,
+                                    starts, lasts, p)
+                           : launch(decode_kernel, grid, N, s, h, num_slots, num_tokens, pool, slots, starts, lasts, p);
+        });
+    };
+    if (state_dtype == wkv7::kFloat32)
+        return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_prefill_kernel<float>);
+    return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_prefill_kernel<__half>);
 }
 
 extern "C" int fused_gemv_max_rows() { return fused::kGemvMaxRows; }

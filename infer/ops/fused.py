@@ -9,9 +9,9 @@ products go through the kernel's grouped GEMV: seven matrices of the time-mix in
 LoRA second halves (with their tanh/sigmoid) in another, relu^2 and the residual add folded in.
 Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite); with fp16 dense weights the
 receptance/key/value matrices and the w/a/v LoRA factors go through three strided-batched matmuls
-(:class:`BatchedWeights`) and the residual adds into the output and FFN-value products. A batch of fewer than 4 rows
-with a row of ``long_row`` (512) tokens or more (a long prompt alone) runs the readable forward, whose
-WKV can be chunked.
+(:class:`BatchedWeights`) and the residual adds into the output and FFN-value products. A batch with a row of
+several tokens (prefill) takes the time-mix kernel built for them (the token-independent work of a chunk of
+tokens side by side, then the recurrence alone; see cuda/rwkv7_fused.cu), decode steps the one-token kernel.
 
 Tiers: this path when the extension builds and passes its self-test, on a CUDA device with fp16
 activations; otherwise ``RWKV7.forward``'s readable code (with the CUDA WKV kernel or torch).
@@ -48,7 +48,6 @@ PREFERENCES = ("auto", "on", "off")
 ACT_NONE, ACT_TANH, ACT_SIGMOID = 0, 1, 2
 EPI_NONE, EPI_RELU_SQUARE = 0, 1
 DEFAULT_GEMV_ROWS = 2
-FUSED_LONG_ROW, FEW_ROWS = 512, 4  # see FusedKernels.long_row
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -148,11 +147,6 @@ class FusedKernels:
         # GEMV took 4.4 ms for the matrices of a 7.2B step at 8 rows on an H200, GemLite's whole step 7.9.
         self.uint4_gemv_rows: int = min(int(os.environ.get("RWKV_GEMV_ROWS", module.gemv_max_rows())),
                                         module.gemv_max_rows())
-        # A batch of fewer than FEW_ROWS rows with a row this long (a long prompt alone) runs the readable
-        # forward, whose WKV is chunked: the fused time-mix walks a row's tokens one after another, so it
-        # pays only with many rows side by side. H200, 7.2B: 1 x 1024 tokens 70.6 ms readable vs 84.9
-        # fused; 1 x 128 55 vs 20.6 ms; 16 x 1024 25.6k vs 36.2k tok/s (bench/results/experiment_prefill_fused_h200.json).
-        self.long_row: int = int(os.environ.get("RWKV_FUSED_LONG_ROW", FUSED_LONG_ROW))
         # Whether 4-bit tasks are taken: switched off alone (those layers then use GemLite's kernels) if
         # they fail their self-test, so the fp16 and int8 paths do not depend on them.
         self.uint4: bool = True
@@ -189,13 +183,12 @@ class FusedKernels:
         empty = _empty(state.device)
         params = [blk.w0, blk.r_k.view(-1), blk.lnx_w, blk.lnx_b, blk.a0,
                   blk.v0 if blk.v0 is not None else empty, blk.k_k, blk.k_a]
-        self._m.time_mix(state, batch.slots, batch.starts, batch.last, tensors, params, first_layer,
+        prefill = max(batch.lens) > 1  # the prefill kernel pays from the second token of a row on
+        self._m.time_mix(state, batch.slots, batch.starts, batch.last, tensors, params, first_layer, prefill,
                          self._stream(state))
 
     # -------------------------------------------------------------- forward
     def forward(self, model: "RWKV7", batch: PackedBatch, state: StatePool, all_logits: bool) -> torch.Tensor:
-        if len(batch.lens) < FEW_ROWS and max(batch.lens) >= self.long_row:
-            return model.forward_reference(batch, state, all_logits)
         T, C = batch.num_tokens, model.config.n_embd
         small = T <= self.rows_for(model) and all(self._gemv_ok(b) for b in model.blocks)
         cfg = model.config

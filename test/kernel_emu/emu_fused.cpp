@@ -24,20 +24,22 @@ EMU_EXPORT int emu_fused_ln_shift_mix(int64_t T, int64_t C, int64_t num_slots, c
 
 EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t num_slots, int64_t num_tokens,
                                   void* state, const int64_t* slots, const int64_t* starts, const int64_t* lasts,
-                                  const void* const* tensors, const void* const* params, int first_layer) {
+                                  const void* const* tensors, const void* const* params, int first_layer,
+                                  int prefill) {
     using namespace fused;
     if (B <= 0 || H <= 0) return -1;
     const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const unsigned grid = static_cast<unsigned>(B * H);
+    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel) {
+        return emu::run_grid(grid, prefill ? kPrefillThreads : N, [&] {
+            (prefill ? prefill_kernel : decode_kernel)(h, num_slots, num_tokens, pool, slots, starts, lasts, p);
+        });
+    };
     if (state_dtype == wkv7::kFloat32)
-        return emu::run_grid(grid, N, [&] {
-            time_mix_kernel<float>(h, num_slots, num_tokens, static_cast<float*>(state), slots, starts, lasts, p);
-        });
+        return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_prefill_kernel<float>);
     if (state_dtype == wkv7::kFloat16)
-        return emu::run_grid(grid, N, [&] {
-            time_mix_kernel<__half>(h, num_slots, num_tokens, static_cast<__half*>(state), slots, starts, lasts, p);
-        });
+        return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_prefill_kernel<__half>);
     return -1;
 }
 
