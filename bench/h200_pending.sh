@@ -20,7 +20,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-gemv   # 4-bit GemLite layers on the fused GEMV: GPU tests, decode
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ttft      # where a prompt's prefill time goes (7.2B, profiler)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh prefill   # after a time-mix change: GPU tests, profile, prefill
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh prefill-rpt  # prefill time-mix rows per thread A/B, GPU tests
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -30,7 +29,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|prefill-rpt}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -158,16 +157,6 @@ ttft)  # per-kernel time of prefill forwards (7.2B): one prompt of 1k and of 128
     step 150 "prefill profile, 7.2B" python bench/profile_decode.py --sizes 7.2b --batches "" \
         --prompts 1x1024,1x128,16x1024 --out bench/results/profile_prefill_h200.json
     copy bench/results/profile_prefill_h200.json
-    ;;
-prefill-rpt)  # the prefill time-mix's state rows per thread (1, 2, 4) at 1, 4 and 16 prompts, then GPU tests
-    for rpt in 1 2 4; do
-        step 75 "prefill, RWKV_PREFILL_RPT=$rpt" env RWKV_PREFILL_RPT=$rpt python bench/bench_decode.py --sizes 7.2b \
-            --batches "" --prefill 128,1024 --prefill-rows 1,4,16 --wkv cuda --no-checks \
-            --out bench/results/experiment_prefill_rpt${rpt}_h200.json
-        copy bench/results/experiment_prefill_rpt${rpt}_h200.json
-    done
-    step 150 "fused prefill GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \
-        -k "prefill or cpu_fp32 or greedy or w8a16_model or batch_invariance"
     ;;
 prefill)  # after a time-mix change: fused GPU tests, prefill profile, prefill fused vs readable (7.2B, 1.5B)
     step 240 "fused + graph GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \

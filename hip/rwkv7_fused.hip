@@ -523,24 +523,16 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
 // this kernel separates what depends on the state from what does not. Per chunk of kPrefillChunk tokens:
 //   A. in parallel over the chunk's tokens (64 threads per token): decay, gates, kk normalisation, k', v',
 //      the bonus sum; the key-axis vectors and v' go to shared memory;
-//   B. the recurrence, token after token without a barrier: four threads per state row, each holding 16 of
-//      its 64 columns (j = 16c + 4q + e for quarter q, so the float4 reads are conflict-free), for RPT rows
-//      (g, g + 64/RPT, ...); the dot products are summed over the quad by shuffles;
+//   B. the recurrence, token after token without a barrier: four threads per state row i, each holding 16
+//      of its 64 columns (j = 16c + 4q + e for quarter q, so the float4 reads are conflict-free), the dot
+//      products summed over the quad by shuffles;
 //   C. in parallel over the tokens again: group norm, bonus, gate, store.
-// Port note: the quad shuffles and the per-token sums use 32-thread teams, as block_sum does.
 // Five barriers per chunk. Same math and rounding points as time_mix_kernel (only summation orders differ).
-// A thread reads 20 float4 of key-axis vectors per token whatever its RPT, so more rows per thread means
-// less shared-memory traffic per state value (the bound when many blocks share a multiprocessor) but a
-// longer chain of work per token (the bound for a prompt alone): the launcher picks RPT by the grid.
+// Port note: the quad shuffles and the per-token sums use 32-thread teams, as block_sum does.
+constexpr int kPrefillThreads = 4 * N;
 constexpr int kPrefillChunk = 8;
-
-template <int RPT>
-struct PrefillShape {
-    static constexpr int kThreads = 4 * N / RPT;
-    static constexpr int kSideBySide = kThreads / N;             // tokens side by side in phases A and C
-    static constexpr int kPasses = kPrefillChunk / kSideBySide;  // tokens per thread in phases A and C
-    static constexpr int kRowStep = N / RPT;                     // between a thread's state rows
-};
+constexpr int kPrefillPerPass = kPrefillThreads / N;            // tokens side by side in phases A and C
+constexpr int kPrefillPasses = kPrefillChunk / kPrefillPerPass;  // tokens per thread in phases A and C
 
 struct PrefillChunk {  // shared: the chunk's key-axis vectors (r, w, k', -kk, kk*a), v' and y, per token
     float r[kPrefillChunk][N], w[kPrefillChunk][N], k[kPrefillChunk][N], a[kPrefillChunk][N], b[kPrefillChunk][N];
@@ -553,19 +545,17 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor(v, 2, kTeam);
 }
 
-template <typename S, int RPT>
-__global__ void __launch_bounds__(PrefillShape<RPT>::kThreads)
+template <typename S>
+__global__ void __launch_bounds__(kPrefillThreads)
 time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
                         const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
                         const int64_t* __restrict__ lasts, TimeMixArgs p) {
-    using Shape = PrefillShape<RPT>;
-    constexpr int kSide = Shape::kSideBySide, kPasses = Shape::kPasses, kRowStep = Shape::kRowStep;
     const int64_t row = blockIdx.x / H;
     const int h = blockIdx.x % H;
-    const int ci = threadIdx.x % N;         // phases A and C: channel h*64+ci of tokens u0, u0+kSide, ...
+    const int ci = threadIdx.x % N;         // phases A and C: channel h*64+ci of tokens u0, u0+4, ...
     const int u0 = threadIdx.x / N;
     const int half_head = (threadIdx.x / kTeam) % 2;  // which of the token's two 32-thread teams
-    const int g = threadIdx.x / 4, q = threadIdx.x % 4;  // phase B: state rows g + kRowStep * r, quarter q
+    const int si = threadIdx.x / 4, q = threadIdx.x % 4;  // phase B: state row si, quarter q
     const int64_t C = int64_t(H) * N;
     const int64_t col = int64_t(h) * N + ci;
 
@@ -578,7 +568,7 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     }
     if (slot < 0 || slot >= num_slots) {  // bad slot: NaN output, state untouched
         dependency_wait();
-        for (int64_t t = first + u0; t <= last; t += kSide)
+        for (int64_t t = first + u0; t <= last; t += kPrefillPerPass)
             p.out[t * C + col] = __float2half_rn(__int_as_float(0x7fc00000));
         return;
     }
@@ -598,53 +588,50 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     const float v0 = p.first_layer ? 0.0f : h2f(p.v0[col]);
 
     dependency_wait();
-    TokenInputs in[kPasses];
+    TokenInputs in[kPrefillPasses];
     auto fetch = [&](int64_t t0) {  // this thread's inputs of the chunk starting at token t0
 #pragma unroll
-        for (int m = 0; m < kPasses; ++m) {
-            const int64_t t = t0 + u0 + m * kSide;
+        for (int m = 0; m < kPrefillPasses; ++m) {
+            const int64_t t = t0 + u0 + m * kPrefillPerPass;
             if (t <= last) in[m] = load_token_inputs(p, t * C + col);
         }
     };
     fetch(first);
     if (stager) wkv7::staged_to_tile(staged, tile);
     __syncthreads();
-    float s[RPT][16];  // s[r][4c + e] = S[g + kRowStep r][16c + 4q + e]
+    float s[16];  // s[4c + e] = S[si][16c + 4q + e]
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const float4 f = *reinterpret_cast<const float4*>(&tile[g + kRowStep * r][16 * c + 4 * q]);
-            s[r][4 * c + 0] = f.x;
-            s[r][4 * c + 1] = f.y;
-            s[r][4 * c + 2] = f.z;
-            s[r][4 * c + 3] = f.w;
-        }
+    for (int c = 0; c < 4; ++c) {
+        const float4 f = *reinterpret_cast<const float4*>(&tile[si][16 * c + 4 * q]);
+        s[4 * c + 0] = f.x;
+        s[4 * c + 1] = f.y;
+        s[4 * c + 2] = f.z;
+        s[4 * c + 3] = f.w;
     }
     __syncthreads();  // the tile's memory now holds the chunk buffers
 
     for (int64_t t0 = first; t0 <= last; t0 += kPrefillChunk) {
         const int count = static_cast<int>(last - t0 + 1 < kPrefillChunk ? last - t0 + 1 : kPrefillChunk);
         // A: per token and channel (tokens past the row's end compute on zeros and store nothing)
-        float kkr[kPasses], kn[kPasses], vn[kPasses], bonus[kPasses], gate[kPasses];
-        float rr[kPasses], ww[kPasses], aa[kPasses];
+        float kkr[kPrefillPasses], kn[kPrefillPasses], vn[kPrefillPasses], bonus[kPrefillPasses], g[kPrefillPasses];
+        float r[kPrefillPasses], w[kPrefillPasses], a[kPrefillPasses];
 #pragma unroll
-        for (int m = 0; m < kPasses; ++m) {
-            const int u = u0 + m * kSide;
+        for (int m = 0; m < kPrefillPasses; ++m) {
+            const int u = u0 + m * kPrefillPerPass;
             const TokenInputs cur = u < count ? in[m] : TokenInputs{};
-            rr[m] = cur.r;
-            gate[m] = cur.g;
-            ww[m] = __expf(-kExpMinusHalf * sigmoidf(w0 + cur.dw));
-            aa[m] = sigmoidf(a0 + cur.da);
+            r[m] = cur.r;
+            g[m] = cur.g;
+            w[m] = __expf(-kExpMinusHalf * sigmoidf(w0 + cur.dw));
+            a[m] = sigmoidf(a0 + cur.da);
             kkr[m] = cur.k * k_k;
-            kn[m] = cur.k * (1.0f + (aa[m] - 1.0f) * k_a);
+            kn[m] = cur.k * (1.0f + (a[m] - 1.0f) * k_a);
             vn[m] = cur.v;
             if (p.first_layer) {
                 if (u < count) p.v_first[(t0 + u) * C + col] = __float2half_rn(cur.v);
             } else {
                 vn[m] = cur.v + (cur.v_first - cur.v) * sigmoidf(v0 + cur.dv);
             }
-            const float norm_part = warp_sum(kkr[m] * kkr[m]), bonus_part = warp_sum(rr[m] * kn[m] * r_k);
+            const float norm_part = warp_sum(kkr[m] * kkr[m]), bonus_part = warp_sum(r[m] * kn[m] * r_k);
             if (threadIdx.x % kTeam == 0) {
                 buf.norm[u][half_head] = norm_part;
                 buf.bonus[u][half_head] = bonus_part;
@@ -652,121 +639,88 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
         }
         __syncthreads();
 #pragma unroll
-        for (int m = 0; m < kPasses; ++m) {
-            const int u = u0 + m * kSide;
+        for (int m = 0; m < kPrefillPasses; ++m) {
+            const int u = u0 + m * kPrefillPerPass;
             const float kk = kkr[m] / fmaxf(sqrtf(buf.norm[u][0] + buf.norm[u][1]), 1e-12f);
             bonus[m] = buf.bonus[u][0] + buf.bonus[u][1];
-            buf.r[u][ci] = rr[m];
-            buf.w[u][ci] = ww[m];
+            buf.r[u][ci] = r[m];
+            buf.w[u][ci] = w[m];
             buf.k[u][ci] = kn[m];
             buf.a[u][ci] = -kk;
-            buf.b[u][ci] = kk * aa[m];
+            buf.b[u][ci] = kk * a[m];
             buf.v[u][ci] = vn[m];
         }
         if (t0 + kPrefillChunk <= last) fetch(t0 + kPrefillChunk);  // in flight across phase B
         __syncthreads();
 
-        // B: the recurrence on this thread's quarter rows (see token_step in cuda/wkv7_state.cuh)
+        // B: the recurrence on this thread's quarter row (see token_step in cuda/wkv7_state.cuh)
         for (int u = 0; u < count; ++u) {
             const float4 *a4 = reinterpret_cast<const float4*>(buf.a[u]), *w4 = reinterpret_cast<const float4*>(buf.w[u]),
                          *k4 = reinterpret_cast<const float4*>(buf.k[u]), *b4 = reinterpret_cast<const float4*>(buf.b[u]),
                          *r4 = reinterpret_cast<const float4*>(buf.r[u]);
-            float4 av[4];
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-            for (int c = 0; c < 4; ++c) av[c] = a4[4 * c + q];
-            float sa[RPT], v[RPT];
-            float4 out[RPT];
-#pragma unroll
-            for (int r = 0; r < RPT; ++r) {
-                float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    acc.x = fmaf(s[r][4 * c + 0], av[c].x, acc.x);
-                    acc.y = fmaf(s[r][4 * c + 1], av[c].y, acc.y);
-                    acc.z = fmaf(s[r][4 * c + 2], av[c].z, acc.z);
-                    acc.w = fmaf(s[r][4 * c + 3], av[c].w, acc.w);
-                }
-                sa[r] = quad_sum((acc.x + acc.y) + (acc.z + acc.w));
-                v[r] = buf.v[u][g + kRowStep * r];
-                out[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int c = 0; c < 4; ++c) {
+                const float4 av = a4[4 * c + q];
+                acc.x = fmaf(s[4 * c + 0], av.x, acc.x);
+                acc.y = fmaf(s[4 * c + 1], av.y, acc.y);
+                acc.z = fmaf(s[4 * c + 2], av.z, acc.z);
+                acc.w = fmaf(s[4 * c + 3], av.w, acc.w);
             }
+            const float sa = quad_sum((acc.x + acc.y) + (acc.z + acc.w));
+            const float v = buf.v[u][si];
+            float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const float4 wv = w4[4 * c + q], bv = b4[4 * c + q], kv = k4[4 * c + q], rv = r4[4 * c + q];
-#pragma unroll
-                for (int r = 0; r < RPT; ++r) {
-                    float* x = &s[r][4 * c];
-                    x[0] = fmaf(x[0], wv.x, fmaf(sa[r], bv.x, v[r] * kv.x));
-                    x[1] = fmaf(x[1], wv.y, fmaf(sa[r], bv.y, v[r] * kv.y));
-                    x[2] = fmaf(x[2], wv.z, fmaf(sa[r], bv.z, v[r] * kv.z));
-                    x[3] = fmaf(x[3], wv.w, fmaf(sa[r], bv.w, v[r] * kv.w));
-                    out[r].x = fmaf(x[0], rv.x, out[r].x);
-                    out[r].y = fmaf(x[1], rv.y, out[r].y);
-                    out[r].z = fmaf(x[2], rv.z, out[r].z);
-                    out[r].w = fmaf(x[3], rv.w, out[r].w);
-                }
+                s[4 * c + 0] = fmaf(s[4 * c + 0], wv.x, fmaf(sa, bv.x, v * kv.x));
+                s[4 * c + 1] = fmaf(s[4 * c + 1], wv.y, fmaf(sa, bv.y, v * kv.y));
+                s[4 * c + 2] = fmaf(s[4 * c + 2], wv.z, fmaf(sa, bv.z, v * kv.z));
+                s[4 * c + 3] = fmaf(s[4 * c + 3], wv.w, fmaf(sa, bv.w, v * kv.w));
+                out.x = fmaf(s[4 * c + 0], rv.x, out.x);
+                out.y = fmaf(s[4 * c + 1], rv.y, out.y);
+                out.z = fmaf(s[4 * c + 2], rv.z, out.z);
+                out.w = fmaf(s[4 * c + 3], rv.w, out.w);
             }
-#pragma unroll
-            for (int r = 0; r < RPT; ++r) {
-                const float y = quad_sum((out[r].x + out[r].y) + (out[r].z + out[r].w));
-                if (q == 0) buf.y[u][g + kRowStep * r] = y;
-            }
+            const float y = quad_sum((out.x + out.y) + (out.z + out.w));
+            if (q == 0) buf.y[u][si] = y;
         }
         __syncthreads();
 
         // C: group norm over the head, bonus, gate (two passes over y, as time_mix_kernel)
-        float y[kPasses], mean[kPasses];
+        float y[kPrefillPasses], mean[kPrefillPasses];
 #pragma unroll
-        for (int m = 0; m < kPasses; ++m) {
-            const int u = u0 + m * kSide;
+        for (int m = 0; m < kPrefillPasses; ++m) {
+            const int u = u0 + m * kPrefillPerPass;
             y[m] = buf.y[u][ci];  // (stale past the row's end: reduced, never stored)
             const float part = warp_sum(y[m]);
             if (threadIdx.x % kTeam == 0) buf.mean[u][half_head] = part;
         }
         __syncthreads();
 #pragma unroll
-        for (int m = 0; m < kPasses; ++m) {
-            const int u = u0 + m * kSide;
+        for (int m = 0; m < kPrefillPasses; ++m) {
+            const int u = u0 + m * kPrefillPerPass;
             mean[m] = (buf.mean[u][0] + buf.mean[u][1]) * (1.0f / N);
             const float part = warp_sum((y[m] - mean[m]) * (y[m] - mean[m]));
             if (threadIdx.x % kTeam == 0) buf.var[u][half_head] = part;
         }
         __syncthreads();
 #pragma unroll
-        for (int m = 0; m < kPasses; ++m) {
-            const int u = u0 + m * kSide;
+        for (int m = 0; m < kPrefillPasses; ++m) {
+            const int u = u0 + m * kPrefillPerPass;
             if (u >= count) continue;
             const float var = (buf.var[u][0] + buf.var[u][1]) * (1.0f / N);
             const float yn = (y[m] - mean[m]) * rsqrtf(var + kGroupNormEps) * lnx_w + lnx_b;
-            p.out[(t0 + u) * C + col] = __float2half_rn(round_half(yn + bonus[m] * vn[m]) * gate[m]);
+            p.out[(t0 + u) * C + col] = __float2half_rn(round_half(yn + bonus[m] * vn[m]) * g[m]);
         }
     }
 
     __syncthreads();  // the chunk buffers are read for the last time above; the tile takes their memory back
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-            *reinterpret_cast<float4*>(&tile[g + kRowStep * r][16 * c + 4 * q]) =
-                make_float4(s[r][4 * c], s[r][4 * c + 1], s[r][4 * c + 2], s[r][4 * c + 3]);
-    }
+    for (int c = 0; c < 4; ++c)
+        *reinterpret_cast<float4*>(&tile[si][16 * c + 4 * q]) = make_float4(s[4 * c], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3]);
     __syncthreads();
     if (stager) wkv7::tile_to_block(tile, block);
-}
-
-// State rows per thread of time_mix_prefill_kernel for a grid of `blocks` (row, head) blocks: 4 once the
-// blocks fill the multiprocessors several times over (shared-memory traffic bounds), 2 below (one prompt
-// alone: the chain of work per token bounds). RWKV_PREFILL_RPT=1|2|4 forces one (for A/B timing).
-constexpr int64_t kPrefillManyBlocks = 512;  // set from bench/results/profile_prefill_h200.json
-
-inline int prefill_rows_per_thread(int64_t blocks) {
-    static const int forced = [] {
-        const char* env = std::getenv("RWKV_PREFILL_RPT");
-        const int v = env ? std::atoi(env) : 0;
-        return v == 1 || v == 2 || v == 4 ? v : 0;
-    }();
-    if (forced) return forced;
-    return blocks >= kPrefillManyBlocks ? 4 : 2;
 }
 
 // ------------------------------------------------------------------------------------ gemv
@@ -1132,17 +1086,11 @@ template <typename S>
 hipError_t launch_time_mix(unsigned grid, hipStream_t stream, int H, int64_t num_slots, int64_t num_tokens, S* state,
                            const int64_t* slots, const int64_t* starts, const int64_t* lasts, const TimeMixArgs& p,
                            int prefill) {
-    if (!prefill)
-        time_mix_kernel<S><<<dim3(grid), dim3(N), 0, stream>>>(H, num_slots, num_tokens, state, slots, starts, lasts, p);
-    else if (const int rpt = prefill_rows_per_thread(grid); rpt == 1)
-        time_mix_prefill_kernel<S, 1><<<dim3(grid), dim3(PrefillShape<1>::kThreads), 0, stream>>>(
-            H, num_slots, num_tokens, state, slots, starts, lasts, p);
-    else if (rpt == 2)
-        time_mix_prefill_kernel<S, 2><<<dim3(grid), dim3(PrefillShape<2>::kThreads), 0, stream>>>(
-            H, num_slots, num_tokens, state, slots, starts, lasts, p);
+    if (prefill)
+        time_mix_prefill_kernel<S><<<dim3(grid), dim3(kPrefillThreads), 0, stream>>>(H, num_slots, num_tokens, state,
+                                                                                       slots, starts, lasts, p);
     else
-        time_mix_prefill_kernel<S, 4><<<dim3(grid), dim3(PrefillShape<4>::kThreads), 0, stream>>>(
-            H, num_slots, num_tokens, state, slots, starts, lasts, p);
+        time_mix_kernel<S><<<dim3(grid), dim3(N), 0, stream>>>(H, num_slots, num_tokens, state, slots, starts, lasts, p);
     return hipGetLastError();
 }
 

@@ -285,9 +285,7 @@ def time_mix_inputs(C: int, T: int, layer: int, gen: torch.Generator) -> dict:
     return p
 
 
-def run_time_mix(so, layer, p, pool, slots, starts, lasts, rows_per_thread=0):
-    """The time-mix kernel on the emulator: the decode kernel, or the prefill kernel with ``rows_per_thread``
-    (1, 2 or 4) state rows per thread."""
+def run_time_mix(so, layer, p, pool, slots, starts, lasts, prefill=False):
     T, C = p["r"].shape
     v_first = p["v_first"].clone() if layer else torch.full((T, C), -7.0, dtype=torch.float16)
     out = torch.full((T, C), 1234.0, dtype=torch.float16)
@@ -298,7 +296,7 @@ def run_time_mix(so, layer, p, pool, slots, starts, lasts, rows_per_thread=0):
     slots_t, starts_t, lasts_t = ints(slots), ints(starts), ints(lasts)
     _check_rc(so.emu_fused_time_mix(DTYPE_CODE[pool.dtype], B, C // N, pool.shape[0], T, _ptr(pool), _ptr(slots_t),
                                     _ptr(starts_t), _ptr(lasts_t), _ptrs(tensors), _ptrs(params), int(layer == 0),
-                                    rows_per_thread))
+                                    int(prefill)))
     return out, v_first
 
 
@@ -357,7 +355,7 @@ def _sub(p: dict, idx: torch.Tensor) -> dict:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("kernel", ["decode", "prefill-1", "prefill-2", "prefill-4"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
 @pytest.mark.parametrize("C,layer,state_dtype", [(128, 0, torch.float32), (192, 3, torch.float16),
                                                  (192, 0, torch.float16), (128, 1, torch.float32)])
 def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
@@ -371,7 +369,7 @@ def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
     slots = TM_SLOTS + [e[0] for e in TM_EXTRA]
     got_pool = pool.clone()
     out, v_first = run_time_mix(libs[f"fused-{variant}"], layer, p, got_pool, slots, starts + [e[1] for e in TM_EXTRA],
-                                lasts + [e[2] for e in TM_EXTRA], int(kernel.split("-")[1]) if "-" in kernel else 0)
+                                lasts + [e[2] for e in TM_EXTRA], prefill=kernel == "prefill")
 
     good = [i for i, s in enumerate(TM_SLOTS) if 0 <= s < TM_POOL]
     idx = torch.cat([torch.arange(starts[i], lasts[i] + 1) for i in good])

@@ -6,8 +6,6 @@
 // arguments the launcher would refuse, or 1 + the block that deadlocked. See emu_device.h.
 #include "emu_device.h"
 
-#include <type_traits>
-
 #include KERNEL_SOURCE
 
 EMU_EXPORT int emu_fused_ln_shift_mix(int64_t T, int64_t C, int64_t num_slots, const void* x, const void* ln_w,
@@ -33,22 +31,15 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
     const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const unsigned grid = static_cast<unsigned>(B * H);
-    // prefill: 0 the decode kernel; 1, 2 or 4 the prefill kernel with that many state rows per thread
-    auto run = [&](auto* pool) {
-        using S = std::remove_pointer_t<decltype(pool)>;
-        auto go = [&](auto kernel, int threads) {
-            return emu::run_grid(grid, threads, [&] { kernel(h, num_slots, num_tokens, pool, slots, starts, lasts, p); });
-        };
-        switch (prefill) {
-            case 0: return go(time_mix_kernel<S>, N);
-            case 1: return go(time_mix_prefill_kernel<S, 1>, PrefillShape<1>::kThreads);
-            case 2: return go(time_mix_prefill_kernel<S, 2>, PrefillShape<2>::kThreads);
-            case 4: return go(time_mix_prefill_kernel<S, 4>, PrefillShape<4>::kThreads);
-            default: return -1;
-        }
+    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel) {
+        return emu::run_grid(grid, prefill ? kPrefillThreads : N, [&] {
+            (prefill ? prefill_kernel : decode_kernel)(h, num_slots, num_tokens, pool, slots, starts, lasts, p);
+        });
     };
-    if (state_dtype == wkv7::kFloat32) return run(static_cast<float*>(state));
-    if (state_dtype == wkv7::kFloat16) return run(static_cast<__half*>(state));
+    if (state_dtype == wkv7::kFloat32)
+        return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_prefill_kernel<float>);
+    if (state_dtype == wkv7::kFloat16)
+        return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_prefill_kernel<__half>);
     return -1;
 }
 
