@@ -159,13 +159,13 @@ ttft)  # per-kernel time of prefill forwards (7.2B): one prompt of 1k and of 128
     copy bench/results/profile_prefill_h200.json
     ;;
 prefill)  # after a time-mix change: fused GPU tests, prefill profile, prefill fused vs readable (7.2B, 1.5B)
-    step 240 "fused + graph GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \
-        test/test_graphs_cuda.py
+    step 200 "fused GPU tests (prefill, oracle, 4-bit)" python -m pytest -q -rs -p no:cacheprovider \
+        test/test_fused_cuda.py -k "prefill or cpu_fp32 or greedy or w8a16_model or invariance or uint4"
     step 120 "prefill profile, 7.2B" python bench/profile_decode.py --sizes 7.2b --batches "" \
         --prompts 1x1024,1x128,16x1024 --out bench/results/profile_prefill_h200.json
     copy bench/results/profile_prefill_h200.json
     step 120 "prefill, fused" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 128,1024,4096 \
-        --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill.json
+        --prefill-rows 1,4,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill.json
     copy bench/results/decode_h200_prefill.json
     step 90 "prefill, readable forward" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 128,1024,4096 \
         --prefill-rows 1 --forward readable --wkv cuda --no-checks --out bench/results/experiment_prefill_readable_h200.json

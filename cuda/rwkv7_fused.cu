@@ -376,6 +376,12 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
 // Five barriers per chunk. Same math and rounding points as time_mix_kernel (only summation orders differ).
 constexpr int kPrefillThreads = 4 * N;
 constexpr int kPrefillChunk = 8;
+// Its blocks are four times as large, with a short chain of work per token: that wins while few blocks share
+// a multiprocessor, the 64-thread kernel's small blocks once many do (7.2B on an H200, 64 blocks per prompt:
+// 1 x 1024 tokens 47.2 ms against 72.0, 16 x 1024 486 ms against 436; bench/results/decode_h200_prefill.json
+// and the git history of that file). Between the two measured points, the estimate is that the 64-thread
+// kernel's latency is hidden from about four of its blocks per multiprocessor on.
+constexpr unsigned kPrefillMaxBlocks = 512;
 constexpr int kPrefillPerPass = kPrefillThreads / N;            // tokens side by side in phases A and C
 constexpr int kPrefillPasses = kPrefillChunk / kPrefillPerPass;  // tokens per thread in phases A and C
 
@@ -1192,7 +1198,8 @@ extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, 
 
 // tensors: r, k, v, dw, da, dv, g, v_first, out ([T, C] fp16; dv unused in layer 0);
 // params: w0, r_k, lnx_w, lnx_b (fp32 [C]), a0, v0, k_k, k_a (fp16 [C]; v0 unused in layer 0).
-// prefill: 1 takes time_mix_prefill_kernel (rows of several tokens), 0 time_mix_kernel (decode).
+// prefill: 1 when a row has several tokens: then time_mix_prefill_kernel runs a grid of fewer than
+// kPrefillMaxBlocks (row, head) blocks, time_mix_kernel any other.
 extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
@@ -1207,8 +1214,9 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
     const unsigned grid = static_cast<unsigned>(B * H);
     auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel) {
         return on_device(device, [&] {
-            return prefill ? launch(prefill_kernel, grid, kPrefillThreads, s, h, num_slots, num_tokens, pool, slots,
-                                    starts, lasts, p)
+            return prefill && grid < kPrefillMaxBlocks
+                       ? launch(prefill_kernel, grid, kPrefillThreads, s, h, num_slots, num_tokens, pool, slots, starts,
+                                lasts, p)
                            : launch(decode_kernel, grid, N, s, h, num_slots, num_tokens, pool, slots, starts, lasts, p);
         });
     };

@@ -531,6 +531,7 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
 // Port note: the quad shuffles and the per-token sums use 32-thread teams, as block_sum does.
 constexpr int kPrefillThreads = 4 * N;
 constexpr int kPrefillChunk = 8;
+constexpr unsigned kPrefillMaxBlocks = 512;  // larger grids take time_mix_kernel (see the CUDA source)
 constexpr int kPrefillPerPass = kPrefillThreads / N;            // tokens side by side in phases A and C
 constexpr int kPrefillPasses = kPrefillChunk / kPrefillPerPass;  // tokens per thread in phases A and C
 
@@ -1086,7 +1087,7 @@ template <typename S>
 hipError_t launch_time_mix(unsigned grid, hipStream_t stream, int H, int64_t num_slots, int64_t num_tokens, S* state,
                            const int64_t* slots, const int64_t* starts, const int64_t* lasts, const TimeMixArgs& p,
                            int prefill) {
-    if (prefill)
+    if (prefill && grid < kPrefillMaxBlocks)
         time_mix_prefill_kernel<S><<<dim3(grid), dim3(kPrefillThreads), 0, stream>>>(H, num_slots, num_tokens, state,
                                                                                        slots, starts, lasts, p);
     else
@@ -1265,7 +1266,8 @@ extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, 
 
 // tensors: r, k, v, dw, da, dv, g, v_first, out ([T, C] fp16; dv unused in layer 0);
 // params: w0, r_k, lnx_w, lnx_b (fp32 [C]), a0, v0, k_k, k_a (fp16 [C]; v0 unused in layer 0).
-// prefill: 1 takes time_mix_prefill_kernel (rows of several tokens), 0 time_mix_kernel (decode).
+// prefill: 1 when a row has several tokens: then time_mix_prefill_kernel runs a grid of fewer than
+// kPrefillMaxBlocks (row, head) blocks, time_mix_kernel any other.
 extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,

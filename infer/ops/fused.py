@@ -9,9 +9,10 @@ products go through the kernel's grouped GEMV: seven matrices of the time-mix in
 LoRA second halves (with their tanh/sigmoid) in another, relu^2 and the residual add folded in.
 Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite); with fp16 dense weights the
 receptance/key/value matrices and the w/a/v LoRA factors go through three strided-batched matmuls
-(:class:`BatchedWeights`) and the residual adds into the output and FFN-value products. A batch with a row of
-several tokens (prefill) takes the time-mix kernel built for them (the token-independent work of a chunk of
-tokens side by side, then the recurrence alone; see cuda/rwkv7_fused.cu), decode steps the one-token kernel.
+(:class:`BatchedWeights`) and the residual adds into the output and FFN-value products. A prefill of few rows
+(a prompt alone) takes the time-mix kernel built for it (the token-independent work of a chunk of tokens side
+by side, then the recurrence alone), decode steps and prefills of many rows the one-token kernel (the
+launcher chooses by the grid; see cuda/rwkv7_fused.cu).
 
 Tiers: this path when the extension builds and passes its self-test, on a CUDA device with fp16
 activations; otherwise ``RWKV7.forward``'s readable code (with the CUDA WKV kernel or torch).
@@ -183,7 +184,7 @@ class FusedKernels:
         empty = _empty(state.device)
         params = [blk.w0, blk.r_k.view(-1), blk.lnx_w, blk.lnx_b, blk.a0,
                   blk.v0 if blk.v0 is not None else empty, blk.k_k, blk.k_a]
-        prefill = max(batch.lens) > 1  # the prefill kernel pays from the second token of a row on
+        prefill = max(batch.lens) > 1  # the launcher then takes the prefill kernel for a small grid
         self._m.time_mix(state, batch.slots, batch.starts, batch.last, tensors, params, first_layer, prefill,
                          self._stream(state))
 
