@@ -146,10 +146,34 @@ __device__ __forceinline__ void regs_to_tile_row(const float (&s)[N], float* __r
         reinterpret_cast<float4*>(row)[c] = make_float4(s[4 * c + 0], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3]);
 }
 
+// The recurrence on four consecutive state values s[0..3] = S[i][j..j+3] of one row, in two halves:
+//   dot4:    acc += S_old[i][j..j+3] * a[j..j+3]                       (partial sums of sa = S_old[i] . a)
+//   update4: S[i][j] = S[i][j]*w[j] + sa*b[j] + v*k[j];  out += S_new[i][j..j+3] * r[j..j+3]
+// Kept per component (four partial sums) for instruction-level parallelism; hsum4 adds them up.
+__device__ __forceinline__ void dot4(const float* s, float4 av, float4& acc) {
+    acc.x = fmaf(s[0], av.x, acc.x);
+    acc.y = fmaf(s[1], av.y, acc.y);
+    acc.z = fmaf(s[2], av.z, acc.z);
+    acc.w = fmaf(s[3], av.w, acc.w);
+}
+
+__device__ __forceinline__ void update4(float* s, float4 wv, float4 bv, float4 kv, float4 rv, float sa, float v,
+                                        float4& out) {
+    s[0] = fmaf(s[0], wv.x, fmaf(sa, bv.x, v * kv.x));
+    s[1] = fmaf(s[1], wv.y, fmaf(sa, bv.y, v * kv.y));
+    s[2] = fmaf(s[2], wv.z, fmaf(sa, bv.z, v * kv.z));
+    s[3] = fmaf(s[3], wv.w, fmaf(sa, bv.w, v * kv.w));
+    out.x = fmaf(s[0], rv.x, out.x);
+    out.y = fmaf(s[1], rv.y, out.y);
+    out.z = fmaf(s[2], rv.z, out.z);
+    out.w = fmaf(s[3], rv.w, out.w);
+}
+
+__device__ __forceinline__ float hsum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
+
 // One token of the recurrence for the state row s = S[i][:] of one thread, with the token's key-axis
 // vectors (16-byte aligned, fp32, shared by the block) and this row's value v:
 //   sa = S_old[i] . a;   S[i][j] = S[i][j]*w[j] + sa*b[j] + v*k[j];   returns y[i] = S_new[i] . r
-// (four partial sums each, for instruction-level parallelism).
 __device__ __forceinline__ float token_step(float (&s)[N], const float* a, const float* w, const float* k,
                                             const float* b, const float* r, float v) {
     const float4 *a4 = reinterpret_cast<const float4*>(a), *w4 = reinterpret_cast<const float4*>(w),
@@ -157,28 +181,12 @@ __device__ __forceinline__ float token_step(float (&s)[N], const float* a, const
                  *r4 = reinterpret_cast<const float4*>(r);
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int c = 0; c < N / 4; ++c) {
-        const float4 av = a4[c];
-        acc.x = fmaf(s[4 * c + 0], av.x, acc.x);
-        acc.y = fmaf(s[4 * c + 1], av.y, acc.y);
-        acc.z = fmaf(s[4 * c + 2], av.z, acc.z);
-        acc.w = fmaf(s[4 * c + 3], av.w, acc.w);
-    }
-    const float sa = (acc.x + acc.y) + (acc.z + acc.w);
+    for (int c = 0; c < N / 4; ++c) dot4(&s[4 * c], a4[c], acc);
+    const float sa = hsum4(acc);
     float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int c = 0; c < N / 4; ++c) {
-        const float4 wv = w4[c], bv = b4[c], kv = k4[c], rv = r4[c];
-        s[4 * c + 0] = fmaf(s[4 * c + 0], wv.x, fmaf(sa, bv.x, v * kv.x));
-        s[4 * c + 1] = fmaf(s[4 * c + 1], wv.y, fmaf(sa, bv.y, v * kv.y));
-        s[4 * c + 2] = fmaf(s[4 * c + 2], wv.z, fmaf(sa, bv.z, v * kv.z));
-        s[4 * c + 3] = fmaf(s[4 * c + 3], wv.w, fmaf(sa, bv.w, v * kv.w));
-        out.x = fmaf(s[4 * c + 0], rv.x, out.x);
-        out.y = fmaf(s[4 * c + 1], rv.y, out.y);
-        out.z = fmaf(s[4 * c + 2], rv.z, out.z);
-        out.w = fmaf(s[4 * c + 3], rv.w, out.w);
-    }
-    return (out.x + out.y) + (out.z + out.w);
+    for (int c = 0; c < N / 4; ++c) update4(&s[4 * c], w4[c], b4[c], k4[c], r4[c], sa, v, out);
+    return hsum4(out);
 }
 
 }  // namespace wkv7

@@ -161,6 +161,28 @@ __device__ __forceinline__ void regs_to_tile_row(const float (&s)[N], float* __r
         reinterpret_cast<float4*>(row)[c] = make_float4(s[4 * c + 0], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3]);
 }
 
+// The recurrence on four consecutive state values of one row (see cuda/wkv7_state.cuh: dot4, update4, hsum4).
+__device__ __forceinline__ void dot4(const float* s, float4 av, float4& acc) {
+    acc.x = fmaf(s[0], av.x, acc.x);
+    acc.y = fmaf(s[1], av.y, acc.y);
+    acc.z = fmaf(s[2], av.z, acc.z);
+    acc.w = fmaf(s[3], av.w, acc.w);
+}
+
+__device__ __forceinline__ void update4(float* s, float4 wv, float4 bv, float4 kv, float4 rv, float sa, float v,
+                                        float4& out) {
+    s[0] = fmaf(s[0], wv.x, fmaf(sa, bv.x, v * kv.x));
+    s[1] = fmaf(s[1], wv.y, fmaf(sa, bv.y, v * kv.y));
+    s[2] = fmaf(s[2], wv.z, fmaf(sa, bv.z, v * kv.z));
+    s[3] = fmaf(s[3], wv.w, fmaf(sa, bv.w, v * kv.w));
+    out.x = fmaf(s[0], rv.x, out.x);
+    out.y = fmaf(s[1], rv.y, out.y);
+    out.z = fmaf(s[2], rv.z, out.z);
+    out.w = fmaf(s[3], rv.w, out.w);
+}
+
+__device__ __forceinline__ float hsum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
+
 }  // namespace wkv7
 
 namespace fused {
@@ -400,6 +422,25 @@ __device__ __forceinline__ TokenInputs load_token_inputs(const TimeMixArgs& p, i
     return in;
 }
 
+// Whether a time-mix block's row has work (values the same for the whole block, so the early return is
+// block-uniform). If not, the block waits for its predecessor like any other and, for a row on a bad slot,
+// stores NaN outputs (its tokens first + offset, + stride, ... at channel col), leaving the state alone.
+__device__ __forceinline__ bool row_has_work(const TimeMixArgs& p, int64_t first, int64_t last, int64_t slot,
+                                             int64_t num_slots, int64_t num_tokens, int64_t C, int64_t col,
+                                             int offset, int stride) {
+    if (last < first || first < 0 || last >= num_tokens) {  // empty row or bad token range
+        dependency_wait();
+        return false;
+    }
+    if (slot < 0 || slot >= num_slots) {
+        dependency_wait();
+        for (int64_t t = first + offset; t <= last; t += stride)
+            p.out[t * C + col] = __float2half_rn(__int_as_float(0x7fc00000));
+        return false;
+    }
+    return true;
+}
+
 // One block of 64 threads: one wavefront on CDNA, two on RDNA; block_sum<2> works on 32-thread teams
 // either way.
 template <typename S>
@@ -415,15 +456,7 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
     const int64_t first = starts[row];
     const int64_t last = lasts[row];
     const int64_t slot = slots[row];
-    if (last < first || first < 0 || last >= num_tokens) {  // block-uniform
-        dependency_wait();
-        return;
-    }
-    if (slot < 0 || slot >= num_slots) {  // bad slot: NaN output, state untouched
-        dependency_wait();
-        for (int64_t t = first; t <= last; ++t) p.out[t * C + col] = __float2half_rn(__int_as_float(0x7fc00000));
-        return;
-    }
+    if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
 
     __shared__ __align__(16) float tile[N][wkv7::LD];
     __shared__ __align__(16) float kr[N], kw[N], kk_[N], ka[N], kb[N];  // key-axis vectors of the token
@@ -469,33 +502,17 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
         kb[i] = kk * a;
         __syncthreads();
 
-        const float4* a4 = reinterpret_cast<const float4*>(ka);
+        const float4 *a4 = reinterpret_cast<const float4*>(ka), *w4 = reinterpret_cast<const float4*>(kw),
+                     *b4 = reinterpret_cast<const float4*>(kb), *k4 = reinterpret_cast<const float4*>(kk_),
+                     *r4 = reinterpret_cast<const float4*>(kr);
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int c = 0; c < N / 4; ++c) {
-            const float4 av = a4[c];
-            acc.x = fmaf(s[4 * c + 0], av.x, acc.x);
-            acc.y = fmaf(s[4 * c + 1], av.y, acc.y);
-            acc.z = fmaf(s[4 * c + 2], av.z, acc.z);
-            acc.w = fmaf(s[4 * c + 3], av.w, acc.w);
-        }
-        const float sa = (acc.x + acc.y) + (acc.z + acc.w);
-        const float4 *w4 = reinterpret_cast<const float4*>(kw), *b4 = reinterpret_cast<const float4*>(kb),
-                     *k4 = reinterpret_cast<const float4*>(kk_), *r4 = reinterpret_cast<const float4*>(kr);
+        for (int c = 0; c < N / 4; ++c) wkv7::dot4(&s[4 * c], a4[c], acc);
+        const float sa = wkv7::hsum4(acc);
         float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int c = 0; c < N / 4; ++c) {
-            const float4 wv = w4[c], bv = b4[c], kv = k4[c], rv = r4[c];
-            s[4 * c + 0] = fmaf(s[4 * c + 0], wv.x, fmaf(sa, bv.x, v * kv.x));
-            s[4 * c + 1] = fmaf(s[4 * c + 1], wv.y, fmaf(sa, bv.y, v * kv.y));
-            s[4 * c + 2] = fmaf(s[4 * c + 2], wv.z, fmaf(sa, bv.z, v * kv.z));
-            s[4 * c + 3] = fmaf(s[4 * c + 3], wv.w, fmaf(sa, bv.w, v * kv.w));
-            out.x = fmaf(s[4 * c + 0], rv.x, out.x);
-            out.y = fmaf(s[4 * c + 1], rv.y, out.y);
-            out.z = fmaf(s[4 * c + 2], rv.z, out.z);
-            out.w = fmaf(s[4 * c + 3], rv.w, out.w);
-        }
-        const float y = (out.x + out.y) + (out.z + out.w);
+        for (int c = 0; c < N / 4; ++c) wkv7::update4(&s[4 * c], w4[c], b4[c], k4[c], r4[c], sa, v, out);
+        const float y = wkv7::hsum4(out);
 
         // group norm over the head, plus the bonus term sum_j r_j k'_j r_k_j
         const float mean = block_sum<N / kTeam>(y, scratch + 2) * (1.0f / N);
@@ -563,16 +580,7 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     const int64_t first = starts[row];
     const int64_t last = lasts[row];
     const int64_t slot = slots[row];
-    if (last < first || first < 0 || last >= num_tokens) {  // block-uniform
-        dependency_wait();
-        return;
-    }
-    if (slot < 0 || slot >= num_slots) {  // bad slot: NaN output, state untouched
-        dependency_wait();
-        for (int64_t t = first + u0; t <= last; t += kPrefillPerPass)
-            p.out[t * C + col] = __float2half_rn(__int_as_float(0x7fc00000));
-        return;
-    }
+    if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, u0, kPrefillPerPass)) return;
 
     // The staging tile is needed before the first chunk and after the last: the chunk buffers share it.
     __shared__ __align__(16) float tile[N][wkv7::LD];
@@ -661,29 +669,14 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
                          *r4 = reinterpret_cast<const float4*>(buf.r[u]);
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const float4 av = a4[4 * c + q];
-                acc.x = fmaf(s[4 * c + 0], av.x, acc.x);
-                acc.y = fmaf(s[4 * c + 1], av.y, acc.y);
-                acc.z = fmaf(s[4 * c + 2], av.z, acc.z);
-                acc.w = fmaf(s[4 * c + 3], av.w, acc.w);
-            }
-            const float sa = quad_sum((acc.x + acc.y) + (acc.z + acc.w));
+            for (int c = 0; c < 4; ++c) wkv7::dot4(&s[4 * c], a4[4 * c + q], acc);
+            const float sa = quad_sum(wkv7::hsum4(acc));
             const float v = buf.v[u][si];
             float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const float4 wv = w4[4 * c + q], bv = b4[4 * c + q], kv = k4[4 * c + q], rv = r4[4 * c + q];
-                s[4 * c + 0] = fmaf(s[4 * c + 0], wv.x, fmaf(sa, bv.x, v * kv.x));
-                s[4 * c + 1] = fmaf(s[4 * c + 1], wv.y, fmaf(sa, bv.y, v * kv.y));
-                s[4 * c + 2] = fmaf(s[4 * c + 2], wv.z, fmaf(sa, bv.z, v * kv.z));
-                s[4 * c + 3] = fmaf(s[4 * c + 3], wv.w, fmaf(sa, bv.w, v * kv.w));
-                out.x = fmaf(s[4 * c + 0], rv.x, out.x);
-                out.y = fmaf(s[4 * c + 1], rv.y, out.y);
-                out.z = fmaf(s[4 * c + 2], rv.z, out.z);
-                out.w = fmaf(s[4 * c + 3], rv.w, out.w);
-            }
-            const float y = quad_sum((out.x + out.y) + (out.z + out.w));
+            for (int c = 0; c < 4; ++c)
+                wkv7::update4(&s[4 * c], w4[4 * c + q], b4[4 * c + q], k4[4 * c + q], r4[4 * c + q], sa, v, out);
+            const float y = quad_sum(wkv7::hsum4(out));
             if (q == 0) buf.y[u][si] = y;
         }
         __syncthreads();
