@@ -536,8 +536,9 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
 // ------------------------------------------------------------------------------------ time_mix, prefill
 // time_mix_kernel walks a row's tokens one after another, each thread doing all of its channel's work, with
 // six barriers and a 64-long dot product per token: a prompt alone is bound by that latency (7.2B, 1 x 128
-// tokens: 1.66 us per token and layer; bench/results/profile_prefill_h200.json). For rows of several tokens
-// this kernel separates what depends on the state from what does not. Per chunk of kPrefillChunk tokens:
+// tokens: 1.66 us per token and layer; the first bench/results/profile_prefill_h200.json, in git history).
+// For rows of several tokens this kernel separates what depends on the state from what does not. Per chunk
+// of kPrefillChunk tokens:
 //   A. in parallel over the chunk's tokens (64 threads per token): decay, gates, kk normalisation, k', v',
 //      the bonus sum; the key-axis vectors and v' go to shared memory;
 //   B. the recurrence, token after token without a barrier: four threads per state row i, each holding 16
