@@ -159,8 +159,8 @@ ttft)  # per-kernel time of prefill forwards (7.2B): one prompt of 1k and of 128
     copy bench/results/profile_prefill_h200.json
     ;;
 prefill)  # after a time-mix change: fused GPU tests, prefill profile, prefill fused vs readable (7.2B, 1.5B)
-    step 200 "fused GPU tests (prefill, oracle, 4-bit)" python -m pytest -q -rs -p no:cacheprovider \
-        test/test_fused_cuda.py -k "prefill or cpu_fp32 or greedy or w8a16_model or invariance or uint4"
+    step 240 "fused + WKV GPU tests (decode, prefill, oracle, invariance)" python -m pytest -q -rs -p no:cacheprovider \
+        test/test_fused_cuda.py test/test_wkv_cuda.py -k "prefill or cpu_fp32 or greedy or invariance or decode_matches or wkv"
     step 120 "prefill profile, 7.2B" python bench/profile_decode.py --sizes 7.2b --batches "" \
         --prompts 1x1024,1x128,16x1024 --out bench/results/profile_prefill_h200.json
     copy bench/results/profile_prefill_h200.json
