@@ -15,6 +15,8 @@
 //      k' = k (1 + (a-1) k_a),  v' = v + (v_first - v) sigmoid(v0 + dv)   (layer 0: v' = v, v_first := v)
 //      S = S diag(w) + (S (-kk)) (kk a)^T + v' k'^T,   y = S r               (state in fp32 registers)
 //      out = fp16(group_norm_head(y) + sum_head(r k' r_k) v') * g
+//    A prefill of few rows takes time_mix_prefill_kernel instead: the same math, the state-free work of
+//    8 tokens side by side, then the recurrence alone (see its comment).
 //
 // 3. gemv: y = x W^T for a few rows of x (decode), several matrices per launch ("tasks"), one warp
 //    per output channel reading the weight row once with 16-byte loads (a long row split among up to 8
@@ -1202,10 +1204,10 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
     const unsigned grid = static_cast<unsigned>(B * H);
     auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel) {
         return on_device(device, [&] {
-            return prefill && grid < kPrefillMaxBlocks
-                       ? launch(prefill_kernel, grid, kPrefillThreads, s, h, num_slots, num_tokens, pool, slots, starts,
-                                lasts, p)
-                           : launch(decode_kernel, grid, N, s, h, num_slots, num_tokens, pool, slots, starts, lasts, p);
+            if (prefill && grid < kPrefillMaxBlocks)
+                return launch(prefill_kernel, grid, kPrefillThreads, s, h, num_slots, num_tokens, pool, slots, starts,
+                              lasts, p);
+            return launch(decode_kernel, grid, N, s, h, num_slots, num_tokens, pool, slots, starts, lasts, p);
         });
     };
     if (state_dtype == wkv7::kFloat32)

@@ -94,7 +94,8 @@ void ln_shift_mix(torch::Tensor x, torch::Tensor ln_w, torch::Tensor ln_b, torch
 // The time-mix between the projections and the output projection, state[slots] updated in place.
 // tensors = [r, k, v, dw, da, dv, g, v_first, out] ([T, C] fp16; dv may be empty in layer 0),
 // params = [w0, r_k, lnx_w, lnx_b] fp32 [C] + [a0, v0, k_k, k_a] fp16 [C] (v0 may be empty in layer 0).
-// prefill: the kernel for rows of several tokens (same results; see cuda/rwkv7_fused.cu).
+// prefill: some row has several tokens; the launcher then takes the prefill kernel for a small grid (same
+// results; see cuda/rwkv7_fused.cu).
 void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, torch::Tensor lasts,
               std::vector<torch::Tensor> tensors, std::vector<torch::Tensor> params, bool first_layer,
               bool prefill, int64_t stream) {
