@@ -142,10 +142,44 @@ def load_model(name: str, engine: str) -> RWKV7:
 FORWARD = {"fused": "on", "wkv": "auto"}  # --forward: "fused" (the fused CUDA kernels) or "readable" (per-op forward)
 
 
+def ffn_zero_share(model: RWKV7, steps: int = 8) -> float:
+    """Share of exact zeros in fp16 relu(k)^2, the FFN value matrix's input, over a short prompt and a few
+    greedy decode steps of one row (readable forward): the weight rows the sparse-input GEMV skips."""
+    counts = [0, 0]
+
+    class Counting:
+        def __init__(self, linear):
+            self.linear = linear
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.linear(x)
+            counts[0] += int((torch.relu(y).float().square().half() == 0).sum())
+            counts[1] += y.numel()
+            return y
+
+    keys = [blk.ffn_key for blk in model.blocks]
+    for blk in model.blocks:
+        blk.ffn_key = Counting(blk.ffn_key)
+    try:
+        with torch.inference_mode():
+            pool = model.new_state_pool(1)
+            logits = model.forward_reference(PackedBatch.from_rows([list(range(100, 116))], [0], model.device), pool)
+            for _ in range(steps):
+                step = PackedBatch.from_rows([[int(logits[0].argmax())]], [0], model.device)
+                logits = model.forward_reference(step, pool)
+    finally:
+        for blk, key in zip(model.blocks, keys):
+            blk.ffn_key = key
+    return counts[0] / counts[1]
+
+
 def bench_size(name: str, batches: list[int], steps: int, states: list[str], engine: str = "fp16") -> list[dict]:
     t0 = time.time()
     model = load_model(name, engine)
     print(f"{name}: built in {time.time() - t0:.1f}s, {model.implementations()}", flush=True)
+    zero_share = round(ffn_zero_share(model), 4) if engine == "fp16" else None
+    if zero_share is not None:
+        print(f"{name}: share of zeros in the FFN value input (relu^2): {zero_share}", flush=True)
     if engine.startswith("gemlite"):  # tune GemLite's kernels for these batch sizes (once per GPU model)
         from infer.quant.engines import warm_up_gemlite
         t0 = time.time()
@@ -160,7 +194,9 @@ def bench_size(name: str, batches: list[int], steps: int, states: list[str], eng
         graph, _ = capture(model, batch, pool)
         replay = time_steps(graph.replay, steps)
         row = {"size": name, "engine": engine, "forward": "fused" if model.fused else "readable",
-               "gemv_rows": model.fused.rows_for(model) if model.fused else None, "batch": B, "state": state, "eager_ms": round(eager * 1000, 3),
+               "gemv_rows": model.fused.rows_for(model) if model.fused else None,
+               "ffn_value": model.blocks[0].ffn_value.kind, "ffn_zero_share": zero_share,
+               "batch": B, "state": state, "eager_ms": round(eager * 1000, 3),
                "graph_ms": round(replay * 1000, 3), "eager_tok_s": round(B / eager, 1),
                "graph_tok_s": round(B / replay, 1), "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
         limit = LIMITS.get(name, {}).get(B) if state == "fp32" and engine == "fp16" else None

@@ -20,6 +20,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-gemv   # 4-bit GemLite layers on the fused GEMV: GPU tests, decode
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ttft      # where a prompt's prefill time goes (7.2B, profiler)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh prefill   # after a time-mix change: GPU tests, profile, prefill
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh sparse-ffn  # the sparse-input FFN value GEMV: GPU tests, decode A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -29,7 +30,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -170,6 +171,20 @@ prefill)  # after a time-mix change: fused GPU tests, prefill profile, prefill f
     step 90 "prefill, readable forward" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 128,1024,4096 \
         --prefill-rows 1 --forward readable --wkv cuda --no-checks --out bench/results/experiment_prefill_readable_h200.json
     copy bench/results/experiment_prefill_readable_h200.json
+    ;;
+sparse-ffn)  # the FFN value matrix K-major through the sparse-input GEMV: GPU tests, decode on/off, prefill
+    step 170 "fused GPU tests (sparse GEMV, decode, greedy)" python -m pytest -q -rs -p no:cacheprovider \
+        test/test_fused_cuda.py -k "sparse or decode_matches or greedy or k_major"
+    step 130 "decode, sparse FFN value" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1,2,4 --steps 30 \
+        --wkv cuda --no-checks --out bench/results/decode_h200_sparse_ffn.json
+    copy bench/results/decode_h200_sparse_ffn.json
+    step 100 "decode, dense FFN value (RWKV_SPARSE_FFN=0)" env RWKV_SPARSE_FFN=0 python bench/bench_decode.py \
+        --sizes 7.2b,1.5b --batches 1,2 --steps 30 --wkv cuda --no-checks \
+        --out bench/results/experiment_dense_ffn_h200.json
+    copy bench/results/experiment_dense_ffn_h200.json
+    step 80 "prefill with the K-major FFN value" python bench/bench_decode.py --sizes 7.2b --batches "" \
+        --prefill 1024 --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/experiment_prefill_kmajor_h200.json
+    copy bench/results/experiment_prefill_kmajor_h200.json
     ;;
 w4-gemv)  # GemLite A16W4 on the fused GEMV's 4-bit tasks: GPU tests, then decode at batch 1-8
     export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home

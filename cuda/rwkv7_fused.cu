@@ -24,6 +24,9 @@
 //    GemLite's packed 4-bit weights read in place (a block per band of output channels, see
 //    gemv_uint4_block); optional tanh/sigmoid on the input, relu^2 on the output, residual add.
 //
+// 4. sparse_gemv: y = x Wt + residual for the FFN value matrix stored K-major, reading only the weight rows
+//    whose input relu(k)^2 is nonzero in some row of x (see sparse_gemv_kernel).
+//
 // Every launcher takes the stream to launch on (graph-capturable) and returns a cudaError_t as int.
 
 #include "int8x4.cuh"
@@ -677,15 +680,18 @@ __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, 
 
 // y[m][n] = fp16(epilogue(fp16(product)) + residual[m][n]): the product rounded to fp16 first, as a
 // separate matmul would give it.
-__device__ __forceinline__ void store_output(const GemvTask& task, int m, int n, float product) {
-    const int64_t o = int64_t(m) * task.n + n;
+__device__ __forceinline__ void store_rounded(__half* y, const __half* residual, int64_t o, float product,
+                                              int epilogue) {
     float val = round_half(product);
-    if (task.epilogue == kEpiReluSquare) {
+    if (epilogue == kEpiReluSquare) {
         val = fmaxf(val, 0.0f);
         val = val * val;
     }
-    if (task.residual) val += __half2float(task.residual[o]);
-    task.y[o] = __float2half_rn(val);
+    if (residual) val += __half2float(residual[o]);
+    y[o] = __float2half_rn(val);
+}
+__device__ __forceinline__ void store_output(const GemvTask& task, int m, int n, float product) {
+    store_rounded(task.y, task.residual, int64_t(m) * task.n + n, product, task.epilogue);
 }
 
 // ---- 4-bit weights: GemLite's A16W4_HQQ_INT layers, read where GemLite's own kernels read them.
@@ -971,6 +977,131 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 && !kAct ? 4 : M <= 2 
     for (int m = 0; m < M; ++m) store_output(task, m, n, acc[m] * scale);
 }
 
+// ------------------------------------------------------------------------------------ sparse-input gemv
+// y = x Wt (+ residual) for the FFN value product at decode, whose input relu(k)^2 is zero wherever the key
+// projection was negative (about half the channels of a random model, 86-90 % of a trained one: see
+// ../shared/spec/performance-limits.md): with the weights stored K-major (Wt [K, N], row k = the weights
+// of input channel k), a zero input column is a whole weight row not read. Skipping a term x = 0 leaves
+// the fp32 sum exactly as it was (fmaf(0, w, acc) == acc for finite w), and a row's terms are added in
+// the same order whatever else is in the batch: a row's result does not depend on the other rows.
+//
+// Work split: a warp takes kSparseStrip output channels (16 bytes = 8 channels per lane) and 32 *
+// ballots consecutive input rows; its lanes test one input row each for a nonzero x in any of the M rows
+// (a ballot), and the warp then loads only the flagged weight rows, kGemvLoads at a time, taking x[m][k]
+// from the lane that tested row k (a shuffle). The block's 8 warps take consecutive row ranges of one
+// strip and add their sums in warp order; each block writes that sum to `partial`, and the block that
+// arrives last at its strip (a counter per strip, left at zero again) adds the blocks' sums in slice order
+// and stores the outputs: deterministic. Nothing can be loaded before the PDL wait (x says which rows).
+constexpr int kSparseStrip = 256;    // output channels per warp and block
+constexpr int kSparseMaxRows = 4;    // rows of x (the union of their nonzeros is read)
+constexpr int kSparseMaxBallots = 2;
+constexpr int kSparseMinBlocks = 256;  // grid size from which a warp takes 64 rows instead of 32
+
+struct SparseGemvArgs {
+    const __half* x;         // [M, K]
+    const __half* w;         // [K, N]: K-major
+    __half* y;               // [M, N]
+    const __half* residual;  // [M, N] or null (may alias y)
+    float* partial;          // [slices, M, N]: the blocks' sums
+    unsigned* arrivals;      // [strips]: zero before a launch, zero again after it
+    int n, k, ballots, slices, strips;
+};
+
+// One block: strip blockIdx.x % strips, input rows of slice blockIdx.x / strips.
+template <int M>
+__global__ void __launch_bounds__(kGemvWarps * 32, M == 1 ? 4 : 2) sparse_gemv_kernel(SparseGemvArgs args) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int strip = int(blockIdx.x) % args.strips, slice = int(blockIdx.x) / args.strips;
+    const int col = strip * kSparseStrip + 8 * lane;  // this lane's 8 output channels
+    const bool mine = col < args.n;                   // n % 8 == 0: all 8 in or all out
+    const int rows = 32 * args.ballots;
+    const int k0 = (slice * kGemvWarps + warp) * rows;
+    dependency_wait();
+
+    // x at rows k0 + 32b + lane, and which rows have a nonzero x in any row of the batch
+    float xs[kSparseMaxBallots][M];
+    uint64_t todo = 0;
+#pragma unroll
+    for (int b = 0; b < kSparseMaxBallots; ++b) {
+        const int k = k0 + 32 * b + lane;
+        bool nonzero = false;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const __half h = b < args.ballots && k < args.k ? args.x[int64_t(m) * args.k + k] : __float2half_rn(0.0f);
+            xs[b][m] = __half2float(h);
+            nonzero |= (__half_as_ushort(h) & 0x7fffu) != 0;  // -0 counts as zero, NaN as nonzero
+        }
+        todo |= uint64_t(__ballot_sync(0xffffffffu, nonzero)) << (32 * b);
+    }
+
+    float acc[M][8];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[m][e] = 0.0f;
+    }
+    const uint4* w = reinterpret_cast<const uint4*>(args.w + col);
+    const int stride = args.n / 8;  // 16-byte vectors per weight row
+#pragma unroll 1
+    while (todo) {  // warp-uniform
+        int row[kGemvLoads];
+        uint4 v[kGemvLoads];
+#pragma unroll
+        for (int j = 0; j < kGemvLoads; ++j) {  // the next flagged rows, in order, all loads issued first
+            row[j] = todo ? __ffsll(static_cast<long long>(todo)) - 1 : -1;
+            todo &= todo - 1;
+            if (row[j] >= 0 && mine) v[j] = __ldcs(w + int64_t(k0 + row[j]) * stride);
+        }
+#pragma unroll
+        for (int j = 0; j < kGemvLoads; ++j) {
+            if (row[j] < 0) break;
+            float wf[8];
+            unpack8(v[j], wf);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float xk = __shfl_sync(0xffffffffu, row[j] < 32 ? xs[0][m] : xs[1][m], row[j] & 31);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[m][e] = fmaf(xk, wf[e], acc[m][e]);
+            }
+        }
+    }
+
+    // The block's sum over its warps, in warp order, to partial[slice]
+    __shared__ float warp_acc[kGemvWarps][M][kSparseStrip];
+    __shared__ bool last;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) warp_acc[warp][m][8 * lane + e] = acc[m][e];
+    }
+    __syncthreads();
+    const int c = strip * kSparseStrip + threadIdx.x;  // one output channel per thread from here on
+    const bool out = c < args.n;
+    if (out) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float sum = warp_acc[0][m][threadIdx.x];
+#pragma unroll
+            for (int v = 1; v < kGemvWarps; ++v) sum += warp_acc[v][m][threadIdx.x];
+            args.partial[(int64_t(slice) * M + m) * args.n + c] = sum;
+        }
+    }
+    __threadfence();  // the sums are visible to the other blocks before this block's arrival is
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&args.arrivals[strip], 1u) == unsigned(args.slices - 1);
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) args.arrivals[strip] = 0u;  // ready for the next launch
+    if (!out) return;
+    __threadfence();
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        float sum = 0.0f;
+        for (int s = 0; s < args.slices; ++s) sum += __ldcg(&args.partial[(int64_t(s) * M + m) * args.n + c]);
+        store_rounded(args.y, args.residual, int64_t(m) * args.n + c, sum, kEpiNone);
+    }
+}
+
 // Which instance of a kernel a launch takes (the launchers and the CPU emulator's harness both ask):
 // the activating GEMV when any task has an activation; ln_shift_mix's 8-vectors per thread for width C.
 inline bool gemv_activates(const GemvArgs& args) {
@@ -1163,6 +1294,26 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
     return blocks;
 }
 
+// The grid of a sparse-input GEMV of a K-major [k, n] weight: strips of kSparseStrip channels times slices
+// of input rows, a warp taking 64 rows (two ballots) if that still makes min_blocks blocks, else 32.
+inline SparseGemvArgs plan_sparse_gemv(int64_t n, int64_t k, int64_t min_blocks = kSparseMinBlocks) {
+    SparseGemvArgs args{};
+    args.n = static_cast<int>(n);
+    args.k = static_cast<int>(k);
+    args.strips = static_cast<int>((n + kSparseStrip - 1) / kSparseStrip);
+    for (args.ballots = kSparseMaxBallots;; --args.ballots) {
+        const int64_t rows = int64_t(kGemvWarps) * 32 * args.ballots;
+        args.slices = static_cast<int>((k + rows - 1) / rows);
+        if (args.ballots == 1 || int64_t(args.strips) * args.slices >= min_blocks) break;
+    }
+    return args;
+}
+
+inline bool sparse_gemv_takes(int64_t M, int64_t n, int64_t k) {
+    return M >= 1 && M <= kSparseMaxRows && n > 0 && n % 8 == 0 && k > 0 && k <= INT_MAX / 2 &&
+           n * kSparseMaxRows <= INT_MAX;
+}
+
 }  // namespace fused
 
 // --------------------------------------------------------------------------------- C interface
@@ -1249,3 +1400,42 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
 }
 
 extern "C" const char* fused_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+
+// Workspace of a sparse-input GEMV of a K-major [k, n] fp16 weight for up to fused_sparse_gemv_max_rows()
+// rows: `partial_floats` fp32 values and `arrivals` uint32 counters, which must be zero before the first
+// launch (every launch leaves them at zero). Returns cudaErrorInvalidValue for shapes it cannot take.
+extern "C" int fused_sparse_gemv_max_rows() { return fused::kSparseMaxRows; }
+extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int64_t* partial_floats, int64_t* arrivals) {
+    using namespace fused;
+    if (!sparse_gemv_takes(1, n, k)) return cudaErrorInvalidValue;
+    const SparseGemvArgs args = plan_sparse_gemv(n, k);
+    *partial_floats = int64_t(args.slices) * kSparseMaxRows * n;
+    *arrivals = args.strips;
+    return cudaSuccess;
+}
+
+// y = x w (+ residual) for x [M, k] fp16 (M <= kSparseMaxRows), w [k, n] fp16 K-major, y and residual [M, n]
+// (residual may alias y or be null); partial and arrivals: a workspace of the sizes above (n % 8 == 0,
+// 16-byte aligned pointers).
+extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w, void* y,
+                                        const void* residual, void* partial, void* arrivals, int64_t n, int64_t k) {
+    using namespace fused;
+    if (!sparse_gemv_takes(M, n, k)) return cudaErrorInvalidValue;
+    SparseGemvArgs args = plan_sparse_gemv(n, k);
+    args.x = static_cast<const __half*>(x);
+    args.w = static_cast<const __half*>(w);
+    args.y = static_cast<__half*>(y);
+    args.residual = static_cast<const __half*>(residual);
+    args.partial = static_cast<float*>(partial);
+    args.arrivals = static_cast<unsigned*>(arrivals);
+    const unsigned grid = static_cast<unsigned>(args.strips * args.slices);
+    const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    return on_device(device, [&] {
+        switch (M) {
+            case 1: return launch(sparse_gemv_kernel<1>, grid, kGemvWarps * 32, s, args);
+            case 2: return launch(sparse_gemv_kernel<2>, grid, kGemvWarps * 32, s, args);
+            case 3: return launch(sparse_gemv_kernel<3>, grid, kGemvWarps * 32, s, args);
+            default: return launch(sparse_gemv_kernel<4>, grid, kGemvWarps * 32, s, args);
+        }
+    });
+}

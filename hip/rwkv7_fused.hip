@@ -1,5 +1,5 @@
 // HIP port of cuda/rwkv7_fused.cu: the fused kernels of the RWKV-7 forward (layer norm + token shift +
-// mixes, time mix, grouped GEMV).
+// mixes, time mix, grouped GEMV, sparse-input GEMV).
 //
 // Same layout, math, work split and launcher interface as the CUDA file (read its header comment); what
 // differs is the runtime API (hip*), the launches and the warp primitives:
@@ -826,15 +826,18 @@ __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, 
 
 // y[m][n] = fp16(epilogue(fp16(product)) + residual[m][n]): the product rounded to fp16 first, as a
 // separate matmul would give it.
-__device__ __forceinline__ void store_output(const GemvTask& task, int m, int n, float product) {
-    const int64_t o = int64_t(m) * task.n + n;
+__device__ __forceinline__ void store_rounded(__half* y, const __half* residual, int64_t o, float product,
+                                              int epilogue) {
     float val = round_half(product);
-    if (task.epilogue == kEpiReluSquare) {
+    if (epilogue == kEpiReluSquare) {
         val = fmaxf(val, 0.0f);
         val = val * val;
     }
-    if (task.residual) val += __half2float(task.residual[o]);
-    task.y[o] = __float2half_rn(val);
+    if (residual) val += __half2float(residual[o]);
+    y[o] = __float2half_rn(val);
+}
+__device__ __forceinline__ void store_output(const GemvTask& task, int m, int n, float product) {
+    store_rounded(task.y, task.residual, int64_t(m) * task.n + n, product, task.epilogue);
 }
 
 // ---- 4-bit weights: GemLite's A16W4_HQQ_INT layout read in place (read the CUDA source's comment above
@@ -1054,6 +1057,130 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args)
     for (int m = 0; m < M; ++m) store_output(task, m, n, acc[m] * scale);
 }
 
+// ------------------------------------------------------------------------------------ sparse-input gemv
+// y = x Wt (+ residual) with Wt K-major, skipping the weight rows of input columns that are zero in every row
+// of x (the FFN value product at decode; read the CUDA source's comment). Same work split, with a 32-thread
+// team for a warp: the team's ballot is an OR over shuffles, and the last block of a strip reads the other
+// blocks' sums through volatile loads (past the non-coherent per-CU caches; CUDA: __ldcg).
+constexpr int kSparseStrip = 256;
+constexpr int kSparseMaxRows = 4;
+constexpr int kSparseMaxBallots = 2;
+constexpr int kSparseMinBlocks = 256;
+
+struct SparseGemvArgs {
+    const __half* x;         // [M, K]
+    const __half* w;         // [K, N]: K-major
+    __half* y;               // [M, N]
+    const __half* residual;  // [M, N] or null (may alias y)
+    float* partial;          // [slices, M, N]: the blocks' sums
+    unsigned* arrivals;      // [strips]: zero before a launch, zero again after it
+    int n, k, ballots, slices, strips;
+};
+
+// Bit l: lane l's predicate, over the 32-thread team.
+__device__ __forceinline__ unsigned team_ballot(bool predicate) {
+    unsigned bits = predicate ? 1u << (threadIdx.x & (kTeam - 1)) : 0u;
+#pragma unroll
+    for (int o = kTeam / 2; o > 0; o >>= 1) bits |= __shfl_xor(bits, o, kTeam);
+    return bits;
+}
+
+template <int M>
+__global__ void __launch_bounds__(kGemvWarps * kTeam) sparse_gemv_kernel(SparseGemvArgs args) {
+    const int lane = threadIdx.x & (kTeam - 1), team = int(threadIdx.x / kTeam);
+    const int strip = int(blockIdx.x) % args.strips, slice = int(blockIdx.x) / args.strips;
+    const int col = strip * kSparseStrip + 8 * lane;
+    const bool mine = col < args.n;
+    const int rows = kTeam * args.ballots;
+    const int k0 = (slice * kGemvWarps + team) * rows;
+    dependency_wait();
+
+    float xs[kSparseMaxBallots][M];
+    uint64_t todo = 0;
+#pragma unroll
+    for (int b = 0; b < kSparseMaxBallots; ++b) {
+        const int k = k0 + kTeam * b + lane;
+        bool nonzero = false;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const __half h = b < args.ballots && k < args.k ? args.x[int64_t(m) * args.k + k] : __float2half_rn(0.0f);
+            xs[b][m] = __half2float(h);
+            nonzero |= (__half_as_ushort(h) & 0x7fffu) != 0;  // -0 counts as zero, NaN as nonzero
+        }
+        todo |= uint64_t(team_ballot(nonzero)) << (kTeam * b);
+    }
+
+    float acc[M][8];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[m][e] = 0.0f;
+    }
+    const __half* w = args.w + col;
+    // Both teams of a wave64 take the same number of batches and shuffles (a team with fewer rows shuffles
+    // along without adding), as the shuffles are wavefront-wide.
+    int batches = (__popcll(todo) + kGemvLoads - 1) / kGemvLoads;
+    batches = max(batches, __shfl_xor(batches, kTeam, warpSize));  // wave32: its own value
+#pragma unroll 1
+    for (int batch = 0; batch < batches; ++batch) {
+        int row[kGemvLoads];
+        uint4 v[kGemvLoads];
+#pragma unroll
+        for (int j = 0; j < kGemvLoads; ++j) {
+            row[j] = todo ? __ffsll(static_cast<long long>(todo)) - 1 : -1;
+            todo &= todo - 1;
+            if (row[j] >= 0 && mine) v[j] = load_stream(w + int64_t(k0 + row[j]) * args.n);
+        }
+#pragma unroll
+        for (int j = 0; j < kGemvLoads; ++j) {
+            float wf[8];
+            wkv7::unpack8(v[j], wf);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float xk = __shfl(row[j] < kTeam ? xs[0][m] : xs[1][m], row[j] & (kTeam - 1), kTeam);
+                if (row[j] < 0) continue;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[m][e] = fmaf(xk, wf[e], acc[m][e]);
+            }
+        }
+    }
+
+    __shared__ float warp_acc[kGemvWarps][M][kSparseStrip];
+    __shared__ bool last;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) warp_acc[team][m][8 * lane + e] = acc[m][e];
+    }
+    __syncthreads();
+    const int c = strip * kSparseStrip + threadIdx.x;
+    const bool out = c < args.n;
+    if (out) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float sum = warp_acc[0][m][threadIdx.x];
+#pragma unroll
+            for (int v = 1; v < kGemvWarps; ++v) sum += warp_acc[v][m][threadIdx.x];
+            args.partial[(int64_t(slice) * M + m) * args.n + c] = sum;
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&args.arrivals[strip], 1u) == unsigned(args.slices - 1);
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) args.arrivals[strip] = 0u;
+    if (!out) return;
+    __threadfence();
+    const volatile float* partial = args.partial;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        float sum = 0.0f;
+        for (int s = 0; s < args.slices; ++s) sum += partial[(int64_t(s) * M + m) * args.n + c];
+        store_rounded(args.y, args.residual, int64_t(m) * args.n + c, sum, kEpiNone);
+    }
+}
+
 // Which instance of a kernel a launch takes (the launchers and the CPU emulator's harness both ask):
 // the activating GEMV when any task has an activation; ln_shift_mix's 8-vectors per thread for width C.
 inline bool gemv_activates(const GemvArgs& args) {
@@ -1097,6 +1224,13 @@ hipError_t launch_gemv(const GemvArgs& args, int blocks, hipStream_t stream) {
     } else {
         gemv_kernel<M, false><<<grid, block, 0, stream>>>(args);
     }
+    return hipGetLastError();
+}
+
+template <int M>
+hipError_t launch_sparse_gemv(const SparseGemvArgs& args, hipStream_t stream) {
+    sparse_gemv_kernel<M><<<dim3(static_cast<unsigned>(args.strips * args.slices)), dim3(kGemvWarps * kTeam), 0,
+                            stream>>>(args);
     return hipGetLastError();
 }
 
@@ -1236,6 +1370,25 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
     return blocks;
 }
 
+// The grid of a sparse-input GEMV (as the CUDA file plans it).
+inline SparseGemvArgs plan_sparse_gemv(int64_t n, int64_t k, int64_t min_blocks = kSparseMinBlocks) {
+    SparseGemvArgs args{};
+    args.n = static_cast<int>(n);
+    args.k = static_cast<int>(k);
+    args.strips = static_cast<int>((n + kSparseStrip - 1) / kSparseStrip);
+    for (args.ballots = kSparseMaxBallots;; --args.ballots) {
+        const int64_t rows = int64_t(kGemvWarps) * kTeam * args.ballots;
+        args.slices = static_cast<int>((k + rows - 1) / rows);
+        if (args.ballots == 1 || int64_t(args.strips) * args.slices >= min_blocks) break;
+    }
+    return args;
+}
+
+inline bool sparse_gemv_takes(int64_t M, int64_t n, int64_t k) {
+    return M >= 1 && M <= kSparseMaxRows && n > 0 && n % 8 == 0 && k > 0 && k <= INT_MAX / 2 &&
+           n * kSparseMaxRows <= INT_MAX;
+}
+
 }  // namespace fused
 
 // --------------------------------------------------------------------------------- C interface
@@ -1318,3 +1471,36 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
 }
 
 extern "C" const char* fused_error_string(int code) { return hipGetErrorString(static_cast<hipError_t>(code)); }
+
+// The sparse-input GEMV's workspace and launch (see the CUDA file).
+extern "C" int fused_sparse_gemv_max_rows() { return fused::kSparseMaxRows; }
+extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int64_t* partial_floats, int64_t* arrivals) {
+    using namespace fused;
+    if (!sparse_gemv_takes(1, n, k)) return hipErrorInvalidValue;
+    const SparseGemvArgs args = plan_sparse_gemv(n, k);
+    *partial_floats = int64_t(args.slices) * kSparseMaxRows * n;
+    *arrivals = args.strips;
+    return hipSuccess;
+}
+
+extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w, void* y,
+                                        const void* residual, void* partial, void* arrivals, int64_t n, int64_t k) {
+    using namespace fused;
+    if (!sparse_gemv_takes(M, n, k)) return hipErrorInvalidValue;
+    SparseGemvArgs args = plan_sparse_gemv(n, k);
+    args.x = static_cast<const __half*>(x);
+    args.w = static_cast<const __half*>(w);
+    args.y = static_cast<__half*>(y);
+    args.residual = static_cast<const __half*>(residual);
+    args.partial = static_cast<float*>(partial);
+    args.arrivals = static_cast<unsigned*>(arrivals);
+    const hipStream_t s = reinterpret_cast<hipStream_t>(stream);
+    return on_device(device, [&] {
+        switch (M) {
+            case 1: return launch_sparse_gemv<1>(args, s);
+            case 2: return launch_sparse_gemv<2>(args, s);
+            case 3: return launch_sparse_gemv<3>(args, s);
+            default: return launch_sparse_gemv<4>(args, s);
+        }
+    });
+}

@@ -96,7 +96,7 @@ def test_a_failed_4bit_self_test_switches_off_only_the_4bit_tasks():
 
     from infer.ops.fused import FusedKernels
     from infer.ops.linear import DenseLinear
-    kernels = FusedKernels(SimpleNamespace(gemv_max_rows=lambda: 8))
+    kernels = FusedKernels(SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda: 4))
     words = torch.zeros(16, 48, dtype=torch.int32)
     meta = torch.zeros(4, 48, dtype=torch.float16)
     uint4 = SimpleNamespace(uint4_groups=(words, meta, meta, 32), in_features=128, out_features=48)
@@ -106,3 +106,40 @@ def test_a_failed_4bit_self_test_switches_off_only_the_4bit_tasks():
     kernels.uint4 = False
     assert kernels.operands(uint4) is None
     assert kernels.operands(dense).weight is dense.weight and kernels.operands(int8).scale is int8.scale
+
+
+def test_ffn_value_stored_k_major_keeps_the_product():
+    """store_ffn_value_k_major: each dense fp16 FFN value linear becomes a KMajorLinear over the transposed
+    weights ([in, out], contiguous; ``weight`` a view with the same values), one workspace for the model; the
+    GEMV operands say K-major; the linear and add_product still compute x W^T; a second call and non-fp16
+    linears swap nothing."""
+    from types import SimpleNamespace
+
+    from infer.ops.fused import FusedKernels, KMajorLinear, store_ffn_value_k_major
+    model = model_fp16()
+    asked = []
+    kernels = FusedKernels(SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda: 4,
+                                           sparse_gemv_workspace=lambda k, n: asked.append((k, n)) or [7, 3]))
+    before = [blk.ffn_value.weight.clone() for blk in model.blocks]
+    assert store_ffn_value_k_major(model, kernels) == len(model.blocks) == 2
+    assert asked == [(3072, 768)]  # one workspace, of the FFN value shape
+    gen = torch.Generator().manual_seed(6)
+    for blk, weight in zip(model.blocks, before):
+        lin = blk.ffn_value
+        assert isinstance(lin, KMajorLinear) and lin.workspace is model.blocks[0].ffn_value.workspace
+        assert lin.workspace[0].shape == (7,) and lin.workspace[1].dtype == torch.int32
+        assert lin.weight_t.shape == (3072, 768) and lin.weight_t.is_contiguous()
+        assert torch.equal(lin.weight, weight) and lin.weight.data_ptr() == lin.weight_t.data_ptr()
+        ops = kernels.operands(lin)
+        assert ops.k_major and ops.weight is lin.weight_t
+        x = torch.randn(ROWS, 3072, generator=gen).relu().square().half()
+        want = x.float() @ weight.float().t()
+        assert float((lin(x).float() - want).abs().max()) <= 1e-2 * float(want.abs().max())
+        target = torch.zeros(ROWS, 768, dtype=torch.float16)
+        add_product(target, lin, x)
+        assert float((target.float() - want).abs().max()) <= 1e-2 * float(want.abs().max())
+    assert store_ffn_value_k_major(model, kernels) == 0
+    assert not kernels.operands(model.blocks[0].output).k_major
+    w8 = model_fp16()
+    w8.blocks[0].ffn_value = W8A16Linear(torch.zeros(768, 3072, dtype=torch.int8), torch.ones(768, dtype=torch.float16))
+    assert store_ffn_value_k_major(w8, kernels) == 1  # the fp16 one of block 1 only

@@ -10,8 +10,8 @@ import torch
 
 from infer.batch import PackedBatch
 from infer.model import RWKV7
-from infer.ops.fused import ACT_NONE, ACT_SIGMOID, ACT_TANH, EPI_NONE, EPI_RELU_SQUARE, load_fused_kernels, \
-    select_fused
+from infer.ops.fused import ACT_NONE, ACT_SIGMOID, ACT_TANH, EPI_NONE, EPI_RELU_SQUARE, KMajorLinear, \
+    load_fused_kernels, select_fused
 from infer.ops.linear import DenseLinear
 from infer.ops.wkv_cuda import select_wkv
 from infer.random_model import make_config, random_state_dict
@@ -269,6 +269,56 @@ def test_gemv_rejects_bad_arguments(kernels):
         kernels.gemv([(w, x, y, ACT_NONE, EPI_NONE, None)])
     with pytest.raises(RuntimeError, match="shape"):
         kernels.gemv([(w, x[:2], y[:3], ACT_NONE, EPI_NONE, None)])
+
+
+# --------------------------------------------------------------------------------------------- sparse-input GEMV
+def test_fused_model_stores_ffn_value_k_major(pair):
+    """select_fused swaps the fp16 FFN value matrices for K-major ones (the decode tests above then run the
+    sparse-input GEMV at 1-4 rows and cuBLAS on the same storage above); the readable model keeps its own."""
+    readable, fused = pair
+    assert all(isinstance(b.ffn_value, KMajorLinear) for b in fused.blocks)
+    assert not any(isinstance(b.ffn_value, KMajorLinear) for b in readable.blocks)
+    assert "K-major" in fused.implementations()["linear"]
+
+
+@pytest.mark.parametrize("shape", [(16384, 4096), (1000, 264)])  # 7.2B's FFN value; a ragged one
+def test_sparse_gemv_matches_matmul(kernels, shape):
+    """1-4 rows of a relu^2 input against the fp32 product: within fp16 rounding of the sum, each row
+    bit-identical alone and in a batch and from one launch to the next (the arrival counters come back to
+    zero), a whole run of zero columns skipped; 5 rows fall back to cuBLAS."""
+    k, n = shape
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    weight = (torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).half()
+    lin = KMajorLinear(weight.t().contiguous(), kernels.sparse_workspace(DenseLinear(weight)))
+    x = torch.randn(5, k, generator=gen, device="cuda").relu().square().half()
+    x[:, 100:300] = 0.0
+    res = torch.randn(5, n, generator=gen, device="cuda").half()
+    alone = []
+    for m in range(5):
+        y = res[m:m + 1].clone()
+        kernels.sparse_gemv(lin, x[m:m + 1].clone(), y)
+        alone.append(y)
+    for rows in (1, 2, 3, 4, 5):
+        y = res[:rows].clone()
+        kernels.sparse_gemv(lin, x[:rows].contiguous(), y)
+        expect = res[:rows].float() + x[:rows].float() @ weight.float().T
+        torch.testing.assert_close(y.float(), expect, atol=2e-2, rtol=1e-2)
+        if rows <= kernels.sparse_rows:
+            assert torch.equal(y, torch.cat(alone[:rows])), f"{rows} rows: a row differs from itself alone"
+    assert not lin.workspace[1].any()
+
+
+def test_sparse_gemv_rejects_bad_arguments(kernels):
+    weight = torch.randn(64, 128, device="cuda").half()
+    lin = KMajorLinear(weight.t().contiguous(), kernels.sparse_workspace(DenseLinear(weight)))
+    x, y = torch.randn(5, 128, device="cuda").half(), torch.empty(5, 64, device="cuda").half()
+    partial, arrivals = lin.workspace
+    with pytest.raises(RuntimeError, match="rows"):
+        kernels._m.sparse_gemv(x, lin.weight_t, y, y, partial, arrivals, 0)
+    with pytest.raises(RuntimeError, match="workspace"):
+        kernels._m.sparse_gemv(x[:1], lin.weight_t, y[:1], y[:1], partial[:3], arrivals, 0)
+    with pytest.raises(RuntimeError, match="shape"):
+        kernels._m.sparse_gemv(x[:1, :64].contiguous(), lin.weight_t, y[:1], y[:1], partial, arrivals, 0)
 
 
 # --------------------------------------------------------------------------------------------- GemLite 4-bit

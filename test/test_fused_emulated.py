@@ -87,6 +87,8 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
             so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32]
             so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p, p]
             so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p]
+            so.emu_fused_sparse_gemv.argtypes = [i64, p, p, p, p, p, p, i64, i64, i64, ctypes.c_uint]
+            so.emu_fused_sparse_gemv_plan.argtypes = [i64, i64, i64, p]
             so.emu_f32_to_f16.argtypes = [p, p, i64]
             so.emu_f16_to_f32.argtypes = [p, p, i64]
             so.emu_f16_fma.argtypes = [p, p, p, p, i64]
@@ -597,6 +599,95 @@ def test_gemv(variant, case, libs):
     ys = run_gemv(so, tasks, M)
     for i, (t, y) in enumerate(zip(tasks, ys)):
         check_gemv(t, y, f"task {i}")
+
+
+# ------------------------------------------------------------------------------------ sparse-input gemv
+SPARSE_MIN_BLOCKS = 256  # the launcher's threshold for two ballots (64 input rows) per warp
+
+
+def sparse_plan(so, n: int, k: int, min_blocks: int = SPARSE_MIN_BLOCKS) -> dict:
+    out = (ctypes.c_int64 * 4)()
+    so.emu_fused_sparse_gemv_plan(n, k, min_blocks, out)
+    return dict(zip(("ballots", "slices", "strips", "partial"), out))
+
+
+def run_sparse_gemv(so, x: torch.Tensor, w_t: torch.Tensor, residual: torch.Tensor | None, min_blocks: int,
+                    seed: int = 1, workspace: tuple | None = None) -> tuple[torch.Tensor, tuple]:
+    """y = x @ w_t (+ residual, added in place as the forward does) through the emulated kernel; returns y and
+    the workspace (partial sums, arrival counters), reusable by a later call."""
+    M, (k, n) = x.shape[0], w_t.shape
+    if workspace is None:
+        plan = sparse_plan(so, n, k, min_blocks)
+        workspace = (torch.full((plan["partial"],), 555.0), torch.zeros(plan["strips"], dtype=torch.int32))
+    y = residual.clone() if residual is not None else torch.full((M, n), 777.0).half()
+    _check_rc(so.emu_fused_sparse_gemv(M, _ptr(x), _ptr(w_t), _ptr(y), _ptr(y if residual is not None else None),
+                                       _ptr(workspace[0]), _ptr(workspace[1]), n, k, min_blocks, seed))
+    return y, workspace
+
+
+def relu_square_input(gen, M: int, k: int, zero_share: float = 0.5) -> torch.Tensor:
+    """Rows as the FFN key's relu^2 leaves them: about `zero_share` exact zeros (some -0.0), the rest
+    positive; whole runs of 32 and 64 columns zero in every row (ballots with nothing to load)."""
+    x = torch.rand(M, k, generator=gen).half() * 2.0
+    x[torch.rand(M, k, generator=gen) < zero_share] = 0.0
+    x[:, 64:128] = 0.0
+    x[:, 320:352] = -0.0
+    return x
+
+
+SPARSE_CASES = {
+    # M, n, k, min_blocks: one strip, one slice of 256 rows (one ballot per warp)
+    "one-block": (1, 256, 256, SPARSE_MIN_BLOCKS),
+    # a partial strip (lanes past n), k not a multiple of 32 (rows past k), several slices
+    "ragged": (2, 264, 1000, SPARSE_MIN_BLOCKS),
+    # two ballots per warp (64 rows), forced on a small shape by the threshold
+    "two-ballots": (3, 72, 1500, 2),
+    "four-rows": (4, 520, 2100, SPARSE_MIN_BLOCKS),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", SPARSE_CASES)
+def test_sparse_gemv(variant, case, libs):
+    """The sparse-input GEMV (K-major weights, zero input columns skipped) against the exact product: every
+    output one of the fp16 numbers around it (check_gemv's bound), the residual added in place; each row
+    bit-identical to the same row launched alone (its terms are summed in the same order whatever the other
+    rows are); the arrival counters left at zero, and a second launch on the same workspace, with the blocks
+    in another order, bit-identical to the first."""
+    M, n, k, min_blocks = SPARSE_CASES[case]
+    so = libs[f"fused-{variant}"]
+    gen = torch.Generator().manual_seed(M * 1009 + n + k)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).half()
+    w_t = w.t().contiguous()
+    x = relu_square_input(gen, M, k)
+    residual = torch.randn(M, n, generator=gen).half() if M % 2 == 0 else None
+    plan = sparse_plan(so, n, k, min_blocks)
+    assert plan["ballots"] == (2 if case == "two-ballots" else 1)
+    y, workspace = run_sparse_gemv(so, x, w_t, residual, min_blocks)
+    check_gemv(dict(w=w, dense=None, scale=None, type=WEIGHT_TYPE[F16], x=x, residual=residual, act=ACT_NONE,
+                    epi=EPI_NONE), y, case)
+    assert not workspace[1].any(), "the arrival counters must be left at zero"
+    again, _ = run_sparse_gemv(so, x, w_t, residual, min_blocks, seed=7, workspace=workspace)
+    assert torch.equal(again.view(torch.int16), y.view(torch.int16))
+    for m in range(M):
+        alone, _ = run_sparse_gemv(so, x[m:m + 1].clone(), w_t, None if residual is None else residual[m:m + 1].clone(),
+                                   min_blocks)
+        assert torch.equal(alone.view(torch.int16), y[m:m + 1].view(torch.int16)), f"row {m} alone differs"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sparse_gemv_nan_and_plan(variant, libs):
+    """A NaN input (not a zero) reaches every output of its row and no other row; the planner takes two
+    ballots per warp for the 7.2B FFN value matrix (512 blocks) and one for 1.5B's (256 blocks)."""
+    so = libs[f"fused-{variant}"]
+    gen = torch.Generator().manual_seed(5)
+    w_t = (torch.randn(512, 264, generator=gen) * 0.05).half()
+    x = relu_square_input(gen, 2, 512)
+    x[1, 70] = math.nan  # inside a run of zeros in the other row
+    y, _ = run_sparse_gemv(so, x, w_t, None, SPARSE_MIN_BLOCKS)
+    assert y[1].isnan().all() and not y[0].isnan().any()
+    assert sparse_plan(so, 4096, 16384) == dict(ballots=2, slices=32, strips=16, partial=32 * 4 * 4096)
+    assert sparse_plan(so, 2048, 8192) == dict(ballots=1, slices=32, strips=8, partial=32 * 4 * 2048)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -6,7 +6,9 @@ the projections and LoRAs, ``time_mix`` (decay/gates/normalisation + the WKV rec
 slot state + group norm + bonus + output gate), the output projection with the residual added,
 then ``ln_shift_mix`` and the two FFN matrices. Up to ``gemv_rows`` tokens (decode; 8 for 4-bit models) the matrix
 products go through the kernel's grouped GEMV: seven matrices of the time-mix in one launch, the four
-LoRA second halves (with their tanh/sigmoid) in another, relu^2 and the residual add folded in.
+LoRA second halves (with their tanh/sigmoid) in another, relu^2 and the residual add folded in; the FFN
+value matrix, stored K-major (:class:`KMajorLinear`), through the sparse-input GEMV, which reads only the
+weight rows of the nonzero entries of relu(k)^2.
 Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite); with fp16 dense weights the
 receptance/key/value matrices and the w/a/v LoRA factors go through three strided-batched matmuls
 (:class:`BatchedWeights`) and the residual adds into the output and FFN-value products. A prefill of few rows
@@ -61,15 +63,36 @@ def _empty(device: torch.device) -> torch.Tensor:
 class GemvOperands(NamedTuple):
     """What the grouped GEMV reads for one linear layer: fp16 weights [out, in]; int8 weights [out, in] with
     an fp16 scale [out]; or GemLite's packed 4-bit words [in/8, out] int32 with fp16 scale and zero
-    [in/group, out] (the kernel tells them apart by the weights' dtype)."""
+    [in/group, out] (the kernel tells them apart by the weights' dtype). ``k_major``: fp16 weights [in, out]
+    of a :class:`KMajorLinear`, which the sparse-input GEMV reads instead."""
     weight: torch.Tensor
     scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None
     group: int = 0
+    k_major: bool = False
+
+
+class KMajorLinear(DenseLinear):
+    """fp16 weights stored transposed, ``[in, out]`` row-major, for the FFN value matrix: its input
+    relu(k)^2 is zero wherever the key projection was negative (about half the channels of a random
+    model, most of a trained one's), and in this layout each zero input column is a contiguous weight row
+    that the sparse-input GEMV does not read at decode. Larger batches multiply by the same storage
+    (cuBLAS takes either layout); ``weight`` is the ``[out, in]`` view of it, as for any dense linear."""
+
+    kind = "dense float16, K-major (sparse-input GEMV)"
+
+    def __init__(self, weight_t: torch.Tensor, workspace: tuple[torch.Tensor, torch.Tensor]):
+        self.weight_t = weight_t.contiguous()
+        self.weight = self.weight_t.t()  # not DenseLinear's contiguous copy: a view of the K-major storage
+        self.out_features, self.in_features = self.weight.shape
+        self.workspace = workspace  # (fp32 partial sums, int32 arrival counters), shared by a model's layers
 
 
 def gemv_operands(linear) -> GemvOperands | None:
-    """The tensors the grouped GEMV computes this linear layer from, or None when it cannot."""
+    """The tensors the grouped GEMV (or for K-major weights the sparse-input GEMV) computes this linear layer
+    from, or None when it cannot."""
+    if isinstance(linear, KMajorLinear):
+        return GemvOperands(linear.weight_t, k_major=True)
     if isinstance(linear, DenseLinear) and linear.weight.dtype == torch.float16 and linear.in_features % 8 == 0:
         return GemvOperands(linear.weight)
     if isinstance(linear, W8A16Linear) and linear.scale.dtype == torch.float16 and linear.in_features % 16 == 0:
@@ -151,6 +174,11 @@ class FusedKernels:
         # Whether 4-bit tasks are taken: switched off alone (those layers then use GemLite's kernels) if
         # they fail their self-test, so the fp16 and int8 paths do not depend on them.
         self.uint4: bool = True
+        # Rows up to which a K-major FFN value matrix takes the sparse-input GEMV (beyond: cuBLAS), and
+        # whether select_fused stores fp16 FFN value matrices K-major at all: RWKV_SPARSE_FFN=0 or a failed
+        # self-test keep them dense (for A/B timing, and so that the other paths do not depend on it).
+        self.sparse_rows: int = module.sparse_gemv_max_rows()
+        self.sparse_ffn: bool = os.environ.get("RWKV_SPARSE_FFN", "1") != "0"
 
     # -------------------------------------------------------------- ops
     @staticmethod
@@ -166,7 +194,9 @@ class FusedKernels:
         """tasks: (linear, x, y, activation, epilogue, residual or None); every x has the same rows."""
         ws, scales, zeros, xs, ys, res, groups, acts, epis = [], [], [], [], [], [], [], [], []
         for linear, x, y, act, epi, residual in tasks:
-            w, scale, zero, group = self.operands(linear)
+            w, scale, zero, group, k_major = self.operands(linear)
+            if k_major:
+                raise ValueError("a K-major linear takes the sparse-input GEMV (sparse_gemv), not the grouped one")
             empty = _empty(x.device)
             ws.append(w)
             scales.append(scale if scale is not None else empty)
@@ -178,6 +208,22 @@ class FusedKernels:
             acts.append(act)
             epis.append(epi)
         self._m.gemv(ws, scales, zeros, xs, ys, res, groups, acts, epis, self._stream(xs[0]))
+
+    def sparse_gemv(self, linear: KMajorLinear, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += x W^T for a :class:`KMajorLinear`, reading only the weight rows of x's nonzero columns; more
+        rows than the kernel takes go through cuBLAS."""
+        if x.shape[0] > self.sparse_rows:
+            add_product(y, linear, x)
+            return
+        partial, arrivals = linear.workspace
+        self._m.sparse_gemv(x, linear.weight_t, y, y, partial, arrivals, self._stream(x))
+
+    def sparse_workspace(self, linear: DenseLinear) -> tuple[torch.Tensor, torch.Tensor]:
+        """A zeroed workspace for the sparse-input GEMV of ``linear``'s shape (reusable by same-shaped ones)."""
+        partial, arrivals = self._m.sparse_gemv_workspace(linear.in_features, linear.out_features)
+        device = linear.weight.device
+        return (torch.zeros(partial, dtype=torch.float32, device=device),
+                torch.zeros(arrivals, dtype=torch.int32, device=device))
 
     def time_mix(self, state: torch.Tensor, batch: PackedBatch, blk: "Block", first_layer: bool,
                  tensors: list[torch.Tensor]) -> None:
@@ -231,7 +277,10 @@ class FusedKernels:
                 self.gemv([(blk.output, y, x, ACT_NONE, EPI_NONE, x)])
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
                 self.gemv([(blk.ffn_key, kf, hidden, ACT_NONE, EPI_RELU_SQUARE, None)])
-                self.gemv([(blk.ffn_value, hidden, x, ACT_NONE, EPI_NONE, x)])
+                if isinstance(blk.ffn_value, KMajorLinear):
+                    self.sparse_gemv(blk.ffn_value, hidden, x)
+                else:
+                    self.gemv([(blk.ffn_value, hidden, x, ACT_NONE, EPI_NONE, x)])
             else:
                 add_product(x, blk.output, y)
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
@@ -287,8 +336,13 @@ def _self_test(kernels: FusedKernels) -> str | None:
     config = make_config(2, 128, 512)
     model = RWKV7.from_state_dict(random_state_dict(config, seed=1, dtype=torch.float16, device=str(device)),
                                   device=str(device), dtype="fp16")
+    if kernels.sparse_ffn and (sparse_error := _self_test_sparse(kernels, device)):
+        log.warning("sparse-input FFN value GEMV switched off (%s): FFN value matrices stay dense", sparse_error)
+        kernels.sparse_ffn = False
     for blk in model.blocks:  # as select_fused does: the prefill below takes the batched matmuls
         blk.batched = batch_weights(blk)
+    if kernels.sparse_ffn:
+        store_ffn_value_k_major(model, kernels)
     from infer.ops.wkv_cuda import load_cuda_wkv
     model.wkv = load_cuda_wkv() or model.wkv
     rows = [[5, 9, 200, 7, 3, 11, 13, 90, 4, 2], [77, 1], [300]]
@@ -311,6 +365,22 @@ def _self_test(kernels: FusedKernels) -> str | None:
         log.warning("fused 4-bit GEMV switched off (%s): 4-bit layers use GemLite's kernels", uint4_error)
         kernels.uint4 = False
     return reason
+
+
+def _self_test_sparse(kernels: FusedKernels, device: torch.device) -> str | None:
+    """The sparse-input GEMV against a matmul, at 1 and 2 rows of an input with half its columns zero."""
+    gen = torch.Generator(device=device).manual_seed(4)
+    weight = (torch.randn(264, 1000, generator=gen, device=device) * 0.03).half()
+    linear = KMajorLinear(weight.t().contiguous(), kernels.sparse_workspace(DenseLinear(weight)))
+    for rows in (1, 2):
+        x = torch.randn(rows, 1000, generator=gen, device=device).relu().square().half()
+        y = torch.randn(rows, 264, generator=gen, device=device).half()
+        expect = y.float() + x.float() @ weight.float().T
+        kernels.sparse_gemv(linear, x, y)
+        err = float((y.float() - expect).abs().max()) / (float(expect.abs().max()) + 1e-6)
+        if not err <= 1e-2:
+            return f"self-test of the sparse-input GEMV against a matmul failed ({rows} rows: relative max |diff| {err:.3g})"
+    return None
 
 
 def _self_test_int8(kernels: FusedKernels, device: torch.device) -> str | None:
@@ -377,6 +447,23 @@ def fused_unsupported(model: "RWKV7") -> str | None:
     return None
 
 
+def store_ffn_value_k_major(model: "RWKV7", kernels: FusedKernels) -> int:
+    """Swap each block's dense fp16 FFN value linear for a :class:`KMajorLinear` of the same weights (one
+    matrix transposed at a time: the peak is one extra matrix); returns how many were swapped."""
+    workspace, swapped = None, 0
+    for blk in model.blocks:
+        lin = blk.ffn_value
+        if type(lin) is not DenseLinear or lin.weight.dtype != torch.float16 or lin.out_features % 8:
+            continue
+        workspace = workspace or kernels.sparse_workspace(lin)
+        blk.ffn_value = KMajorLinear(lin.weight.t().contiguous(), workspace)
+        swapped += 1
+    if swapped:
+        log.info("FFN value matrices stored K-major: %d (the sparse-input GEMV at up to %d rows)", swapped,
+                 kernels.sparse_rows)
+    return swapped
+
+
 def select_fused(model: "RWKV7", prefer: str = "auto") -> FusedKernels | None:
     """Turn the fused forward on for ``model`` when possible: ``auto`` uses it when the model qualifies
     and the kernels load, ``on`` insists (RuntimeError otherwise), ``off`` keeps the readable forward."""
@@ -397,5 +484,7 @@ def select_fused(model: "RWKV7", prefer: str = "auto") -> FusedKernels | None:
         for blk in model.blocks:
             if blk.batched is None:
                 blk.batched = batch_weights(blk)
+        if chosen.sparse_ffn:
+            store_ffn_value_k_major(model, chosen)
     log.info("forward on %s: %s", model.device, chosen.name if chosen else "readable (per-op) forward")
     return chosen

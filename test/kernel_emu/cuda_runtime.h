@@ -11,6 +11,9 @@ template <typename T>
 T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) { return emu::shfl_up(v, delta, width); }
 template <typename T>
 T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) { return emu::shfl_down(v, delta, width); }
+template <typename T>
+T __shfl_sync(unsigned, T v, int src, int width = 32) { return emu::shfl(v, src, width); }
+inline unsigned __ballot_sync(unsigned, int predicate) { return static_cast<unsigned>(emu::ballot(predicate != 0)); }
 
 enum cudaError_t : int {
     cudaSuccess = 0,

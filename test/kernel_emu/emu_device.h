@@ -222,6 +222,20 @@ T shfl_down(T v, unsigned delta, int width = EMU_WARP) {
     return exchange(v, self + static_cast<int>(delta), (self & (width - 1)) + static_cast<int>(delta) < width);
 }
 
+template <typename T>
+T shfl(T v, int src, int width = EMU_WARP) {
+    const int base = lane() & ~(width - 1);
+    return exchange(v, base + (src & (width - 1)), true);
+}
+// Bit l: lane l's predicate (the lanes of the warp, every lane calling it together).
+inline uint64_t ballot(bool predicate) {
+    bool all[EMU_WARP];
+    all_gather(predicate, all);
+    uint64_t mask = 0;
+    for (int l = 0; l < EMU_WARP; ++l) mask |= uint64_t(all[l]) << l;
+    return mask;
+}
+
 namespace sched {
 constexpr size_t kStack = 256 * 1024;
 inline ucontext_t scheduler;
@@ -314,6 +328,11 @@ template <typename T>
 T __ldg(const T* p) { return *p; }
 template <typename T>
 T __ldcs(const T* p) { return *p; }
+template <typename T>
+T __ldcg(const T* p) { return *p; }
+inline void __threadfence() {}  // the blocks of a grid run one after another
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline unsigned __float_as_uint(float x) { return emu::f32_bits(x); }
 inline float __uint_as_float(unsigned u) { return emu::f32_from_bits(u); }
 inline int __float_as_int(float x) { return static_cast<int>(emu::f32_bits(x)); }

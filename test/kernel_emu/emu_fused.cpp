@@ -72,6 +72,39 @@ EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const 
     }
 }
 
+// min_blocks: the planner's threshold for two ballots per warp (the launcher's: kSparseMinBlocks); seed: the
+// order of the blocks.
+EMU_EXPORT int emu_fused_sparse_gemv(int64_t M, const void* x, const void* w, void* y, const void* residual,
+                                     void* partial, void* arrivals, int64_t n, int64_t k, int64_t min_blocks,
+                                     unsigned seed) {
+    using namespace fused;
+    if (!sparse_gemv_takes(M, n, k)) return -1;
+    SparseGemvArgs args = plan_sparse_gemv(n, k, min_blocks);
+    args.x = static_cast<const __half*>(x);
+    args.w = static_cast<const __half*>(w);
+    args.y = static_cast<__half*>(y);
+    args.residual = static_cast<const __half*>(residual);
+    args.partial = static_cast<float*>(partial);
+    args.arrivals = static_cast<unsigned*>(arrivals);
+    const unsigned grid = static_cast<unsigned>(args.strips * args.slices);
+    auto run = [&](auto kernel) { return emu::run_grid(grid, kGemvWarps * 32, [&] { kernel(args); }, seed); };
+    switch (M) {
+        case 1: return run(sparse_gemv_kernel<1>);
+        case 2: return run(sparse_gemv_kernel<2>);
+        case 3: return run(sparse_gemv_kernel<3>);
+        default: return run(sparse_gemv_kernel<4>);
+    }
+}
+
+// The sparse GEMV's plan for a K-major [k, n] weight: {ballots, slices, strips, workspace floats}.
+EMU_EXPORT void emu_fused_sparse_gemv_plan(int64_t n, int64_t k, int64_t min_blocks, int64_t* out) {
+    const fused::SparseGemvArgs args = fused::plan_sparse_gemv(n, k, min_blocks);
+    out[0] = args.ballots;
+    out[1] = args.slices;
+    out[2] = args.strips;
+    out[3] = int64_t(args.slices) * fused::kSparseMaxRows * n;
+}
+
 // The splits that pack_gemv plans for each task (the rest of GemvTask is not read): warps per output
 // channel, or for 4-bit tasks the halvings of the block's band of channels.
 EMU_EXPORT void emu_fused_gemv_splits(int count, const int64_t* n, const int64_t* k, const int* weight_type,

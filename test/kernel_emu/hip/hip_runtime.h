@@ -10,6 +10,8 @@ template <typename T>
 T __shfl_up(T v, unsigned delta, int width = warpSize) { return emu::shfl_up(v, delta, width); }
 template <typename T>
 T __shfl_down(T v, unsigned delta, int width = warpSize) { return emu::shfl_down(v, delta, width); }
+template <typename T>
+T __shfl(T v, int src, int width = warpSize) { return emu::shfl(v, src, width); }
 
 enum hipError_t : int {
     hipSuccess = 0,
