@@ -21,6 +21,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ttft      # where a prompt's prefill time goes (7.2B, profiler)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh prefill   # after a time-mix change: GPU tests, profile, prefill
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sparse-ffn  # the sparse-input FFN value GEMV: GPU tests, decode A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh short-rows  # GEMV short rows packed per warp: GPU tests, decode, profile
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -30,7 +31,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|short-rows}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -185,6 +186,19 @@ sparse-ffn)  # the FFN value matrix K-major through the sparse-input GEMV: GPU t
     step 80 "prefill with the K-major FFN value" python bench/bench_decode.py --sizes 7.2b --batches "" \
         --prefill 1024 --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/experiment_prefill_kmajor_h200.json
     copy bench/results/experiment_prefill_kmajor_h200.json
+    ;;
+short-rows)  # GEMV short rows (LoRA second halves) several to a warp: GPU tests, decode fp16 and W8, profile
+    step 170 "fused GPU tests (GEMV, decode, greedy, sparse)" python -m pytest -q -rs -p no:cacheprovider \
+        test/test_fused_cuda.py -k "gemv or decode_matches or greedy or sparse or k_major or w8a16"
+    step 130 "decode" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1,2,4,8 --steps 30 \
+        --wkv cuda --no-checks --out bench/results/decode_h200_sparse_ffn.json
+    copy bench/results/decode_h200_sparse_ffn.json
+    step 100 "per-kernel profile, batch 1, PDL off" env RWKV_PDL=0 python bench/profile_decode.py --sizes 1.5b,7.2b \
+        --batches 1 --out bench/results/profile_nopdl_h200.json
+    copy bench/results/profile_nopdl_h200.json
+    step 100 "W8A16 decode" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b --batches 1,2 --steps 30 \
+        --wkv cuda --no-checks --out bench/results/decode_h200_w8_fused.json
+    copy bench/results/decode_h200_w8_fused.json
     ;;
 w4-gemv)  # GemLite A16W4 on the fused GEMV's 4-bit tasks: GPU tests, then decode at batch 1-8
     export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home

@@ -588,6 +588,8 @@ struct GemvTask {
     int weight_type, activation, epilogue;
     int splits;              // warps per output channel (1, 2, 4 or 8), each reading one slice of the row;
                              // 4-bit: 1 or 2, a block takes kUint4Band / splits columns
+    int rows_per_warp;       // output channels per warp (a power of two; short rows), 32 / rows_per_warp lanes
+                             // each; 1 with splits > 1 and for 4-bit tasks
     int first_block;         // blocks [first_block, first_block + gemv_units(task) / kGemvWarps) compute this task
 };
 
@@ -618,22 +620,23 @@ __device__ __forceinline__ void load_x8(const __half* p, int act, float (&out)[8
 // batch 1 a matrix takes only microseconds, so the bytes in flight per multiprocessor set its speed.
 constexpr int kGemvLoads = 8;
 
-// This lane's next batch of a weight row's 16-byte vectors: [first, first + 32, ...) below end.
+// This lane's next batch of a weight row's 16-byte vectors: [first, first + stride, ...) below end.
 // Weights are read once per step: stream them past the caches.
-__device__ __forceinline__ void load_weight_batch(const uint4* row, int first, int end, uint4 (&w)[kGemvLoads]) {
+__device__ __forceinline__ void load_weight_batch(const uint4* row, int first, int end, int stride,
+                                                  uint4 (&w)[kGemvLoads]) {
 #pragma unroll
     for (int j = 0; j < kGemvLoads; ++j) {
-        if (first + 32 * j < end) w[j] = __ldcs(row + first + 32 * j);
+        if (first + stride * j < end) w[j] = __ldcs(row + first + stride * j);
     }
 }
 
 // acc[m] += the batch's weights . x[m]; fp16 weights: 8 per vector.
 template <int M, bool kAct>
-__device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int end, const uint4 (&w)[kGemvLoads],
-                                               float (&acc)[M]) {
+__device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int end, int stride,
+                                               const uint4 (&w)[kGemvLoads], float (&acc)[M]) {
 #pragma unroll
     for (int j = 0; j < kGemvLoads; ++j) {
-        const int v = first + 32 * j;
+        const int v = first + stride * j;
         if (v >= end) break;
         const int k = v * 8;
         __half h[8];
@@ -653,11 +656,11 @@ __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, 
 
 // int8 weights: 16 per vector (the per-channel scale is applied in the epilogue).
 template <int M, bool kAct>
-__device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int end, const uint4 (&w)[kGemvLoads],
-                                               float (&acc)[M]) {
+__device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int end, int stride,
+                                               const uint4 (&w)[kGemvLoads], float (&acc)[M]) {
 #pragma unroll
     for (int j = 0; j < kGemvLoads; ++j) {
-        const int v = first + 32 * j;
+        const int v = first + stride * j;
         if (v >= end) break;
         const int k = v * 16;
         float wf[16];
@@ -927,36 +930,54 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 && !kAct ? 4 : M <= 2 
         return;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // This warp's (output channel, slice): a block holds whole channels, as kGemvWarps % splits == 0.
+    // This warp's (output channels, slice): a block holds whole channels, as kGemvWarps % splits == 0. A
+    // warp of short rows takes rows_per_warp channels, `lanes` lanes each (splits is then 1).
+    const int lanes = 32 / task.rows_per_warp, sub = lane % lanes;
     const int unit = (int(blockIdx.x) - task.first_block) * kGemvWarps + warp;
-    const int n = unit / task.splits, split = unit % task.splits;
-    const bool active = n < task.n;  // warp-uniform; an idle warp still joins the block's barrier below
+    const int n = unit / task.splits * task.rows_per_warp + lane / lanes, split = unit % task.splits;
+    const bool active = n < task.n;  // the same for a channel's lanes; idle lanes still join the shuffles
     const int count = task.weight_type == kWeightInt8 ? task.k / 16 : task.k / 8;  // 16-byte vectors per row
     const int slice = count / task.splits;
     const int begin = split * slice, end = begin + slice;
     const uint4* row = reinterpret_cast<const uint4*>(task.w) + int64_t(n) * count;
+    // Whole warps stride by a literal 32 (immediate address offsets); a channel of fewer lanes takes one
+    // batch of loads at a run-time stride (gemv_rows_per_warp makes one batch enough).
     uint4 w[kGemvLoads];
-    if (active) load_weight_batch(row, begin + lane, end, w);  // weights: no kernel writes them, load before the wait
+    if (active) {  // weights: no kernel writes them, load before the wait
+        if (lanes == 32) {
+            load_weight_batch(row, begin + lane, end, 32, w);
+        } else {
+            load_weight_batch(row, sub, count, lanes, w);
+        }
+    }
     dependency_wait();
 
     float acc[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-    if (active) {
+    if (active && lanes == 32) {
 #pragma unroll 1
         for (int first = begin + lane;;) {
             if (task.weight_type == kWeightInt8) {
-                fma_int8_batch<M, kAct>(task, first, end, w, acc);
+                fma_int8_batch<M, kAct>(task, first, end, 32, w, acc);
             } else {
-                fma_half_batch<M, kAct>(task, first, end, w, acc);
+                fma_half_batch<M, kAct>(task, first, end, 32, w, acc);
             }
             first += 32 * kGemvLoads;
             if (first >= end) break;
-            load_weight_batch(row, first, end, w);
+            load_weight_batch(row, first, end, 32, w);
+        }
+    } else if (active) {
+        if (task.weight_type == kWeightInt8) {
+            fma_int8_batch<M, kAct>(task, sub, count, lanes, w, acc);
+        } else {
+            fma_half_batch<M, kAct>(task, sub, count, lanes, w, acc);
         }
     }
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
+    for (int m = 0; m < M; ++m) {  // over the channel's lanes (the whole warp: warp_sum's order)
+        for (int o = lanes / 2; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+    }
     if (task.splits > 1) {  // block-uniform: the slices' sums, added in slice order (deterministic)
         __shared__ float partial[kGemvWarps][M];
         if (lane == 0) {
@@ -971,7 +992,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 && !kAct ? 4 : M <= 2 
             for (int j = 1; j < task.splits; ++j) acc[m] += partial[warp + j][m];
         }
     }
-    if (!active || lane != 0) return;
+    if (!active || sub != 0) return;
     const float scale = task.scale ? __half2float(task.scale[n]) : 1.0f;
 #pragma unroll
     for (int m = 0; m < M; ++m) store_output(task, m, n, acc[m] * scale);
@@ -1215,7 +1236,19 @@ inline int gemv_vectors(const GemvTask& t) { return t.weight_type == kWeightInt8
 // int8, whole blocks of kUint4Band / splits channels for 4-bit weights.
 inline int64_t gemv_units(const GemvTask& t, int splits) {
     if (t.weight_type == kWeightUint4) return (int64_t(t.n) * splits + kUint4Band - 1) / kUint4Band * kGemvWarps;
-    return int64_t(t.n) * splits;
+    return (int64_t(t.n) + t.rows_per_warp - 1) / t.rows_per_warp * splits;
+}
+
+// Short rows. A warp on a row of fewer than 32 * kGemvLoads vectors leaves lanes without loads, and a launch
+// of such rows (the LoRA second halves: 4,096 rows of 96-480 weights at 7.2B) runs many small warps, each
+// waiting out one round trip to memory: 8.7-10 us per layer for 6.8 MB (bench/results/profile_nopdl_h200.json).
+// Such a row gets the fewest lanes (a power of two) that keep each lane within one batch of kGemvLoads
+// loads, and a warp takes 32 / lanes rows.
+inline int gemv_rows_per_warp(const GemvTask& t) {
+    if (t.weight_type == kWeightUint4) return 1;
+    int lanes = 1;
+    while (lanes < 32 && lanes * kGemvLoads < gemv_vectors(t)) lanes *= 2;
+    return 32 / lanes;
 }
 
 // Row splitting. A launch of few, long rows runs few blocks, and its last partial wave of blocks leaves
@@ -1240,6 +1273,7 @@ inline void plan_gemv_splits(GemvArgs& args) {
     int64_t units = 0;
     for (int i = 0; i < args.count; ++i) {
         args.task[i].splits = 1;
+        args.task[i].rows_per_warp = gemv_rows_per_warp(args.task[i]);
         units += gemv_units(args.task[i], 1);
     }
     while (gemv_split_enabled() && units < kGemvSplitRows) {
@@ -1249,7 +1283,8 @@ inline void plan_gemv_splits(GemvArgs& args) {
             const int slice = gemv_vectors(t) / t.splits;
             const bool splittable = t.weight_type == kWeightUint4
                                         ? t.splits < kUint4MaxSplits && t.k >= kUint4SplitMinK
-                                        : t.splits < kGemvWarps && slice % 2 == 0 && slice / 2 >= kGemvMinSlice;
+                                        : t.splits < kGemvWarps && t.rows_per_warp == 1 && slice % 2 == 0 &&
+                                              slice / 2 >= kGemvMinSlice;
             if (splittable && slice > best_slice) {
                 best = i;
                 best_slice = slice;

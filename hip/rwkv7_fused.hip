@@ -739,6 +739,8 @@ struct GemvTask {
     int weight_type, activation, epilogue;
     int splits;              // teams per output channel (1, 2, 4 or 8), each reading one slice of the row;
                              // 4-bit: 1 or 2, a block takes kUint4Band / splits columns
+    int rows_per_warp;       // output channels per team (a power of two; short rows), kTeam / rows_per_warp
+                             // lanes each; 1 with splits > 1 and for 4-bit tasks
     int first_block;         // blocks [first_block, first_block + gemv_units(task) / kGemvWarps) compute this task
 };
 
@@ -769,20 +771,21 @@ __device__ __forceinline__ void load_x8(const __half* p, int act, float (&out)[8
 constexpr int kGemvLoads = 8;
 
 // This lane's next batch of a weight row's 16-byte vectors: [first, first + kTeam, ...) below end.
-__device__ __forceinline__ void load_weight_batch(const uint4* row, int first, int end, uint4 (&w)[kGemvLoads]) {
+__device__ __forceinline__ void load_weight_batch(const uint4* row, int first, int end, int stride,
+                                                  uint4 (&w)[kGemvLoads]) {
 #pragma unroll
     for (int j = 0; j < kGemvLoads; ++j) {
-        if (first + kTeam * j < end) w[j] = load_stream(row + first + kTeam * j);
+        if (first + stride * j < end) w[j] = load_stream(row + first + stride * j);
     }
 }
 
 // acc[m] += the batch's weights . x[m]; fp16 weights: 8 per vector.
 template <int M, bool kAct>
-__device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int end, const uint4 (&w)[kGemvLoads],
-                                               float (&acc)[M]) {
+__device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int end, int stride,
+                                               const uint4 (&w)[kGemvLoads], float (&acc)[M]) {
 #pragma unroll
     for (int j = 0; j < kGemvLoads; ++j) {
-        const int v = first + kTeam * j;
+        const int v = first + stride * j;
         if (v >= end) break;
         const int k = v * 8;
         float wf[8];
@@ -799,11 +802,11 @@ __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, 
 
 // int8 weights: 16 per vector (the per-channel scale is applied in the epilogue).
 template <int M, bool kAct>
-__device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int end, const uint4 (&w)[kGemvLoads],
-                                               float (&acc)[M]) {
+__device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int end, int stride,
+                                               const uint4 (&w)[kGemvLoads], float (&acc)[M]) {
 #pragma unroll
     for (int j = 0; j < kGemvLoads; ++j) {
-        const int v = first + kTeam * j;
+        const int v = first + stride * j;
         if (v >= end) break;
         const int k = v * 16;
         float wf[16];
@@ -1008,13 +1011,15 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args)
         return;
     }
     const int lane = threadIdx.x & (kTeam - 1), team = int(threadIdx.x / kTeam);
-    // This team's (output channel, slice): a block holds whole channels, as kGemvWarps % splits == 0.
+    // This team's (output channels, slice): a block holds whole channels, as kGemvWarps % splits == 0. A team
+    // of short rows takes rows_per_warp channels, `lanes` lanes each (splits is then 1).
+    const int lanes = kTeam / task.rows_per_warp, sub = lane % lanes;
     const int unit = (int(blockIdx.x) - task.first_block) * kGemvWarps + team;
-    const int n = unit / task.splits, split = unit % task.splits;
+    const int n = unit / task.splits * task.rows_per_warp + lane / lanes, split = unit % task.splits;
     dependency_wait();
-    // A team past the last row still joins the shuffles (a wave64 holds two teams) and the block's
-    // barrier, and only skips the loads and the stores.
-    const bool active = n < task.n;  // team-uniform
+    // Lanes past the last row still join the shuffles (a wave64 holds two teams) and the block's barrier,
+    // and only skip the loads and the stores.
+    const bool active = n < task.n;  // the same for a channel's lanes
 
     float acc[M];
 #pragma unroll
@@ -1026,17 +1031,19 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args)
         const uint4* row = reinterpret_cast<const uint4*>(task.w) + int64_t(n) * count;
         uint4 w[kGemvLoads];
 #pragma unroll 1
-        for (int first = begin + lane; first < end; first += kTeam * kGemvLoads) {
-            load_weight_batch(row, first, end, w);
+        for (int first = begin + sub; first < end; first += lanes * kGemvLoads) {
+            load_weight_batch(row, first, end, lanes, w);
             if (task.weight_type == kWeightInt8) {
-                fma_int8_batch<M, kAct>(task, first, end, w, acc);
+                fma_int8_batch<M, kAct>(task, first, end, lanes, w, acc);
             } else {
-                fma_half_batch<M, kAct>(task, first, end, w, acc);
+                fma_half_batch<M, kAct>(task, first, end, lanes, w, acc);
             }
         }
     }
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
+    for (int m = 0; m < M; ++m) {  // over the channel's lanes (the whole team: warp_sum's order)
+        for (int o = lanes / 2; o > 0; o >>= 1) acc[m] += __shfl_xor(acc[m], o, kTeam);
+    }
     if (task.splits > 1) {  // block-uniform: the slices' sums, added in slice order (deterministic)
         __shared__ float partial[kGemvWarps][M];
         if (lane == 0) {
@@ -1051,7 +1058,7 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args)
             for (int j = 1; j < task.splits; ++j) acc[m] += partial[team + j][m];
         }
     }
-    if (!active || lane != 0) return;
+    if (!active || sub != 0) return;
     const float scale = task.scale ? __half2float(task.scale[n]) : 1.0f;
 #pragma unroll
     for (int m = 0; m < M; ++m) store_output(task, m, n, acc[m] * scale);
@@ -1295,7 +1302,16 @@ inline bool gemv_takes(int64_t n, int64_t k, int weight_type, int64_t group) {
 inline int gemv_vectors(const GemvTask& t) { return t.weight_type == kWeightInt8 ? t.k / 16 : t.k / 8; }
 inline int64_t gemv_units(const GemvTask& t, int splits) {
     if (t.weight_type == kWeightUint4) return (int64_t(t.n) * splits + kUint4Band - 1) / kUint4Band * kGemvWarps;
-    return int64_t(t.n) * splits;
+    return (int64_t(t.n) + t.rows_per_warp - 1) / t.rows_per_warp * splits;
+}
+
+// Short rows, as in the CUDA source: the fewest lanes (a power of two) that keep each lane within one batch
+// of loads, and a team takes kTeam / lanes rows.
+inline int gemv_rows_per_warp(const GemvTask& t) {
+    if (t.weight_type == kWeightUint4) return 1;
+    int lanes = 1;
+    while (lanes < kTeam && lanes * kGemvLoads < gemv_vectors(t)) lanes *= 2;
+    return kTeam / lanes;
 }
 
 // Row splitting, as in the CUDA source: the rows of the task with the longest slices are halved until the
@@ -1316,6 +1332,7 @@ inline void plan_gemv_splits(GemvArgs& args) {
     int64_t units = 0;
     for (int i = 0; i < args.count; ++i) {
         args.task[i].splits = 1;
+        args.task[i].rows_per_warp = gemv_rows_per_warp(args.task[i]);
         units += gemv_units(args.task[i], 1);
     }
     while (gemv_split_enabled() && units < kGemvSplitRows) {
@@ -1325,7 +1342,8 @@ inline void plan_gemv_splits(GemvArgs& args) {
             const int slice = gemv_vectors(t) / t.splits;
             const bool splittable = t.weight_type == kWeightUint4
                                         ? t.splits < kUint4MaxSplits && t.k >= kUint4SplitMinK
-                                        : t.splits < kGemvWarps && slice % 2 == 0 && slice / 2 >= kGemvMinSlice;
+                                        : t.splits < kGemvWarps && t.rows_per_warp == 1 && slice % 2 == 0 &&
+                                              slice / 2 >= kGemvMinSlice;
             if (splittable && slice > best_slice) {
                 best = i;
                 best_slice = slice;

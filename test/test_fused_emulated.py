@@ -86,7 +86,7 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
             so.emu_fused_ln_shift_mix.argtypes = [i64, i64, i64, p, p, p, p, p, p, p, p, p, i32]
             so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32]
             so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p, p]
-            so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p]
+            so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p, p]
             so.emu_fused_sparse_gemv.argtypes = [i64, p, p, p, p, p, p, i64, i64, i64, ctypes.c_uint]
             so.emu_fused_sparse_gemv_plan.argtypes = [i64, i64, i64, p]
             so.emu_f32_to_f16.argtypes = [p, p, i64]
@@ -573,11 +573,20 @@ GEMV_CASES = {
                     (64, 2048, U4(64), ACT_NONE, EPI_RELU_SQUARE, False),
                     (40, 1024, U4(32), ACT_TANH, EPI_NONE, False)]),
     "u4-long-plain": (1, [(48, 8192, U4(64), ACT_NONE, EPI_NONE, True), (8, 4096, F16, ACT_NONE, EPI_NONE, False)]),
+    # the LoRA second halves of a 7.2B layer scaled down in height: short rows packed 4-16 to a warp, heights
+    # that leave the last warp part-filled
+    "lora-up": (2, [(300, 128, F16, ACT_TANH, EPI_NONE, False), (260, 96, F16, ACT_NONE, EPI_NONE, False),
+                    (100, 480, F16, ACT_SIGMOID, EPI_NONE, False), (130, 64, I8, ACT_NONE, EPI_NONE, True)]),
 }
 # the planner halves the longest slices (vectors of 16 bytes per warp) while each keeps >= 256 of them; a
 # 4-bit task halves its band (at most once) while each thread keeps >= 4 rows of words
 GEMV_SPLITS = {"split-rows": [8, 2, 4], "split-rows-plain": [2, 2], "long-rows": [1, 1, 2], "one-row": [1],
                "u4-long": [2, 2, 1], "u4-long-plain": [2, 2], "u4-mixed": [1, 1, 2, 1]}
+# rows of fewer than 256 vectors take the fewest lanes (a power of two) with at most 8 loads each: 32 / lanes
+# rows per warp (one vector: 32 rows; 4-bit tasks and split rows: 1)
+GEMV_ROWS_PER_WARP = {"one-row": [8], "lora-and-ffn": [16, 16, 16, 8, 4], "eight-rows": [32, 32, 8, 1, 32, 32, 32, 32],
+                      "long-rows": [1, 1, 1], "split-rows": [1, 1, 1], "u4-mixed": [8, 8, 1, 1],
+                      "lora-up": [16, 16, 4, 32]}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -585,17 +594,19 @@ GEMV_SPLITS = {"split-rows": [8, 2, 4], "split-rows-plain": [2, 2], "long-rows":
 def test_gemv(variant, case, libs):
     """Grouped GEMV: fp16, int8 (+ scale) and GemLite 4-bit weights, tanh/sigmoid inputs, relu^2, residual
     add (in place), 1-8 rows, up to 8 tasks per launch, widths that leave warps of the last block without
-    a row (or lanes without a band's channels)."""
+    a row (or lanes without a band's channels), short rows several to a warp, long rows split."""
     M, specs = GEMV_CASES[case]
     so = libs[f"fused-{variant}"]
     gen = torch.Generator().manual_seed(len(case) * 31 + M)
     tasks = [gemv_task(gen, M, *spec) for spec in specs]
+    splits, rows_per_warp = (ctypes.c_int * len(tasks))(), (ctypes.c_int * len(tasks))()
+    so.emu_fused_gemv_splits(len(tasks), _ints([t["n"] for t in tasks], ctypes.c_int64),
+                             _ints([t["k"] for t in tasks], ctypes.c_int64),
+                             _ints([t["type"] for t in tasks], ctypes.c_int), splits, rows_per_warp)
     if case in GEMV_SPLITS:
-        splits = (ctypes.c_int * len(tasks))()
-        so.emu_fused_gemv_splits(len(tasks), _ints([t["n"] for t in tasks], ctypes.c_int64),
-                                 _ints([t["k"] for t in tasks], ctypes.c_int64),
-                                 _ints([t["type"] for t in tasks], ctypes.c_int), splits)
         assert list(splits) == GEMV_SPLITS[case]
+    if case in GEMV_ROWS_PER_WARP:
+        assert list(rows_per_warp) == GEMV_ROWS_PER_WARP[case]
     ys = run_gemv(so, tasks, M)
     for i, (t, y) in enumerate(zip(tasks, ys)):
         check_gemv(t, y, f"task {i}")

@@ -106,9 +106,9 @@ EMU_EXPORT void emu_fused_sparse_gemv_plan(int64_t n, int64_t k, int64_t min_blo
 }
 
 // The splits that pack_gemv plans for each task (the rest of GemvTask is not read): warps per output
-// channel, or for 4-bit tasks the halvings of the block's band of channels.
+// channel, or for 4-bit tasks the halvings of the block's band of channels; and the channels per warp.
 EMU_EXPORT void emu_fused_gemv_splits(int count, const int64_t* n, const int64_t* k, const int* weight_type,
-                                      int* splits) {
+                                      int* splits, int* rows_per_warp) {
     fused::GemvArgs args{};
     for (int i = 0; i < count; ++i) {
         args.task[i].n = static_cast<int>(n[i]);
@@ -117,7 +117,10 @@ EMU_EXPORT void emu_fused_gemv_splits(int count, const int64_t* n, const int64_t
     }
     args.count = count;
     fused::plan_gemv_splits(args);
-    for (int i = 0; i < count; ++i) splits[i] = args.task[i].splits;
+    for (int i = 0; i < count; ++i) {
+        splits[i] = args.task[i].splits;
+        rows_per_warp[i] = args.task[i].rows_per_warp;
+    }
 }
 
 // The emulation's fp16 conversions, for the test that holds them to torch's, and its fp16 fma (__hfma2).
