@@ -21,7 +21,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ttft      # where a prompt's prefill time goes (7.2B, profiler)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh prefill   # after a time-mix change: GPU tests, profile, prefill
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sparse-ffn  # the sparse-input FFN value GEMV: GPU tests, decode A/B
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh short-rows  # GEMV short rows packed per warp: GPU tests, decode, profile
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh short-rows  # GEMV short rows, LoRA epilogues: GPU tests, decode, profile
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -187,9 +187,10 @@ sparse-ffn)  # the FFN value matrix K-major through the sparse-input GEMV: GPU t
         --prefill 1024 --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/experiment_prefill_kmajor_h200.json
     copy bench/results/experiment_prefill_kmajor_h200.json
     ;;
-short-rows)  # GEMV short rows (LoRA second halves) several to a warp: GPU tests, decode fp16 and W8, profile
-    step 170 "fused GPU tests (GEMV, decode, greedy, sparse)" python -m pytest -q -rs -p no:cacheprovider \
-        test/test_fused_cuda.py -k "gemv or decode_matches or greedy or sparse or k_major or w8a16"
+short-rows)  # GEMV short rows several to a warp, LoRA activations as epilogues: GPU tests, decode fp16 and W8, profile
+    step 240 "fused GPU tests (GEMV, decode, prefill, oracle, greedy, invariance, sparse)" python -m pytest -q -rs \
+        -p no:cacheprovider test/test_fused_cuda.py \
+        -k "gemv or decode_matches or prefill or cpu_fp32 or greedy or invariance or sparse or k_major"
     step 130 "decode" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1,2,4,8 --steps 30 \
         --wkv cuda --no-checks --out bench/results/decode_h200_sparse_ffn.json
     copy bench/results/decode_h200_sparse_ffn.json

@@ -22,7 +22,7 @@
 //    per output channel reading the weight row once with 16-byte loads (a long row split among up to 8
 //    warps of one block, summed in shared memory); fp16 or int8 (+ per-channel fp16 scale) weights, or
 //    GemLite's packed 4-bit weights read in place (a block per band of output channels, see
-//    gemv_uint4_block); optional tanh/sigmoid on the input, relu^2 on the output, residual add.
+//    gemv_uint4_block); optional tanh/sigmoid on the input, relu^2, tanh or sigmoid on the output, residual add.
 //
 // 4. sparse_gemv: y = x Wt + residual for the FFN value matrix stored K-major, reading only the weight rows
 //    whose input relu(k)^2 is nonzero in some row of x (see sparse_gemv_kernel).
@@ -574,7 +574,7 @@ constexpr int kGemvMaxRows = 8;
 
 enum WeightType : int { kWeightHalf = 0, kWeightInt8 = 1, kWeightUint4 = 2 };
 enum Activation : int { kActNone = 0, kActTanh = 1, kActSigmoid = 2 };
-enum Epilogue : int { kEpiNone = 0, kEpiReluSquare = 1 };
+enum Epilogue : int { kEpiNone = 0, kEpiReluSquare = 1, kEpiTanh = 2, kEpiSigmoid = 3 };
 
 struct GemvTask {
     const void* w;           // [N, K] fp16 or int8, row-major (nn.Linear layout); 4-bit: [K/8, N] int32 words
@@ -682,13 +682,18 @@ __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, 
 }
 
 // y[m][n] = fp16(epilogue(fp16(product)) + residual[m][n]): the product rounded to fp16 first, as a
-// separate matmul would give it.
+// separate matmul would give it. A tanh or sigmoid epilogue gives the LoRA first halves' activations as the
+// readable forward rounds them (computed once per value, not by every row of the second half that reads it).
 __device__ __forceinline__ void store_rounded(__half* y, const __half* residual, int64_t o, float product,
                                               int epilogue) {
     float val = round_half(product);
     if (epilogue == kEpiReluSquare) {
         val = fmaxf(val, 0.0f);
         val = val * val;
+    } else if (epilogue == kEpiTanh) {
+        val = tanhf(val);
+    } else if (epilogue == kEpiSigmoid) {
+        val = sigmoidf(val);
     }
     if (residual) val += __half2float(residual[o]);
     y[o] = __float2half_rn(val);

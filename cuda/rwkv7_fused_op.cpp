@@ -137,8 +137,8 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
              op);
 }
 
-// Several small-M matrix products in one launch: y[i] = act[i](x[i]) @ W[i].T (* scale[i]) (relu^2 if
-// epilogue[i]) (+ residual[i]). The weights' dtype says their kind: fp16 [out, in]; int8 [out, in] with an
+// Several small-M matrix products in one launch: y[i] = act[i](x[i]) @ W[i].T (* scale[i]) (epilogue[i]:
+// 1 relu^2, 2 tanh, 3 sigmoid) (+ residual[i]). The weights' dtype says their kind: fp16 [out, in]; int8 [out, in] with an
 // fp16 scale [out]; int32 [in/8, out]: GemLite's packed 4-bit words, with fp16 scale and zero
 // [in/group[i], out] (W = q * scale + zero per group of group[i] input columns). Empty tensors mean "none"
 // for scale, zero and residual; group[i] is read for 4-bit tasks only.
@@ -191,7 +191,7 @@ void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::v
         check(x[i], device, torch::kFloat16, {M, k[i]}, op, "x" + tag);
         check(y[i], device, torch::kFloat16, {M, n[i]}, op, "y" + tag);
         if (residual[i].numel()) check(residual[i], device, torch::kFloat16, {M, n[i]}, op, "residual" + tag);
-        TORCH_CHECK(activation[i] >= 0 && activation[i] <= 2 && epilogue[i] >= 0 && epilogue[i] <= 1, op,
+        TORCH_CHECK(activation[i] >= 0 && activation[i] <= 2 && epilogue[i] >= 0 && epilogue[i] <= 3, op,
                     ": bad activation/epilogue code");
         w_ptr.push_back(w[i].data_ptr());
         s_ptr.push_back(int8 || uint4 ? scale[i].data_ptr() : nullptr);

@@ -725,7 +725,7 @@ constexpr int kGemvMaxRows = 8;
 
 enum WeightType : int { kWeightHalf = 0, kWeightInt8 = 1, kWeightUint4 = 2 };
 enum Activation : int { kActNone = 0, kActTanh = 1, kActSigmoid = 2 };
-enum Epilogue : int { kEpiNone = 0, kEpiReluSquare = 1 };
+enum Epilogue : int { kEpiNone = 0, kEpiReluSquare = 1, kEpiTanh = 2, kEpiSigmoid = 3 };
 
 struct GemvTask {
     const void* w;           // [N, K] fp16 or int8, row-major (nn.Linear layout); 4-bit: [K/8, N] int32 words
@@ -835,6 +835,10 @@ __device__ __forceinline__ void store_rounded(__half* y, const __half* residual,
     if (epilogue == kEpiReluSquare) {
         val = fmaxf(val, 0.0f);
         val = val * val;
+    } else if (epilogue == kEpiTanh) {
+        val = tanhf(val);
+    } else if (epilogue == kEpiSigmoid) {
+        val = sigmoidf(val);
     }
     if (residual) val += __half2float(residual[o]);
     y[o] = __float2half_rn(val);

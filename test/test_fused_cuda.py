@@ -10,8 +10,8 @@ import torch
 
 from infer.batch import PackedBatch
 from infer.model import RWKV7
-from infer.ops.fused import ACT_NONE, ACT_SIGMOID, ACT_TANH, EPI_NONE, EPI_RELU_SQUARE, KMajorLinear, \
-    load_fused_kernels, select_fused
+from infer.ops.fused import ACT_NONE, ACT_SIGMOID, ACT_TANH, EPI_NONE, EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, \
+    KMajorLinear, load_fused_kernels, select_fused
 from infer.ops.linear import DenseLinear
 from infer.ops.wkv_cuda import select_wkv
 from infer.random_model import make_config, random_state_dict
@@ -198,6 +198,11 @@ def test_gemv_tasks_match_matmul(kernels):
         torch.testing.assert_close(y2, torch.tanh(h) @ w2.T, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(y3, torch.relu(torch.sigmoid(h) @ w2.T) ** 2, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(y4, res + h @ w2.T, atol=4e-3, rtol=2e-3)
+        y5, y6 = (torch.empty(rows, 96, device=dev, dtype=torch.float16) for _ in range(2))
+        kernels.gemv([(DenseLinear(w1), x, y5, ACT_NONE, EPI_TANH, None),
+                      (DenseLinear(w1), x, y6, ACT_NONE, EPI_SIGMOID, None)])
+        torch.testing.assert_close(y5, torch.tanh(x @ w1.T), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(y6, torch.sigmoid(x @ w1.T), atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("rows", [1, 3])

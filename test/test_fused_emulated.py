@@ -57,7 +57,7 @@ from kernel_emu import emu_build
 
 N = 64
 ACT_NONE, ACT_TANH, ACT_SIGMOID = 0, 1, 2
-EPI_NONE, EPI_RELU_SQUARE = 0, 1
+EPI_NONE, EPI_RELU_SQUARE, EPI_TANH, EPI_SIGMOID = 0, 1, 2, 3
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 FUSED = {"cuda": ("cuda/rwkv7_fused.cu", 32, ()), "hip-wave64": ("hip/rwkv7_fused.hip", 64, ()),
          "hip-wave32": ("hip/rwkv7_fused.hip", 32, ())}
@@ -519,8 +519,20 @@ def check_gemv(t: dict, y: torch.Tensor, what: str) -> None:
             val = val + t["residual"].float()
         return val.half()
 
-    lo, hi = finish(f16_floor(exact - err)).double(), finish(f16_ceil(exact + err)).double()
     got = y.double()
+    if t["epi"] in (EPI_TANH, EPI_SIGMOID):  # monotone: between the function's values at the product's bounds
+        assert t["residual"] is None, "the forward adds no residual to an activated output"
+        fn = torch.tanh if t["epi"] == EPI_TANH else torch.sigmoid
+        at_lo, at_hi = fn(f16_floor(exact - err).double()), fn(f16_ceil(exact + err).double())
+        lo = f16_floor(at_lo - 1e-6 * at_lo.abs()).double()  # + the fp32 function's own error
+        hi = f16_ceil(at_hi + 1e-6 * at_hi.abs()).double()
+        bad = ~((lo <= got) & (got <= hi))
+        assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} outputs outside their range, e.g. "
+                               f"{got[bad][:4].tolist()} not in [{lo[bad][:4].tolist()}, {hi[bad][:4].tolist()}]")
+        exact_share = (got == f16_round(fn(f16_round(exact).double())).double()).float().mean()
+        assert exact_share > 0.95, f"{what}: only {float(exact_share):.3f} of the outputs are the rounded exact value"
+        return
+    lo, hi = finish(f16_floor(exact - err)).double(), finish(f16_ceil(exact + err)).double()
     bad = ~((lo <= got) & (got <= hi))
     assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} outputs outside their fp16 rounding range, "
                            f"e.g. {got[bad][:4].tolist()} not in [{lo[bad][:4].tolist()}, {hi[bad][:4].tolist()}]")
@@ -573,6 +585,10 @@ GEMV_CASES = {
                     (64, 2048, U4(64), ACT_NONE, EPI_RELU_SQUARE, False),
                     (40, 1024, U4(32), ACT_TANH, EPI_NONE, False)]),
     "u4-long-plain": (1, [(48, 8192, U4(64), ACT_NONE, EPI_NONE, True), (8, 4096, F16, ACT_NONE, EPI_NONE, False)]),
+    # the LoRA first halves' activations as epilogues (fp16, int8, 4-bit)
+    "epilogue-activations": (2, [(24, 256, F16, ACT_NONE, EPI_TANH, False), (40, 512, I8, ACT_NONE, EPI_SIGMOID, False),
+                                 (20, 128, U4(64), ACT_NONE, EPI_TANH, False),
+                                 (96, 4096, F16, ACT_NONE, EPI_SIGMOID, False)]),
     # the LoRA second halves of a 7.2B layer scaled down in height: short rows packed 4-16 to a warp, heights
     # that leave the last warp part-filled
     "lora-up": (2, [(300, 128, F16, ACT_TANH, EPI_NONE, False), (260, 96, F16, ACT_NONE, EPI_NONE, False),

@@ -5,10 +5,10 @@ Per layer: ``ln_shift_mix`` (layer norm + token shift + the six mixes, and the s
 the projections and LoRAs, ``time_mix`` (decay/gates/normalisation + the WKV recurrence on the
 slot state + group norm + bonus + output gate), the output projection with the residual added,
 then ``ln_shift_mix`` and the two FFN matrices. Up to ``gemv_rows`` tokens (decode; 8 for 4-bit models) the matrix
-products go through the kernel's grouped GEMV: seven matrices of the time-mix in one launch, the four
-LoRA second halves (with their tanh/sigmoid) in another, relu^2 and the residual add folded in; the FFN
-value matrix, stored K-major (:class:`KMajorLinear`), through the sparse-input GEMV, which reads only the
-weight rows of the nonzero entries of relu(k)^2.
+products go through the kernel's grouped GEMV: seven matrices of the time-mix in one launch (the decay and
+gate LoRAs' tanh/sigmoid applied to their outputs), the four LoRA second halves in another, relu^2 and the
+residual add folded in; the FFN value matrix, stored K-major (:class:`KMajorLinear`), through the
+sparse-input GEMV, which reads only the weight rows of the nonzero entries of relu(k)^2.
 Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite); with fp16 dense weights the
 receptance/key/value matrices and the w/a/v LoRA factors go through three strided-batched matmuls
 (:class:`BatchedWeights`) and the residual adds into the output and FFN-value products. A prefill of few rows
@@ -49,7 +49,7 @@ HIP_SOURCES = [ROOT / "cuda" / "rwkv7_fused_op.cpp", ROOT / "hip" / "rwkv7_fused
 EXTENSION_NAME = "rwkv7_fused"
 PREFERENCES = ("auto", "on", "off")
 ACT_NONE, ACT_TANH, ACT_SIGMOID = 0, 1, 2
-EPI_NONE, EPI_RELU_SQUARE = 0, 1
+EPI_NONE, EPI_RELU_SQUARE, EPI_TANH, EPI_SIGMOID = 0, 1, 2, 3
 DEFAULT_GEMV_ROWS = 2
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
@@ -253,11 +253,14 @@ class FusedKernels:
             self.ln_shift_mix(x, blk.ln1_w, blk.ln1_b, state.att_shift[i], batch,
                               [blk.x_r, blk.x_w, blk.x_k, blk.x_v, blk.x_a, blk.x_g], [xr, xw, xk, xv, xa, xg])
             if small:
-                tasks = [(blk.receptance, xr, r), (blk.key, xk, k), (blk.value, xv, v), (blk.w1, xw, hw),
-                         (blk.a1, xa, ha), (blk.g1, xg, hg)] + ([] if first else [(blk.v1, xv, hv)])
-                self.gemv([(lin, a, b, ACT_NONE, EPI_NONE, None) for lin, a, b in tasks])
-                second = [(blk.w2, hw, dw, ACT_TANH, EPI_NONE, None), (blk.a2, ha, da, ACT_NONE, EPI_NONE, None),
-                          (blk.g2, hg, g, ACT_SIGMOID, EPI_NONE, None)]
+                # the decay and gate LoRAs' tanh/sigmoid as epilogues of their first halves
+                tasks = [(blk.receptance, xr, r, EPI_NONE), (blk.key, xk, k, EPI_NONE), (blk.value, xv, v, EPI_NONE),
+                         (blk.w1, xw, hw, EPI_TANH), (blk.a1, xa, ha, EPI_NONE), (blk.g1, xg, hg, EPI_SIGMOID)]
+                if not first:
+                    tasks.append((blk.v1, xv, hv, EPI_NONE))
+                self.gemv([(lin, a, b, ACT_NONE, epi, None) for lin, a, b, epi in tasks])
+                second = [(blk.w2, hw, dw, ACT_NONE, EPI_NONE, None), (blk.a2, ha, da, ACT_NONE, EPI_NONE, None),
+                          (blk.g2, hg, g, ACT_NONE, EPI_NONE, None)]
                 if not first:
                     second.append((blk.v2, hv, dv, ACT_NONE, EPI_NONE, None))
                 self.gemv(second)
