@@ -1122,8 +1122,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 ? 4 : 2) sparse_gemv_k
     __threadfence();
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-        float sum = 0.0f;
-        for (int s = 0; s < args.slices; ++s) sum += __ldcg(&args.partial[(int64_t(s) * M + m) * args.n + c]);
+        float sum = 0.0f;  // in slice order; kGemvLoads loads in flight at a time (this is the launch's tail)
+        for (int s = 0; s < args.slices; s += kGemvLoads) {
+            float part[kGemvLoads];
+#pragma unroll
+            for (int j = 0; j < kGemvLoads; ++j) part[j] = s + j < args.slices ? __ldcg(&args.partial[(int64_t(s + j) * M + m) * args.n + c]) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < kGemvLoads; ++j) sum += part[j];
+        }
         store_rounded(args.y, args.residual, int64_t(m) * args.n + c, sum, kEpiNone);
     }
 }
@@ -1336,7 +1342,17 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
 
 // The grid of a sparse-input GEMV of a K-major [k, n] weight: strips of kSparseStrip channels times slices
 // of input rows, a warp taking 64 rows (two ballots) if that still makes min_blocks blocks, else 32.
-inline SparseGemvArgs plan_sparse_gemv(int64_t n, int64_t k, int64_t min_blocks = kSparseMinBlocks) {
+// RWKV_SPARSE_MIN_BLOCKS overrides kSparseMinBlocks (for A/B timing; read once, by the workspace sizing and
+// the launches alike).
+inline int64_t sparse_min_blocks() {
+    static const int64_t value = [] {
+        const char* env = std::getenv("RWKV_SPARSE_MIN_BLOCKS");
+        return env && *env ? std::atoll(env) : int64_t(kSparseMinBlocks);
+    }();
+    return value;
+}
+
+inline SparseGemvArgs plan_sparse_gemv(int64_t n, int64_t k, int64_t min_blocks = sparse_min_blocks()) {
     SparseGemvArgs args{};
     args.n = static_cast<int>(n);
     args.k = static_cast<int>(k);
