@@ -115,10 +115,10 @@ split)
     step 60 "decode, rows split" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8 --steps 20 --wkv cuda \
         --no-checks --out bench/results/decode_h200_split.json
     step 60 "decode, rows whole (RWKV_GEMV_SPLIT=0)" env RWKV_GEMV_SPLIT=0 python bench/bench_decode.py --sizes 1.5b,7.2b \
-        --batches 1,8 --steps 20 --wkv cuda --no-checks --out bench/results/experiment_nosplit_h200.json
+        --batches 1,8 --steps 20 --wkv cuda --no-checks --out bench/results/experiment_nosplit_b1_h200.json
     step 60 "per-kernel profile, PDL off, rows split" env RWKV_PDL=0 python bench/profile_decode.py --sizes 7.2b \
         --batches 1 --out bench/results/profile_split_nopdl_h200.json
-    copy bench/results/decode_h200_split.json bench/results/experiment_nosplit_h200.json \
+    copy bench/results/decode_h200_split.json bench/results/experiment_nosplit_b1_h200.json \
         bench/results/profile_split_nopdl_h200.json
     ;;
 gemlite-gemv)
@@ -215,8 +215,8 @@ decode-b1)  # after a small-batch GEMV change: builds (outside the test limit), 
         --sizes 7.2b,1.5b --batches 1 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_sparse_ballots1_h200.json
     copy bench/results/experiment_sparse_ballots1_h200.json
     step 40 "A/B: no GEMV row splitting" env RWKV_GEMV_SPLIT=0 python bench/bench_decode.py --sizes 7.2b,1.5b \
-        --batches 1 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_nosplit_h200.json
-    copy bench/results/experiment_nosplit_h200.json
+        --batches 1 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_nosplit_b1_h200.json
+    copy bench/results/experiment_nosplit_b1_h200.json
     step 60 "W8A16 decode" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b --batches 1,2 --steps 30 \
         --wkv cuda --no-checks --out bench/results/decode_h200_w8_fused.json
     copy bench/results/decode_h200_w8_fused.json
