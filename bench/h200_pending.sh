@@ -115,10 +115,10 @@ split)
     step 60 "decode, rows split" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8 --steps 20 --wkv cuda \
         --no-checks --out bench/results/decode_h200_split.json
     step 60 "decode, rows whole (RWKV_GEMV_SPLIT=0)" env RWKV_GEMV_SPLIT=0 python bench/bench_decode.py --sizes 1.5b,7.2b \
-        --batches 1,8 --steps 20 --wkv cuda --no-checks --out bench/results/experiment_nosplit_b1_h200.json
+        --batches 1,8 --steps 20 --wkv cuda --no-checks --out bench/results/experiment_nosplit_h200.json
     step 60 "per-kernel profile, PDL off, rows split" env RWKV_PDL=0 python bench/profile_decode.py --sizes 7.2b \
         --batches 1 --out bench/results/profile_split_nopdl_h200.json
-    copy bench/results/decode_h200_split.json bench/results/experiment_nosplit_b1_h200.json \
+    copy bench/results/decode_h200_split.json bench/results/experiment_nosplit_h200.json \
         bench/results/profile_split_nopdl_h200.json
     ;;
 gemlite-gemv)
