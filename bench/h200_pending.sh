@@ -196,11 +196,11 @@ short-rows)  # GEMV short rows several to a warp, LoRA activations as epilogues:
         --wkv cuda --no-checks --out bench/results/decode_h200_sparse_ffn.json
     copy bench/results/decode_h200_sparse_ffn.json
     step 100 "per-kernel profile, batch 1, PDL off" env RWKV_PDL=0 python bench/profile_decode.py --sizes 1.5b,7.2b \
-        --batches 1 --out bench/results/profile_nopdl_h200.json
-    copy bench/results/profile_nopdl_h200.json
+        --batches 1 --out bench/results/profile_nopdl_sparse_h200.json
+    copy bench/results/profile_nopdl_sparse_h200.json
     step 100 "W8A16 decode" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b --batches 1,2 --steps 30 \
-        --wkv cuda --no-checks --out bench/results/decode_h200_w8_fused.json
-    copy bench/results/decode_h200_w8_fused.json
+        --wkv cuda --no-checks --out bench/results/decode_h200_w8_small_rows.json
+    copy bench/results/decode_h200_w8_small_rows.json
     ;;
 decode-b1)  # after a small-batch GEMV change: builds (outside the test limit), GPU tests, decode, A/B, W8
     step 180 "build and load the extensions" python bench/bench_decode.py --sizes 0.1b --batches 1 --steps 3 \
@@ -218,8 +218,8 @@ decode-b1)  # after a small-batch GEMV change: builds (outside the test limit), 
         --batches 1 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_nosplit_b1_h200.json
     copy bench/results/experiment_nosplit_b1_h200.json
     step 60 "W8A16 decode" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b --batches 1,2 --steps 30 \
-        --wkv cuda --no-checks --out bench/results/decode_h200_w8_fused.json
-    copy bench/results/decode_h200_w8_fused.json
+        --wkv cuda --no-checks --out bench/results/decode_h200_w8_small_rows.json
+    copy bench/results/decode_h200_w8_small_rows.json
     ;;
 w4-gemv)  # GemLite A16W4 on the fused GEMV's 4-bit tasks: GPU tests, then decode at batch 1-8
     export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home
