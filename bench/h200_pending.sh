@@ -21,7 +21,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ttft      # where a prompt's prefill time goes (7.2B, profiler)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh prefill   # after a time-mix change: GPU tests, profile, prefill
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sparse-ffn  # the sparse-input FFN value GEMV: GPU tests, decode A/B
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh short-rows  # GEMV short rows, LoRA epilogues: GPU tests, decode, profile
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh decode-b1   # builds first, then GPU tests, decode, A/B of the GEMV plans
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: fused, graph and quant GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
@@ -32,7 +31,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|short-rows|decode-b1}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -188,20 +187,6 @@ sparse-ffn)  # the FFN value matrix K-major through the sparse-input GEMV: GPU t
         --prefill 1024 --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/experiment_prefill_kmajor_h200.json
     copy bench/results/experiment_prefill_kmajor_h200.json
     ;;
-short-rows)  # GEMV short rows several to a warp, LoRA activations as epilogues: GPU tests, decode fp16 and W8, profile
-    step 240 "fused GPU tests (GEMV, decode, prefill, oracle, greedy, invariance, sparse)" python -m pytest -q -rs \
-        -p no:cacheprovider test/test_fused_cuda.py \
-        -k "gemv or decode_matches or prefill or cpu_fp32 or greedy or invariance or sparse or k_major"
-    step 130 "decode" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1,2,4,8 --steps 30 \
-        --wkv cuda --no-checks --out bench/results/decode_h200_sparse_ffn.json
-    copy bench/results/decode_h200_sparse_ffn.json
-    step 100 "per-kernel profile, batch 1, PDL off" env RWKV_PDL=0 python bench/profile_decode.py --sizes 1.5b,7.2b \
-        --batches 1 --out bench/results/profile_nopdl_sparse_h200.json
-    copy bench/results/profile_nopdl_sparse_h200.json
-    step 100 "W8A16 decode" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b --batches 1,2 --steps 30 \
-        --wkv cuda --no-checks --out bench/results/decode_h200_w8_small_rows.json
-    copy bench/results/decode_h200_w8_small_rows.json
-    ;;
 decode-b1)  # after a small-batch GEMV change: builds (outside the test limit), GPU tests, decode, A/B, W8
     step 180 "build and load the extensions" python bench/bench_decode.py --sizes 0.1b --batches 1 --steps 3 \
         --wkv cuda --no-checks --engine cutlass --out /tmp/warm.json
@@ -211,6 +196,9 @@ decode-b1)  # after a small-batch GEMV change: builds (outside the test limit), 
     step 90 "decode" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1,2,4,8 --steps 30 \
         --wkv cuda --no-checks --out bench/results/decode_h200_sparse_ffn.json
     copy bench/results/decode_h200_sparse_ffn.json
+    step 60 "per-kernel profile, batch 1, PDL off" env RWKV_PDL=0 python bench/profile_decode.py --sizes 1.5b,7.2b \
+        --batches 1 --out bench/results/profile_nopdl_sparse_h200.json
+    copy bench/results/profile_nopdl_sparse_h200.json
     step 40 "A/B: one ballot per warp in the sparse GEMV" env RWKV_SPARSE_MIN_BLOCKS=1000000 python bench/bench_decode.py \
         --sizes 7.2b,1.5b --batches 1 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_sparse_ballots1_h200.json
     copy bench/results/experiment_sparse_ballots1_h200.json

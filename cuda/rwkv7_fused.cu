@@ -1370,6 +1370,19 @@ inline bool sparse_gemv_takes(int64_t M, int64_t n, int64_t k) {
            n * kSparseMaxRows <= INT_MAX;
 }
 
+// The launch's arguments: the plan for a [k, n] weight (min_blocks: see plan_sparse_gemv) and the pointers.
+inline SparseGemvArgs make_sparse_gemv_args(int64_t n, int64_t k, int64_t min_blocks, const void* x, const void* w,
+                                            void* y, const void* residual, void* partial, void* arrivals) {
+    SparseGemvArgs args = plan_sparse_gemv(n, k, min_blocks);
+    args.x = static_cast<const __half*>(x);
+    args.w = static_cast<const __half*>(w);
+    args.y = static_cast<__half*>(y);
+    args.residual = static_cast<const __half*>(residual);
+    args.partial = static_cast<float*>(partial);
+    args.arrivals = static_cast<unsigned*>(arrivals);
+    return args;
+}
+
 }  // namespace fused
 
 // --------------------------------------------------------------------------------- C interface
@@ -1477,13 +1490,8 @@ extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, c
                                         const void* residual, void* partial, void* arrivals, int64_t n, int64_t k) {
     using namespace fused;
     if (!sparse_gemv_takes(M, n, k)) return cudaErrorInvalidValue;
-    SparseGemvArgs args = plan_sparse_gemv(n, k);
-    args.x = static_cast<const __half*>(x);
-    args.w = static_cast<const __half*>(w);
-    args.y = static_cast<__half*>(y);
-    args.residual = static_cast<const __half*>(residual);
-    args.partial = static_cast<float*>(partial);
-    args.arrivals = static_cast<unsigned*>(arrivals);
+    const SparseGemvArgs args =
+        make_sparse_gemv_args(n, k, sparse_min_blocks(), x, w, y, residual, partial, arrivals);
     const unsigned grid = static_cast<unsigned>(args.strips * args.slices);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {

@@ -79,13 +79,7 @@ EMU_EXPORT int emu_fused_sparse_gemv(int64_t M, const void* x, const void* w, vo
                                      unsigned seed) {
     using namespace fused;
     if (!sparse_gemv_takes(M, n, k)) return -1;
-    SparseGemvArgs args = plan_sparse_gemv(n, k, min_blocks);
-    args.x = static_cast<const __half*>(x);
-    args.w = static_cast<const __half*>(w);
-    args.y = static_cast<__half*>(y);
-    args.residual = static_cast<const __half*>(residual);
-    args.partial = static_cast<float*>(partial);
-    args.arrivals = static_cast<unsigned*>(arrivals);
+    const SparseGemvArgs args = make_sparse_gemv_args(n, k, min_blocks, x, w, y, residual, partial, arrivals);
     const unsigned grid = static_cast<unsigned>(args.strips * args.slices);
     auto run = [&](auto kernel) { return emu::run_grid(grid, kGemvWarps * 32, [&] { kernel(args); }, seed); };
     switch (M) {
