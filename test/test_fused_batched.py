@@ -143,3 +143,17 @@ def test_ffn_value_stored_k_major_keeps_the_product():
     w8 = model_fp16()
     w8.blocks[0].ffn_value = W8A16Linear(torch.zeros(768, 3072, dtype=torch.int8), torch.ones(768, dtype=torch.float16))
     assert store_ffn_value_k_major(w8, kernels) == 1  # the fp16 one of block 1 only
+
+
+def test_sparse_ffn_value_switch(monkeypatch):
+    """RWKV_SPARSE_FFN=0 keeps the FFN value matrices dense (the A/B switch the benchmarks use); by default
+    the fused forward stores them K-major, and the sparse GEMV takes up to the kernel's row limit."""
+    from types import SimpleNamespace
+
+    from infer.ops.fused import FusedKernels
+    module = SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda: 4)
+    monkeypatch.delenv("RWKV_SPARSE_FFN", raising=False)
+    kernels = FusedKernels(module)
+    assert kernels.sparse_ffn and kernels.sparse_rows == 4
+    monkeypatch.setenv("RWKV_SPARSE_FFN", "0")
+    assert not FusedKernels(module).sparse_ffn
