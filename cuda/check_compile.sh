@@ -9,7 +9,8 @@
 #   hip/*.hip        hipcc -c for two AMD targets (HIP_PLATFORM=amd)
 #   cuda/sampler.cu and hip/sampler.hip once more with the flags of their JIT build
 #                    (infer/ops/sampler_cuda.py: no fast math, no FMA contraction), spills as errors
-# Each tool that is missing is skipped with a note. Exits non-zero if anything fails to compile.
+# Each tool that is missing is skipped with a note. Exits non-zero if anything fails to compile. The checks
+# run side by side (CHECK_JOBS at a time, default the CPU count) and are reported in order at the end.
 # Usage: bash cuda/check_compile.sh   (PYTHON=... to pick the interpreter that has torch)
 set -uo pipefail
 
@@ -22,17 +23,44 @@ trap 'rm -rf "$TMP"' EXIT
 failures=0
 checked=0
 
-run() {  # run LABEL CMD...: print the label, run the command quietly, show its output on failure
-    local label=$1; shift
-    printf '  %-58s ' "$label"
-    if "$@" >"$TMP/log" 2>&1; then
-        echo ok
-    else
-        echo FAILED
-        sed 's/^/      /' "$TMP/log" | tail -40
-        failures=$((failures + 1))
-    fi
-    checked=$((checked + 1))
+# The checks run side by side, up to CHECK_JOBS at a time (default: the CPU count), and are reported in
+# the order they were queued once all are done: say() queues a line of text, run() a check.
+JOBS=${CHECK_JOBS:-$(nproc 2>/dev/null || echo 1)}
+entries=0
+next_entry() {  # sets ENTRY (not through $(...): the count must survive in this shell)
+    ENTRY=$(printf 'e%03d' "$entries")
+    entries=$((entries + 1))
+}
+say() {
+    next_entry
+    printf '%s\n' "$1" >"$TMP/$ENTRY.say"
+}
+run() {  # run LABEL CMD...: queue the command (output kept for the report)
+    local label=$1 id
+    shift
+    next_entry
+    id=$ENTRY
+    printf '%s\n' "$label" >"$TMP/$id.label"
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+    (if "$@" >"$TMP/$id.log" 2>&1; then echo ok; else echo FAILED; fi >"$TMP/$id.rc") &
+}
+report() {  # wait for every queued check, print the results in order
+    wait
+    local i id result
+    for ((i = 0; i < entries; i++)); do
+        id=$(printf 'e%03d' "$i")
+        if [ -e "$TMP/$id.say" ]; then
+            cat "$TMP/$id.say"
+            continue
+        fi
+        result=$(cat "$TMP/$id.rc" 2>/dev/null || echo FAILED)
+        printf '  %-58s %s\n' "$(cat "$TMP/$id.label")" "$result"
+        if [ "$result" != ok ]; then
+            sed 's/^/      /' "$TMP/$id.log" | tail -40
+            failures=$((failures + 1))
+        fi
+        checked=$((checked + 1))
+    done
 }
 
 # the flags torch.utils.cpp_extension adds to every nvcc/hipcc compile
@@ -40,7 +68,7 @@ TORCH_NVCC_DEFINES=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
                     -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__)
 TORCH_HIP_DEFINES=(-D__HIP_NO_HALF_OPERATORS__=1 -D__HIP_NO_HALF_CONVERSIONS__=1)
 
-echo "CUDA kernels (cuda/*.cu):"
+say "CUDA kernels (cuda/*.cu):"
 if command -v nvcc >/dev/null 2>&1; then
     for src in cuda/*.cu; do
         [ -e "$src" ] || continue
@@ -57,16 +85,16 @@ if command -v nvcc >/dev/null 2>&1; then
             | grep -E "ld\.global(\.[a-z0-9]+)*\.[us]8[ ;]"' _ "$src" "${TORCH_NVCC_DEFINES[@]}"
     done
 else
-    echo "  nvcc not found, skipping"
+    say "  nvcc not found, skipping"
 fi
 
-echo "CUTLASS W8A16 GEMM (cuda/w8a16_gemm.cu -DW8A16_WITH_CUTLASS):"
+say "CUTLASS W8A16 GEMM (cuda/w8a16_gemm.cu -DW8A16_WITH_CUTLASS):"
 CUTLASS_INCLUDE=$("$PYTHON" -c "from infer.ops.linear_w8a16 import cutlass_include_dir; print(cutlass_include_dir() or '')" \
                   2>/dev/null)
 if ! command -v nvcc >/dev/null 2>&1; then
-    echo "  nvcc not found, skipping"
+    say "  nvcc not found, skipping"
 elif [ -z "$CUTLASS_INCLUDE" ]; then
-    echo "  CUTLASS headers not installed (pip install --no-deps nvidia-cutlass), skipping"
+    say "  CUTLASS headers not installed (pip install --no-deps nvidia-cutlass), skipping"
 else
     for arch in 90 80; do
         # -isystem: warnings inside CUTLASS's headers are not ours; our code stays under -Werror
@@ -94,7 +122,7 @@ else
         exit $status' _ "$TMP" "${SM90A[@]}"
 fi
 
-echo "torch bindings (cuda/*_op.cpp):"
+say "torch bindings (cuda/*_op.cpp):"
 if TORCH_FLAGS=$("$PYTHON" - 2>/dev/null <<'EOF'
 import sysconfig
 import torch
@@ -113,13 +141,13 @@ EOF
                 -Wall -Wno-unused-function "$src"
         done
     else
-        echo "  $CXX not found, skipping"
+        say "  $CXX not found, skipping"
     fi
 else
-    echo "  torch is not importable by $PYTHON, skipping"
+    say "  torch is not importable by $PYTHON, skipping"
 fi
 
-echo "HIP kernels (hip/*.hip):"
+say "HIP kernels (hip/*.hip):"
 if command -v hipcc >/dev/null 2>&1; then
     for src in hip/*.hip; do
         [ -e "$src" ] || continue
@@ -128,10 +156,10 @@ if command -v hipcc >/dev/null 2>&1; then
             --offload-arch=gfx1030 "${TORCH_HIP_DEFINES[@]}" -Wall -c "$src" -o "$TMP/$base.hip.o"
     done
 else
-    echo "  hipcc not found, skipping"
+    say "  hipcc not found, skipping"
 fi
 
-echo "sampler kernel with its JIT flags (infer/ops/sampler_cuda.py):"
+say "sampler kernel with its JIT flags (infer/ops/sampler_cuda.py):"
 if command -v nvcc >/dev/null 2>&1; then
     for arch in 90 80; do
         run "cuda/sampler.cu --fmad=false  sm_$arch" nvcc -std=c++17 -O3 --fmad=false -arch=sm_$arch \
@@ -139,16 +167,17 @@ if command -v nvcc >/dev/null 2>&1; then
             -c cuda/sampler.cu -o "$TMP/sampler.jit.sm$arch.o"
     done
 else
-    echo "  nvcc not found, skipping"
+    say "  nvcc not found, skipping"
 fi
 if command -v hipcc >/dev/null 2>&1; then
     run "hip/sampler.hip -ffp-contract=off  gfx90a,gfx1030" env HIP_PLATFORM=amd hipcc -std=c++17 -O3 \
         -ffp-contract=off --offload-arch=gfx90a --offload-arch=gfx1030 "${TORCH_HIP_DEFINES[@]}" -Wall \
         -c hip/sampler.hip -o "$TMP/sampler.jit.hip.o"
 else
-    echo "  hipcc not found, skipping"
+    say "  hipcc not found, skipping"
 fi
 
+report
 if [ "$failures" -gt 0 ]; then
     echo "$failures of $checked compile checks FAILED"
     exit 1
