@@ -1126,7 +1126,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 ? 4 : 2) sparse_gemv_k
         for (int s = 0; s < args.slices; s += kGemvLoads) {
             float part[kGemvLoads];
 #pragma unroll
-            for (int j = 0; j < kGemvLoads; ++j) part[j] = s + j < args.slices ? __ldcg(&args.partial[(int64_t(s + j) * M + m) * args.n + c]) : 0.0f;
+            for (int j = 0; j < kGemvLoads; ++j)
+                part[j] = s + j < args.slices ? __ldcg(&args.partial[(int64_t(s + j) * M + m) * args.n + c]) : 0.0f;
 #pragma unroll
             for (int j = 0; j < kGemvLoads; ++j) sum += part[j];
         }

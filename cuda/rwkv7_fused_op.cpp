@@ -138,8 +138,8 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
 }
 
 // Several small-M matrix products in one launch: y[i] = act[i](x[i]) @ W[i].T (* scale[i]) (epilogue[i]:
-// 1 relu^2, 2 tanh, 3 sigmoid) (+ residual[i]). The weights' dtype says their kind: fp16 [out, in]; int8 [out, in] with an
-// fp16 scale [out]; int32 [in/8, out]: GemLite's packed 4-bit words, with fp16 scale and zero
+// 1 relu^2, 2 tanh, 3 sigmoid) (+ residual[i]). The weights' dtype says their kind: fp16 [out, in]; int8
+// [out, in] with an fp16 scale [out]; int32 [in/8, out]: GemLite's packed 4-bit words, with fp16 scale and zero
 // [in/group[i], out] (W = q * scale + zero per group of group[i] input columns). Empty tensors mean "none"
 // for scale, zero and residual; group[i] is read for 4-bit tasks only.
 void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::vector<torch::Tensor> zero,

@@ -1190,7 +1190,8 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) sparse_gemv_kernel(SparseG
         for (int s = 0; s < args.slices; s += kGemvLoads) {
             float part[kGemvLoads];
 #pragma unroll
-            for (int j = 0; j < kGemvLoads; ++j) part[j] = s + j < args.slices ? partial[(int64_t(s + j) * M + m) * args.n + c] : 0.0f;
+            for (int j = 0; j < kGemvLoads; ++j)
+                part[j] = s + j < args.slices ? partial[(int64_t(s + j) * M + m) * args.n + c] : 0.0f;
 #pragma unroll
             for (int j = 0; j < kGemvLoads; ++j) sum += part[j];
         }

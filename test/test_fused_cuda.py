@@ -294,7 +294,7 @@ def test_sparse_gemv_matches_matmul(kernels, shape):
     k, n = shape
     gen = torch.Generator(device="cuda").manual_seed(k)
     weight = (torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).half()
-    lin = KMajorLinear(weight.t().contiguous(), kernels.sparse_workspace(DenseLinear(weight)))
+    lin = KMajorLinear(weight, kernels.sparse_workspace(weight))
     x = torch.randn(5, k, generator=gen, device="cuda").relu().square().half()
     x[:, 100:300] = 0.0
     res = torch.randn(5, n, generator=gen, device="cuda").half()
@@ -315,7 +315,7 @@ def test_sparse_gemv_matches_matmul(kernels, shape):
 
 def test_sparse_gemv_rejects_bad_arguments(kernels):
     weight = torch.randn(64, 128, device="cuda").half()
-    lin = KMajorLinear(weight.t().contiguous(), kernels.sparse_workspace(DenseLinear(weight)))
+    lin = KMajorLinear(weight, kernels.sparse_workspace(weight))
     x, y = torch.randn(5, 128, device="cuda").half(), torch.empty(5, 64, device="cuda").half()
     partial, arrivals = lin.workspace
     with pytest.raises(RuntimeError, match="rows"):

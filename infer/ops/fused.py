@@ -81,8 +81,9 @@ class KMajorLinear(DenseLinear):
 
     kind = "dense float16, K-major (sparse-input GEMV)"
 
-    def __init__(self, weight_t: torch.Tensor, workspace: tuple[torch.Tensor, torch.Tensor]):
-        self.weight_t = weight_t.contiguous()
+    def __init__(self, weight: torch.Tensor, workspace: tuple[torch.Tensor, torch.Tensor]):
+        """``weight``: ``[out, in]`` (nn.Linear layout), stored here transposed."""
+        self.weight_t = weight.t().contiguous()
         self.weight = self.weight_t.t()  # not DenseLinear's contiguous copy: a view of the K-major storage
         self.out_features, self.in_features = self.weight.shape
         self.workspace = workspace  # (fp32 partial sums, int32 arrival counters), shared by a model's layers
@@ -218,12 +219,13 @@ class FusedKernels:
         partial, arrivals = linear.workspace
         self._m.sparse_gemv(x, linear.weight_t, y, y, partial, arrivals, self._stream(x))
 
-    def sparse_workspace(self, linear: DenseLinear) -> tuple[torch.Tensor, torch.Tensor]:
-        """A zeroed workspace for the sparse-input GEMV of ``linear``'s shape (reusable by same-shaped ones)."""
-        partial, arrivals = self._m.sparse_gemv_workspace(linear.in_features, linear.out_features)
-        device = linear.weight.device
-        return (torch.zeros(partial, dtype=torch.float32, device=device),
-                torch.zeros(arrivals, dtype=torch.int32, device=device))
+    def sparse_workspace(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A zeroed workspace for the sparse-input GEMV of a ``weight`` [out, in] of this shape (reusable by
+        same-shaped ones), on its device."""
+        out_features, in_features = weight.shape
+        partial, arrivals = self._m.sparse_gemv_workspace(in_features, out_features)
+        return (torch.zeros(partial, dtype=torch.float32, device=weight.device),
+                torch.zeros(arrivals, dtype=torch.int32, device=weight.device))
 
     def time_mix(self, state: torch.Tensor, batch: PackedBatch, blk: "Block", first_layer: bool,
                  tensors: list[torch.Tensor]) -> None:
@@ -374,7 +376,7 @@ def _self_test_sparse(kernels: FusedKernels, device: torch.device) -> str | None
     """The sparse-input GEMV against a matmul, at 1 and 2 rows of an input with half its columns zero."""
     gen = torch.Generator(device=device).manual_seed(4)
     weight = (torch.randn(264, 1000, generator=gen, device=device) * 0.03).half()
-    linear = KMajorLinear(weight.t().contiguous(), kernels.sparse_workspace(DenseLinear(weight)))
+    linear = KMajorLinear(weight, kernels.sparse_workspace(weight))
     for rows in (1, 2):
         x = torch.randn(rows, 1000, generator=gen, device=device).relu().square().half()
         y = torch.randn(rows, 264, generator=gen, device=device).half()
@@ -382,7 +384,8 @@ def _self_test_sparse(kernels: FusedKernels, device: torch.device) -> str | None
         kernels.sparse_gemv(linear, x, y)
         err = float((y.float() - expect).abs().max()) / (float(expect.abs().max()) + 1e-6)
         if not err <= 1e-2:
-            return f"self-test of the sparse-input GEMV against a matmul failed ({rows} rows: relative max |diff| {err:.3g})"
+            return (f"self-test of the sparse-input GEMV against a matmul failed ({rows} rows: relative max |diff| "
+                    f"{err:.3g})")
     return None
 
 
@@ -458,8 +461,8 @@ def store_ffn_value_k_major(model: "RWKV7", kernels: FusedKernels) -> int:
         lin = blk.ffn_value
         if type(lin) is not DenseLinear or lin.weight.dtype != torch.float16 or lin.out_features % 8:
             continue
-        workspace = workspace or kernels.sparse_workspace(lin)
-        blk.ffn_value = KMajorLinear(lin.weight.t().contiguous(), workspace)
+        workspace = workspace or kernels.sparse_workspace(lin.weight)
+        blk.ffn_value = KMajorLinear(lin.weight, workspace)
         swapped += 1
     if swapped:
         log.info("FFN value matrices stored K-major: %d (the sparse-input GEMV at up to %d rows)", swapped,
