@@ -22,6 +22,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh prefill   # after a time-mix change: GPU tests, profile, prefill
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sparse-ffn  # the sparse-input FFN value GEMV: GPU tests, decode A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh decode-b1   # builds first, then GPU tests, decode, A/B of the GEMV plans
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh chunked   # the chunked prefill time mix: GPU tests, prefill, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -31,7 +32,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -47,6 +48,10 @@ copy() { [ -n "$OUT" ] && cp "$@" "$OUT/" 2>/dev/null; true; }
 build() {
     step 420 "build the extensions" python -c "from infer.ops.fused import load_fused_kernels; \
 from infer.ops.linear_w8a16 import load_w8a16_kernels; assert load_fused_kernels() and load_w8a16_kernels()"
+}
+
+build_fused() {
+    step 240 "build the fused kernels" python -c "from infer.ops.fused import load_fused_kernels; assert load_fused_kernels()"
 }
 
 case $PART in
@@ -213,6 +218,22 @@ decode-b1)  # after a small-batch GEMV change: builds (outside the test limit), 
     step 60 "W8A16 decode" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b --batches 1,2 --steps 30 \
         --wkv cuda --no-checks --out bench/results/decode_h200_w8_small_rows.json
     copy bench/results/decode_h200_w8_small_rows.json
+    ;;
+chunked)  # the chunked time mix for prefills of many rows: GPU tests, prefill, A/B against the per-token kernel
+    build_fused
+    step 200 "fused GPU tests (prefill, decode, oracle, greedy, invariance)" python -m pytest -q -rs -p no:cacheprovider \
+        test/test_fused_cuda.py -k "(prefill or decode_matches or cpu_fp32 or greedy or invariance) and not uint4 and not gemlite"
+    step 150 "prefill" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
+        --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill_chunked.json
+    copy bench/results/decode_h200_prefill_chunked.json
+    step 90 "A/B: per-token time mix for many rows (RWKV_TIME_MIX_CHUNKED=0)" env RWKV_TIME_MIX_CHUNKED=0 \
+        python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 --prefill-rows 16 --wkv cuda --no-checks \
+        --out bench/results/experiment_prefill_per_token_h200.json
+    copy bench/results/experiment_prefill_per_token_h200.json
+    step 90 "A/B: chunked time mix for few rows too (RWKV_PREFILL_MAX_BLOCKS=0)" env RWKV_PREFILL_MAX_BLOCKS=0 \
+        python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 --prefill-rows 1,4 --wkv cuda --no-checks \
+        --out bench/results/experiment_prefill_chunked_small_h200.json
+    copy bench/results/experiment_prefill_chunked_small_h200.json
     ;;
 w4-gemv)  # GemLite A16W4 on the fused GEMV's 4-bit tasks: GPU tests, then decode at batch 1-8
     export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home

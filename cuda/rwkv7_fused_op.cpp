@@ -29,6 +29,7 @@ extern "C" int fused_sparse_gemv_max_rows();
 extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int64_t* partial_floats, int64_t* arrivals);
 extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w, void* y,
                                         const void* residual, void* partial, void* arrivals, int64_t n, int64_t k);
+extern "C" int fused_relu_square_launch(int device, int64_t stream, int64_t n, void* x);
 extern "C" const char* fused_error_string(int code);
 
 namespace {
@@ -244,8 +245,17 @@ void sparse_gemv(torch::Tensor x, torch::Tensor w_t, torch::Tensor y, torch::Ten
              op);
 }
 
+// x = relu(x)^2 in place, x a contiguous fp16 CUDA tensor (16-byte aligned).
+void relu_square_(torch::Tensor x, int64_t stream) {
+    const char* op = "relu_square_";
+    TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor");
+    check(x, x.device(), torch::kFloat16, std::vector<int64_t>(x.dim(), -1), op, "x");
+    raise_on(fused_relu_square_launch(static_cast<int>(x.device().index()), stream, x.numel(), x.data_ptr()), op);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "Fused RWKV-7 forward kernels: layer norm + token shift + mix, time mix, grouped GEMV, sparse-input GEMV";
+    m.doc() = "Fused RWKV-7 forward kernels: layer norm + token shift + mix, time mix, grouped GEMV, sparse-input GEMV, "
+            "relu^2";
     m.def("ln_shift_mix", &ln_shift_mix, "ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mix, out, stream)");
     m.def("time_mix", &time_mix, "time_mix(state, slots, starts, lasts, tensors, params, first_layer, prefill, stream)");
     m.def("gemv", &gemv, "gemv(w, scale, zero, x, y, residual, group, activation, epilogue, stream)");
@@ -254,4 +264,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("sparse_gemv", &sparse_gemv, "sparse_gemv(x, w_t, y, residual, partial, arrivals, stream)");
     m.def("sparse_gemv_workspace", &sparse_gemv_workspace, "sparse_gemv_workspace(k, n) -> [fp32 values, counters]");
     m.def("sparse_gemv_max_rows", &fused_sparse_gemv_max_rows);
+    m.def("relu_square_", &relu_square_, "relu_square_(x, stream): x = relu(x)^2 in place");
 }

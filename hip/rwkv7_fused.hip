@@ -183,6 +183,22 @@ __device__ __forceinline__ void update4(float* s, float4 wv, float4 bv, float4 k
 
 __device__ __forceinline__ float hsum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
 
+// One token of the recurrence for the state row s of one thread (see cuda/wkv7_state.cuh: token_step).
+__device__ __forceinline__ float token_step(float (&s)[N], const float* a, const float* w, const float* k,
+                                            const float* b, const float* r, float v) {
+    const float4 *a4 = reinterpret_cast<const float4*>(a), *w4 = reinterpret_cast<const float4*>(w),
+                 *k4 = reinterpret_cast<const float4*>(k), *b4 = reinterpret_cast<const float4*>(b),
+                 *r4 = reinterpret_cast<const float4*>(r);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c) dot4(&s[4 * c], a4[c], acc);
+    const float sa = hsum4(acc);
+    float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c) update4(&s[4 * c], w4[c], b4[c], k4[c], r4[c], sa, v, out);
+    return hsum4(out);
+}
+
 }  // namespace wkv7
 
 namespace fused {
@@ -502,17 +518,7 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
         kb[i] = kk * a;
         __syncthreads();
 
-        const float4 *a4 = reinterpret_cast<const float4*>(ka), *w4 = reinterpret_cast<const float4*>(kw),
-                     *b4 = reinterpret_cast<const float4*>(kb), *k4 = reinterpret_cast<const float4*>(kk_),
-                     *r4 = reinterpret_cast<const float4*>(kr);
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int c = 0; c < N / 4; ++c) wkv7::dot4(&s[4 * c], a4[c], acc);
-        const float sa = wkv7::hsum4(acc);
-        float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int c = 0; c < N / 4; ++c) wkv7::update4(&s[4 * c], w4[c], b4[c], k4[c], r4[c], sa, v, out);
-        const float y = wkv7::hsum4(out);
+        const float y = wkv7::token_step(s, ka, kw, kk_, kb, kr, v);
 
         // group norm over the head, plus the bonus term sum_j r_j k'_j r_k_j
         const float mean = block_sum<N / kTeam>(y, scratch + 2) * (1.0f / N);
@@ -549,7 +555,7 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
 // Port note: the quad shuffles and the per-token sums use 32-thread teams, as block_sum does.
 constexpr int kPrefillThreads = 4 * N;
 constexpr int kPrefillChunk = 8;
-constexpr unsigned kPrefillMaxBlocks = 512;  // larger grids take time_mix_kernel (see the CUDA source)
+constexpr unsigned kPrefillMaxBlocks = 512;  // larger grids take time_mix_chunked_kernel (see the CUDA source)
 constexpr int kPrefillPerPass = kPrefillThreads / N;            // tokens side by side in phases A and C
 constexpr int kPrefillPasses = kPrefillChunk / kPrefillPerPass;  // tokens per thread in phases A and C
 
@@ -718,6 +724,224 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     if (stager) wkv7::tile_to_block(tile, block);
 }
 
+// ------------------------------------------------------------------------------------ time_mix, chunked
+// A prefill of many rows (a grid of kPrefillMaxBlocks blocks or more): time_mix_kernel's small blocks (64
+// threads per (row, head), a state row per thread, eight blocks per multiprocessor), with the work that does
+// not depend on the state done for kChunkTokens tokens at once, as in time_mix_prefill_kernel. time_mix_kernel
+// takes six barriers and four reductions over the head per token, one after another: 16 x 1,024 tokens of a
+// 7.2B layer took 3.0 ms, ~3 us per token with eight blocks per multiprocessor, several times what its
+// arithmetic and shared-memory reads need (bench/results/profile_prefill_h200.json). Per chunk here:
+//   load: the 64 threads read the chunk's inputs with 16-byte loads into shared memory (the other blocks on
+//         the multiprocessor hide the round trip; holding loads across the recurrence spilled registers);
+//   A: per token and channel: decay, gates, k', v', and the sums over the head for kk's norm and the bonus,
+//      all of the chunk's tokens side by side (two barriers);
+//   B: the recurrence over the chunk's tokens (wkv7::token_step), no barrier;
+//   C: group norm, bonus and gate, the chunk's sums side by side (two barriers).
+// Every value is computed by the same expressions, and every sum over the head in the same order (warp by
+// warp, then the two warps), as in time_mix_kernel: outputs and state are bit-identical to it.
+// Port note: the sums over the head are per 32-thread team, then the two teams, as block_sum<2> adds them.
+constexpr int kChunkTokens = 8;
+constexpr int kChunkInputs = 8;  // r, k, v, dw, da, g, dv, v_first (layer 0: the first six)
+
+struct ChunkBuffers {  // shared, per token of the chunk: key-axis vectors, v', g and y by channel, per-warp sums
+    float r[kChunkTokens][N], w[kChunkTokens][N], k[kChunkTokens][N], a[kChunkTokens][N], b[kChunkTokens][N];
+    float v[kChunkTokens][N], g[kChunkTokens][N], y[kChunkTokens][N];
+    float norm[kChunkTokens][2], bonus[kChunkTokens][2], mean[kChunkTokens][2], var[kChunkTokens][2];  // per team
+};
+
+__device__ __forceinline__ const __half* chunk_input(const TimeMixArgs& p, int j) {
+    return j == 0 ? p.r : j == 1 ? p.k : j == 2 ? p.v : j == 3 ? p.dw : j == 4 ? p.da : j == 5 ? p.g : j == 6 ? p.dv
+                                                                                                       : p.v_first;
+}
+
+// One thread's share of inputs [J0, J1) of a chunk: 16 bytes (8 channels) of token threadIdx.x / 8 of each;
+// zeros past the row's end.
+template <int J0, int J1>
+struct ChunkLoads {
+    uint4 v[J1 - J0];
+};
+
+template <int J0, int J1>
+__device__ __forceinline__ void load_chunk(const TimeMixArgs& p, int64_t t0, int64_t last, int64_t C, int h,
+                                           ChunkLoads<J0, J1>& c) {
+    const int64_t t = t0 + threadIdx.x / 8;
+    const int64_t o = t * C + int64_t(h) * N + (threadIdx.x % 8) * 8;
+    const int inputs = p.first_layer ? 6 : kChunkInputs;
+#pragma unroll
+    for (int j = J0; j < J1; ++j)
+        c.v[j - J0] = t <= last && j < inputs ? *reinterpret_cast<const uint4*>(chunk_input(p, j) + o)
+                                              : make_uint4(0, 0, 0, 0);
+}
+
+template <int J0, int J1>
+__device__ __forceinline__ void store_chunk(const ChunkLoads<J0, J1>& c, __half (*in)[kChunkTokens][N]) {
+#pragma unroll
+    for (int j = J0; j < J1; ++j)
+        *reinterpret_cast<uint4*>(&in[j][threadIdx.x / 8][(threadIdx.x % 8) * 8]) = c.v[j - J0];
+}
+
+template <typename S>
+__global__ void __launch_bounds__(N, 8)
+time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
+                        const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
+                        const int64_t* __restrict__ lasts, TimeMixArgs p) {
+    static_assert(kChunkTokens * 8 == N, "load_chunk: 8 threads per token");
+    const int64_t row = blockIdx.x / H;
+    const int h = blockIdx.x % H;
+    const int i = threadIdx.x, team = threadIdx.x / kTeam;
+    const int64_t C = int64_t(H) * N;
+    const int64_t col = int64_t(h) * N + i;
+
+    const int64_t first = starts[row];
+    const int64_t last = lasts[row];
+    const int64_t slot = slots[row];
+    if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
+
+    // The staging tile is needed before the first chunk and after the last: the chunk buffers share it.
+    __shared__ __align__(16) float tile[N][wkv7::LD];
+    __shared__ __align__(16) __half inputs[kChunkInputs][kChunkTokens][N];
+    static_assert(sizeof(ChunkBuffers) <= sizeof(tile), "chunk buffers must fit in the staging tile");
+    ChunkBuffers& buf = *reinterpret_cast<ChunkBuffers*>(&tile[0][0]);
+
+    S* block = state + (slot * H + h) * N * N;
+    wkv7::Staged<S> staged;
+    wkv7::block_load(block, staged);  // only this kernel writes the state: safe before the wait
+
+    const float w0 = p.w0[col], r_k = p.r_k[col], lnx_w = p.lnx_w[col], lnx_b = p.lnx_b[col];
+    const float a0 = h2f(p.a0[col]), k_k = h2f(p.k_k[col]), k_a = h2f(p.k_a[col]);
+    const float v0 = p.first_layer ? 0.0f : h2f(p.v0[col]);
+
+    dependency_wait();
+    {
+        ChunkLoads<0, kChunkInputs> all;
+        load_chunk(p, first, last, C, h, all);
+        wkv7::staged_to_tile(staged, tile);
+        store_chunk(all, inputs);
+    }
+    __syncthreads();
+    float s[N];
+    wkv7::tile_row_to_regs(tile[i], s);
+    __syncthreads();  // the tile's memory now holds the chunk buffers
+
+    for (int64_t t0 = first; t0 <= last; t0 += kChunkTokens) {
+        const int count = static_cast<int>(last - t0 + 1 < kChunkTokens ? last - t0 + 1 : kChunkTokens);
+        // A: per token at this channel (tokens past the row's end compute on zeros and store nothing)
+        // (k * k_k and a wait for the norm in buf.a and buf.b at this thread's own channel)
+#pragma unroll 2
+        for (int u = 0; u < kChunkTokens; ++u) {
+            const float r = h2f(inputs[0][u][i]), k = h2f(inputs[1][u][i]), v = h2f(inputs[2][u][i]);
+            const float w = __expf(-kExpMinusHalf * sigmoidf(w0 + h2f(inputs[3][u][i])));
+            const float a = sigmoidf(a0 + h2f(inputs[4][u][i])), kkr = k * k_k;
+            const float kn = k * (1.0f + (a - 1.0f) * k_a);
+            float vn = v;
+            if (p.first_layer) {
+                if (u < count) p.v_first[(t0 + u) * C + col] = __float2half_rn(v);
+            } else {
+                vn = v + (h2f(inputs[7][u][i]) - v) * sigmoidf(v0 + h2f(inputs[6][u][i]));
+            }
+            buf.r[u][i] = r;
+            buf.w[u][i] = w;
+            buf.k[u][i] = kn;
+            buf.v[u][i] = vn;
+            buf.g[u][i] = h2f(inputs[5][u][i]);
+            buf.a[u][i] = kkr;
+            buf.b[u][i] = a;
+            const float norm_part = warp_sum(kkr * kkr), bonus_part = warp_sum(r * kn * r_k);
+            if ((threadIdx.x & (kTeam - 1)) == 0) {
+                buf.norm[u][team] = norm_part;
+                buf.bonus[u][team] = bonus_part;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < kChunkTokens; ++u) {
+            const float norm = sqrtf(buf.norm[u][0] + buf.norm[u][1]);
+            const float kk = buf.a[u][i] / fmaxf(norm, 1e-12f);
+            buf.b[u][i] = kk * buf.b[u][i];
+            buf.a[u][i] = -kk;
+        }
+        __syncthreads();
+        const bool more = t0 + kChunkTokens <= last;
+
+        // B: the recurrence; thread i's state row is value channel i (v', g and y are thread i's own, kept in
+        // shared memory only to leave the registers to the state row)
+#pragma unroll
+        for (int u = 0; u < kChunkTokens; ++u) {
+            buf.y[u][i] = u < count ? wkv7::token_step(s, buf.a[u], buf.w[u], buf.k[u], buf.b[u], buf.r[u], buf.v[u][i])
+                                    : 0.0f;
+        }
+        if (more) {  // the inputs' buffer is free since the first barrier; in two halves: fewer registers
+            ChunkLoads<0, kChunkInputs / 2> front;
+            load_chunk(p, t0 + kChunkTokens, last, C, h, front);
+            store_chunk(front, inputs);
+            ChunkLoads<kChunkInputs / 2, kChunkInputs> back;
+            load_chunk(p, t0 + kChunkTokens, last, C, h, back);
+            store_chunk(back, inputs);
+        }
+
+        // C: group norm over the head (two passes over y), bonus, gate
+        float y[kChunkTokens], mean[kChunkTokens], bonus[kChunkTokens];
+#pragma unroll
+        for (int u = 0; u < kChunkTokens; ++u) {
+            y[u] = buf.y[u][i];
+            const float part = warp_sum(y[u]);
+            if ((threadIdx.x & (kTeam - 1)) == 0) buf.mean[u][team] = part;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < kChunkTokens; ++u) {
+            mean[u] = (buf.mean[u][0] + buf.mean[u][1]) * (1.0f / N);
+            bonus[u] = buf.bonus[u][0] + buf.bonus[u][1];  // read before the barrier: the next chunk rewrites it
+            const float part = warp_sum((y[u] - mean[u]) * (y[u] - mean[u]));
+            if ((threadIdx.x & (kTeam - 1)) == 0) buf.var[u][team] = part;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < kChunkTokens; ++u) {
+            if (u >= count) break;
+            const float var = (buf.var[u][0] + buf.var[u][1]) * (1.0f / N);
+            const float yn = (y[u] - mean[u]) * rsqrtf(var + kGroupNormEps) * lnx_w + lnx_b;
+            p.out[(t0 + u) * C + col] = __float2half_rn(round_half(yn + bonus[u] * buf.v[u][i]) * buf.g[u][i]);
+        }
+    }
+
+    __syncthreads();  // the chunk buffers are read for the last time above; the tile takes their memory back
+    wkv7::regs_to_tile_row(s, tile[i]);
+    __syncthreads();
+    wkv7::tile_to_block(tile, block);
+}
+
+// ------------------------------------------------------------------------------------ relu_square
+// x = relu(x)^2 in place, fp16: the FFN key's activation where cuBLAS computes the product (prefill and large
+// batches), one pass over the [T, ffn] matrix where torch's relu_ and square_ take one each (16 x 1,024 tokens
+// of a 7.2B model: 2 x 0.27 ms per layer). The same rounding: relu is exact, the square is rounded once.
+constexpr int kReluSquareThreads = 256;
+constexpr int64_t kReluSquareMaxBlocks = 4096;
+
+__device__ __forceinline__ float relu_square(float x) {
+    x = x < 0.0f ? 0.0f : x;  // NaN stays NaN, as torch.relu keeps it (fmaxf would give 0)
+    return x * x;
+}
+
+__global__ void __launch_bounds__(kReluSquareThreads) relu_square_kernel(__half* x, int64_t n) {
+    dependency_wait();
+    const int64_t stride = int64_t(gridDim.x) * kReluSquareThreads;
+    const int64_t first = int64_t(blockIdx.x) * kReluSquareThreads + threadIdx.x;
+    for (int64_t v = first; v < n / 8; v += stride) {
+        float f[8];
+        load8(x + v * 8, f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = relu_square(f[e]);
+        store8(x + v * 8, f);
+    }
+    for (int64_t j = n / 8 * 8 + first; j < n; j += stride) x[j] = __float2half_rn(relu_square(h2f(x[j])));
+}
+
+inline unsigned relu_square_blocks(int64_t n) {
+    const int64_t blocks = (n / 8 + kReluSquareThreads - 1) / kReluSquareThreads;
+    return static_cast<unsigned>(blocks < 1 ? 1 : blocks > kReluSquareMaxBlocks ? kReluSquareMaxBlocks : blocks);
+}
+
 // ------------------------------------------------------------------------------------ gemv
 constexpr int kGemvWarps = 8;  // 32-thread teams per block, one output row each
 constexpr int kMaxTasks = 8;
@@ -833,8 +1057,7 @@ __device__ __forceinline__ void store_rounded(__half* y, const __half* residual,
                                               int epilogue) {
     float val = round_half(product);
     if (epilogue == kEpiReluSquare) {
-        val = fmaxf(val, 0.0f);
-        val = val * val;
+        val = relu_square(val);
     } else if (epilogue == kEpiTanh) {
         val = tanhf(val);
     } else if (epilogue == kEpiSigmoid) {
@@ -1211,6 +1434,29 @@ inline int ln_vecs(int64_t C) {
     return per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : kMaxVec;
 }
 
+// Which time-mix kernel a launch takes: a step of single tokens time_mix_kernel; rows of several tokens
+// time_mix_prefill_kernel on a grid of fewer than kPrefillMaxBlocks (row, head) blocks, else
+// time_mix_chunked_kernel, whose 16-byte loads need 16-byte aligned inputs (else time_mix_kernel).
+// RWKV_PREFILL_MAX_BLOCKS overrides kPrefillMaxBlocks, RWKV_TIME_MIX_CHUNKED=0 takes time_mix_kernel instead
+// of the chunked one (both read once; for A/B timing).
+enum TimeMixKernel : int { kTimeMixDecode = 0, kTimeMixPrefill = 1, kTimeMixChunked = 2 };
+
+inline int64_t env_int(const char* name, int64_t fallback) {
+    const char* env = std::getenv(name);
+    return env && *env ? std::atoll(env) : fallback;
+}
+
+inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill) {
+    static const int64_t prefill_max_blocks = env_int("RWKV_PREFILL_MAX_BLOCKS", kPrefillMaxBlocks);
+    static const bool chunked = env_int("RWKV_TIME_MIX_CHUNKED", 1) != 0;
+    if (!prefill) return kTimeMixDecode;
+    if (grid < prefill_max_blocks) return kTimeMixPrefill;
+    const void* inputs[kChunkInputs] = {p.r, p.k, p.v, p.dw, p.da, p.g, p.dv, p.v_first};
+    for (int j = 0; j < (p.first_layer ? 6 : kChunkInputs); ++j)
+        if (reinterpret_cast<uintptr_t>(inputs[j]) % 16) return kTimeMixDecode;
+    return chunked ? kTimeMixChunked : kTimeMixDecode;
+}
+
 // ------------------------------------------------------------------------------------ launches
 // Plain launches (no PDL), each kernel named directly; the error of the launch is returned.
 hipError_t launch_ln_shift_mix(unsigned grid, hipStream_t stream, int C, int64_t num_slots, const __half* x,
@@ -1226,9 +1472,13 @@ template <typename S>
 hipError_t launch_time_mix(unsigned grid, hipStream_t stream, int H, int64_t num_slots, int64_t num_tokens, S* state,
                            const int64_t* slots, const int64_t* starts, const int64_t* lasts, const TimeMixArgs& p,
                            int prefill) {
-    if (prefill && grid < kPrefillMaxBlocks)
+    const int kernel = time_mix_kernel_for(p, grid, prefill);
+    if (kernel == kTimeMixPrefill)
         time_mix_prefill_kernel<S><<<dim3(grid), dim3(kPrefillThreads), 0, stream>>>(H, num_slots, num_tokens, state,
                                                                                        slots, starts, lasts, p);
+    else if (kernel == kTimeMixChunked)
+        time_mix_chunked_kernel<S><<<dim3(grid), dim3(N), 0, stream>>>(H, num_slots, num_tokens, state, slots, starts,
+                                                                       lasts, p);
     else
         time_mix_kernel<S><<<dim3(grid), dim3(N), 0, stream>>>(H, num_slots, num_tokens, state, slots, starts, lasts, p);
     return hipGetLastError();
@@ -1403,10 +1653,7 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
 // RWKV_SPARSE_MIN_BLOCKS overrides kSparseMinBlocks (for A/B timing; read once, by the workspace sizing and
 // the launches alike).
 inline int64_t sparse_min_blocks() {
-    static const int64_t value = [] {
-        const char* env = std::getenv("RWKV_SPARSE_MIN_BLOCKS");
-        return env && *env ? std::atoll(env) : int64_t(kSparseMinBlocks);
-    }();
+    static const int64_t value = env_int("RWKV_SPARSE_MIN_BLOCKS", kSparseMinBlocks);
     return value;
 }
 
@@ -1465,8 +1712,7 @@ extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, 
 
 // tensors: r, k, v, dw, da, dv, g, v_first, out ([T, C] fp16; dv unused in layer 0);
 // params: w0, r_k, lnx_w, lnx_b (fp32 [C]), a0, v0, k_k, k_a (fp16 [C]; v0 unused in layer 0).
-// prefill: 1 when a row has several tokens: then time_mix_prefill_kernel runs a grid of fewer than
-// kPrefillMaxBlocks (row, head) blocks, time_mix_kernel any other.
+// prefill: 1 when a row has several tokens (see time_mix_kernel_for).
 extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
@@ -1549,5 +1795,17 @@ extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, c
             case 3: return launch_sparse_gemv<3>(args, s);
             default: return launch_sparse_gemv<4>(args, s);
         }
+    });
+}
+
+// x = relu(x)^2 in place for n fp16 values (x 16-byte aligned).
+extern "C" int fused_relu_square_launch(int device, int64_t stream, int64_t n, void* x) {
+    using namespace fused;
+    if (n == 0) return hipSuccess;
+    if (n < 0) return hipErrorInvalidValue;
+    return on_device(device, [&] {
+        relu_square_kernel<<<dim3(relu_square_blocks(n)), dim3(kReluSquareThreads), 0,
+                             reinterpret_cast<hipStream_t>(stream)>>>(static_cast<__half*>(x), n);
+        return hipGetLastError();
     });
 }

@@ -58,9 +58,9 @@ def pair(kernels):
     return readable, fused
 
 
-def run_both(pair, rows, slots, wkv_dtype=torch.float32, all_logits=False, steps=1):
+def run_both(pair, rows, slots, wkv_dtype=torch.float32, all_logits=False, steps=1, num_slots=16):
     readable, fused = pair
-    pools = [m.new_state_pool(16, wkv_dtype) for m in pair]
+    pools = [m.new_state_pool(num_slots, wkv_dtype) for m in pair]
     gen = torch.Generator().manual_seed(len(rows))
     for p in pools:  # a non-empty starting state, the same for both
         p.wkv.copy_(torch.randn(p.wkv.shape, generator=gen).to(p.wkv) * 0.2)
@@ -99,6 +99,20 @@ def test_prefill_matches_readable(pair, lens):
     rows = [[(13 * i + 7 * j) % 1024 for j in range(n)] for i, n in enumerate(lens)]
     slots = [2 * i + 1 for i in range(len(lens))]
     outs, pools = run_both(pair, rows, slots, all_logits=True)
+    ref, got = outs[0]
+    assert got.shape == (sum(lens), 1024)
+    assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
+    assert_close_pools(*pools, wkv_tol=0.05)
+
+
+@pytest.mark.parametrize("wkv_dtype", [torch.float32, torch.float16])
+def test_prefill_of_many_rows_matches_readable(pair, wkv_dtype):
+    """128 rows x 4 heads = 512 (row, head) blocks: the launcher takes time_mix_chunked_kernel (rows of whole
+    chunks of 8 tokens, partial ones and single tokens)."""
+    lens = [1 + (5 * i) % 19 for i in range(128)]
+    rows = [[(11 * i + 5 * j) % 1024 for j in range(n)] for i, n in enumerate(lens)]
+    slots = list(range(127, -1, -1))
+    outs, pools = run_both(pair, rows, slots, wkv_dtype, all_logits=True, num_slots=128)
     ref, got = outs[0]
     assert got.shape == (sum(lens), 1024)
     assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
@@ -264,6 +278,18 @@ def test_w8a16_model_fused_matches_readable(kernels):
         ref, got = (m.forward(PackedBatch.from_rows(rows, list(range(len(rows))), "cuda"), p)
                     for m, p in zip(models, pools))
         assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
+
+
+def test_relu_square_matches_torch(kernels):
+    x = (torch.randn(1000, 16390, device="cuda") * 30).half()  # not a multiple of 8 in all: a tail
+    x[0, :3] = torch.tensor([float("nan"), float("-inf"), float("inf")])
+    want = torch.relu(x).square()
+    got = kernels.relu_square_(x.clone())
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~want.isnan()], want[~want.isnan()])
+    strided = x.clone().t()  # not contiguous: torch's ops
+    assert torch.equal(kernels.relu_square_(strided)[1:], want.t()[1:])
+    with pytest.raises(RuntimeError, match="float16"):
+        kernels._m.relu_square_(x.float(), 0)
 
 
 def test_gemv_rejects_bad_arguments(kernels):

@@ -85,6 +85,8 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
         if name.startswith("fused"):
             so.emu_fused_ln_shift_mix.argtypes = [i64, i64, i64, p, p, p, p, p, p, p, p, p, i32]
             so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32]
+            so.emu_time_mix_kernel_for.argtypes = [p, i32, ctypes.c_uint, i32]
+            so.emu_fused_relu_square.argtypes = [i64, p]
             so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p, p]
             so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p, p]
             so.emu_fused_sparse_gemv.argtypes = [i64, p, p, p, p, p, p, i64, i64, i64, ctypes.c_uint]
@@ -287,7 +289,10 @@ def time_mix_inputs(C: int, T: int, layer: int, gen: torch.Generator) -> dict:
     return p
 
 
-def run_time_mix(so, layer, p, pool, slots, starts, lasts, prefill=False):
+TIME_MIX_KERNELS = {"decode": 0, "prefill": 1, "chunked": 2}  # TimeMixKernel
+
+
+def run_time_mix(so, layer, p, pool, slots, starts, lasts, kernel="decode"):
     T, C = p["r"].shape
     v_first = p["v_first"].clone() if layer else torch.full((T, C), -7.0, dtype=torch.float16)
     out = torch.full((T, C), 1234.0, dtype=torch.float16)
@@ -298,7 +303,7 @@ def run_time_mix(so, layer, p, pool, slots, starts, lasts, prefill=False):
     slots_t, starts_t, lasts_t = ints(slots), ints(starts), ints(lasts)
     _check_rc(so.emu_fused_time_mix(DTYPE_CODE[pool.dtype], B, C // N, pool.shape[0], T, _ptr(pool), _ptr(slots_t),
                                     _ptr(starts_t), _ptr(lasts_t), _ptrs(tensors), _ptrs(params), int(layer == 0),
-                                    int(prefill)))
+                                    TIME_MIX_KERNELS[kernel]))
     return out, v_first
 
 
@@ -357,7 +362,7 @@ def _sub(p: dict, idx: torch.Tensor) -> dict:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize("kernel", list(TIME_MIX_KERNELS))
 @pytest.mark.parametrize("C,layer,state_dtype", [(128, 0, torch.float32), (192, 3, torch.float16),
                                                  (192, 0, torch.float16), (128, 1, torch.float32)])
 def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
@@ -371,7 +376,7 @@ def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
     slots = TM_SLOTS + [e[0] for e in TM_EXTRA]
     got_pool = pool.clone()
     out, v_first = run_time_mix(libs[f"fused-{variant}"], layer, p, got_pool, slots, starts + [e[1] for e in TM_EXTRA],
-                                lasts + [e[2] for e in TM_EXTRA], prefill=kernel == "prefill")
+                                lasts + [e[2] for e in TM_EXTRA], kernel=kernel)
 
     good = [i for i, s in enumerate(TM_SLOTS) if 0 <= s < TM_POOL]
     idx = torch.cat([torch.arange(starts[i], lasts[i] + 1) for i in good])
@@ -401,6 +406,66 @@ def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
     else:
         assert_ulps(got_pool[touched], fp32_pool[touched], 1, "fp16 state vs the fp32-intermediate math",
                     atol=STATE_ATOL)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layer,state_dtype", [(0, torch.float32), (2, torch.float32), (1, torch.float16)])
+def test_time_mix_chunked_is_bit_identical_to_decode_kernel(variant, layer, state_dtype, libs):
+    """The chunked prefill kernel computes every value as time_mix_kernel does, in the same order: outputs,
+    v_first and the state are equal bit for bit, for rows of whole chunks, partial ones and single tokens."""
+    lens, slots = [8, 3, 16, 1, 9, 13], [4, 0, 2, 5, 1, 3]
+    C, T = 128, sum(lens)
+    gen = torch.Generator().manual_seed(99 + layer)
+    p = time_mix_inputs(C, T, layer, gen)
+    pool = (torch.randn(len(slots), C // N, N, N, generator=gen) * 0.3).to(state_dtype)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    lasts = [s + n - 1 for s, n in zip(starts, lens)]
+    runs = {}
+    for kernel in ("decode", "chunked"):
+        got = pool.clone()
+        out, v_first = run_time_mix(libs[f"fused-{variant}"], layer, p, got, slots, starts, lasts, kernel=kernel)
+        runs[kernel] = (out, v_first, got)
+    for what, a, b in zip(("output", "v_first", "state"), runs["decode"], runs["chunked"]):
+        assert torch.equal(a, b), f"chunked vs decode kernel: {what} differs"
+    assert not torch.equal(runs["chunked"][2], pool), "the state must have been updated"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_time_mix_kernel_choice(variant, libs):
+    """Single-token steps take the decode kernel; prefills the 256-thread kernel on small grids and the chunked
+    one on large grids, unless an input is not 16-byte aligned (its 16-byte loads need it)."""
+    so = libs[f"fused-{variant}"]
+    buf = torch.zeros(4096, dtype=torch.float16)
+    aligned = [buf[8 * j:] for j in range(9)]
+
+    def choice(tensors, layer0, grid, prefill):
+        ptrs = (ctypes.c_void_p * 9)(*[t.data_ptr() for t in tensors])
+        return so.emu_time_mix_kernel_for(ptrs, int(layer0), grid, int(prefill))
+
+    assert choice(aligned, False, 4096, False) == TIME_MIX_KERNELS["decode"]
+    assert choice(aligned, False, 64, True) == TIME_MIX_KERNELS["prefill"]
+    assert choice(aligned, False, 511, True) == TIME_MIX_KERNELS["prefill"]
+    assert choice(aligned, False, 512, True) == TIME_MIX_KERNELS["chunked"]
+    for j in range(8):  # r, k, v, dw, da, dv, g, v_first
+        shifted = list(aligned)
+        shifted[j] = buf[8 * j + 1:]
+        # layer 0 reads neither dv (5) nor v_first (7): their alignment does not matter there
+        assert choice(shifted, True, 512, True) == TIME_MIX_KERNELS["chunked" if j in (5, 7) else "decode"]
+        assert choice(shifted, False, 512, True) == TIME_MIX_KERNELS["decode"], j
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", [8, 4100, 8 * 256 * 4096 + 24 + 5])  # one vector; a tail; more than one grid-stride pass
+def test_relu_square_matches_torch(variant, n, libs):
+    """One pass of relu(x)^2 in place, as torch's relu_ then square_ round it (specials included)."""
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=gen) * 40).half()  # some squares overflow to inf
+    x[:4] = torch.tensor([float("nan"), float("-inf"), float("inf"), -0.0]).half()
+    want = torch.relu_(x.clone()).square_()
+    got = x.clone()
+    _check_rc(libs[f"fused-{variant}"].emu_fused_relu_square(n, _ptr(got)))
+    assert torch.equal(got.isnan(), x.isnan()), "NaN must stay NaN (as torch.relu keeps it)"
+    assert torch.equal(got[~x.isnan()], want[~x.isnan()])
 
 
 # --------------------------------------------------------------------------------------------- gemv

@@ -227,6 +227,13 @@ class FusedKernels:
         return (torch.zeros(partial, dtype=torch.float32, device=weight.device),
                 torch.zeros(arrivals, dtype=torch.int32, device=weight.device))
 
+    def relu_square_(self, x: torch.Tensor) -> torch.Tensor:
+        """x = relu(x)^2 in place, in one pass (torch's relu_ and square_ take one each); returns x."""
+        if x.dtype == torch.float16 and x.is_contiguous() and x.data_ptr() % 16 == 0:
+            self._m.relu_square_(x, self._stream(x))
+            return x
+        return torch.relu_(x).square_()
+
     def time_mix(self, state: torch.Tensor, batch: PackedBatch, blk: "Block", first_layer: bool,
                  tensors: list[torch.Tensor]) -> None:
         empty = _empty(state.device)
@@ -289,7 +296,7 @@ class FusedKernels:
             else:
                 add_product(x, blk.output, y)
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
-                add_product(x, blk.ffn_value, torch.relu_(blk.ffn_key(kf)).square_())
+                add_product(x, blk.ffn_value, self.relu_square_(blk.ffn_key(kf)))
         if not all_logits:
             x = x[batch.last]
         x = F.layer_norm(x, (C,), model.ln_out_w, model.ln_out_b, 1e-5)

@@ -22,25 +22,34 @@ EMU_EXPORT int emu_fused_ln_shift_mix(int64_t T, int64_t C, int64_t num_slots, c
     });
 }
 
+// kernel: the one to run (TimeMixKernel); the launcher picks it with time_mix_kernel_for (exported below)
 EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t num_slots, int64_t num_tokens,
                                   void* state, const int64_t* slots, const int64_t* starts, const int64_t* lasts,
                                   const void* const* tensors, const void* const* params, int first_layer,
-                                  int prefill) {
+                                  int kernel) {
     using namespace fused;
     if (B <= 0 || H <= 0) return -1;
     const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const unsigned grid = static_cast<unsigned>(B * H);
-    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel) {
-        return emu::run_grid(grid, prefill ? kPrefillThreads : N, [&] {
-            (prefill ? prefill_kernel : decode_kernel)(h, num_slots, num_tokens, pool, slots, starts, lasts, p);
+    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel) {
+        auto chosen = kernel == kTimeMixPrefill ? prefill_kernel : kernel == kTimeMixChunked ? chunked_kernel : decode_kernel;
+        return emu::run_grid(grid, kernel == kTimeMixPrefill ? kPrefillThreads : N, [&] {
+            chosen(h, num_slots, num_tokens, pool, slots, starts, lasts, p);
         });
     };
     if (state_dtype == wkv7::kFloat32)
-        return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_prefill_kernel<float>);
+        return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_prefill_kernel<float>,
+                   time_mix_chunked_kernel<float>);
     if (state_dtype == wkv7::kFloat16)
-        return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_prefill_kernel<__half>);
+        return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_prefill_kernel<__half>,
+                   time_mix_chunked_kernel<__half>);
     return -1;
+}
+
+EMU_EXPORT int emu_time_mix_kernel_for(const void* const* tensors, int first_layer, unsigned grid, int prefill) {
+    const void* params[8] = {};
+    return fused::time_mix_kernel_for(fused::make_time_mix_args(tensors, params, first_layer), grid, prefill);
 }
 
 template <int M>
@@ -129,4 +138,11 @@ EMU_EXPORT void emu_f16_fma(const uint16_t* a, const uint16_t* b, const uint16_t
         const __half r = emu::fma_half(__ushort_as_half(a[i]), __ushort_as_half(b[i]), __ushort_as_half(c[i]));
         out[i] = __half_as_ushort(r);
     }
+}
+
+EMU_EXPORT int emu_fused_relu_square(int64_t n, void* x) {
+    using namespace fused;
+    if (n <= 0) return -1;
+    return emu::run_grid(relu_square_blocks(n), kReluSquareThreads,
+                         [&] { relu_square_kernel(static_cast<__half*>(x), n); });
 }
