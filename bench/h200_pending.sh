@@ -222,7 +222,7 @@ decode-b1)  # after a small-batch GEMV change: builds (outside the test limit), 
 chunked)  # the chunked time mix for prefills of many rows: GPU tests, prefill, A/B against the per-token kernel
     build_fused
     step 200 "fused GPU tests (prefill, decode, oracle, greedy, invariance)" python -m pytest -q -rs -p no:cacheprovider \
-        test/test_fused_cuda.py -k "(prefill or decode_matches or cpu_fp32 or greedy or invariance) and not uint4 and not gemlite"
+        test/test_fused_cuda.py -k "(prefill or decode_matches or cpu_fp32 or greedy or invariance or relu_square) and not uint4 and not gemlite"
     step 150 "prefill" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
         --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill_chunked.json
     copy bench/results/decode_h200_prefill_chunked.json
