@@ -570,22 +570,27 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 }
 
 // ------------------------------------------------------------------------------------ time_mix, chunked
-// A prefill of many rows (a grid of kPrefillMaxBlocks blocks or more): time_mix_kernel's small blocks (64
-// threads per (row, head), a state row per thread, eight blocks per multiprocessor), with the work that does
-// not depend on the state done for kChunkTokens tokens at once, as in time_mix_prefill_kernel. time_mix_kernel
-// takes six barriers and four reductions over the head per token, one after another: 16 x 1,024 tokens of a
-// 7.2B layer took 3.0 ms, ~3 us per token with eight blocks per multiprocessor, several times what its
-// arithmetic and shared-memory reads need (bench/results/profile_prefill_h200.json). Per chunk here:
-//   load: the 64 threads read the chunk's inputs with 16-byte loads into shared memory (the other blocks on
-//         the multiprocessor hide the round trip; holding loads across the recurrence spilled registers);
-//   A: per token and channel: decay, gates, k', v', and the sums over the head for kk's norm and the bonus,
-//      all of the chunk's tokens side by side (two barriers);
-//   B: the recurrence over the chunk's tokens (wkv7::token_step), no barrier;
-//   C: group norm, bonus and gate, the chunk's sums side by side (two barriers).
-// Every value is computed by the same expressions, and every sum over the head in the same order (warp by
-// warp, then the two warps), as in time_mix_kernel: outputs and state are bit-identical to it.
+// A prefill of many rows (a grid of kPrefillMaxBlocks blocks or more). time_mix_kernel (a state row per thread)
+// is bound there by shared-memory bandwidth, not by its barriers: every thread reads the token's five key-axis
+// vectors (1,280 bytes) from shared memory for its one row, and with eight blocks per multiprocessor that is
+// 655 KB per token step at 128 bytes per cycle, ~2.8 us; 16 x 1,024 tokens of a 7.2B layer took 3.0 ms, 2.9 us
+// per token step (bench/results/profile_prefill_h200.json). A first chunked version with a row per thread was
+// no faster (bench/results/experiment_prefill_per_token_h200.json). Here each thread holds 4 rows x 16 columns
+// of the state (the same 64 registers), so each value read from shared memory serves 4 rows: a quarter of the
+// bytes. Per chunk of kChunkTokens tokens (64 threads per (row, head), eight blocks per multiprocessor):
+//   load: the 64 threads read the chunk's inputs with 16-byte loads into shared memory (the other blocks on the
+//         multiprocessor hide the round trip; holding loads across the recurrence spilled registers);
+//   A: per token and channel (thread i = channel i): decay, gates, k', v', and the sums over the head for kk's
+//      norm and the bonus, the chunk's tokens side by side (two barriers);
+//   B: the recurrence, token after token without a barrier: thread 4g + q holds rows 4g .. 4g + 3 at columns
+//      16c + 4q + e (conflict-free float4 reads), the dot products summed over the quad by shuffles (a barrier
+//      after the chunk);
+//   C: group norm, bonus and gate per token and channel, the chunk's sums side by side (two barriers).
+// Same math and rounding points as time_mix_kernel; the dot products over the state rows are summed in another
+// order (as in time_mix_prefill_kernel), everything else in the same.
 constexpr int kChunkTokens = 8;
 constexpr int kChunkInputs = 8;  // r, k, v, dw, da, g, dv, v_first (layer 0: the first six)
+constexpr int kChunkRows = 4;    // state rows per thread in phase B
 
 struct ChunkBuffers {  // shared, per token of the chunk: key-axis vectors, v', g and y by channel, per-warp sums
     float r[kChunkTokens][N], w[kChunkTokens][N], k[kChunkTokens][N], a[kChunkTokens][N], b[kChunkTokens][N];
@@ -630,9 +635,11 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
                         const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
                         const int64_t* __restrict__ lasts, TimeMixArgs p) {
     static_assert(kChunkTokens * 8 == N, "load_chunk: 8 threads per token");
+    static_assert(kChunkRows == 4 && N / kChunkRows * 4 == N, "phase B: a quad of threads per 4 rows (float4 of v, y)");
     const int64_t row = blockIdx.x / H;
     const int h = blockIdx.x % H;
     const int i = threadIdx.x, warp = threadIdx.x >> 5;
+    const int g = i / 4, q = i % 4;  // phase B: state rows 4g .. 4g + 3, columns 16c + 4q + e (c, e < 4)
     const int64_t C = int64_t(H) * N;
     const int64_t col = int64_t(h) * N + i;
 
@@ -663,8 +670,18 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
         store_chunk(all, inputs);
     }
     __syncthreads();
-    float s[N];
-    wkv7::tile_row_to_regs(tile[i], s);
+    float s[kChunkRows][16];  // s[r][4c + e] = S[4g + r][16c + 4q + e]
+#pragma unroll
+    for (int r = 0; r < kChunkRows; ++r) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const float4 f = *reinterpret_cast<const float4*>(&tile[kChunkRows * g + r][16 * c + 4 * q]);
+            s[r][4 * c + 0] = f.x;
+            s[r][4 * c + 1] = f.y;
+            s[r][4 * c + 2] = f.z;
+            s[r][4 * c + 3] = f.w;
+        }
+    }
     __syncthreads();  // the tile's memory now holds the chunk buffers
 
     for (int64_t t0 = first; t0 <= last; t0 += kChunkTokens) {
@@ -707,12 +724,47 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
         __syncthreads();
         const bool more = t0 + kChunkTokens <= last;
 
-        // B: the recurrence; thread i's state row is value channel i (v', g and y are thread i's own, kept in
-        // shared memory only to leave the registers to the state row)
+        // B: the recurrence (see the comment above the kernel); v', g and y are kept in shared memory to leave
+        // the registers to the state
 #pragma unroll
         for (int u = 0; u < kChunkTokens; ++u) {
-            buf.y[u][i] = u < count ? wkv7::token_step(s, buf.a[u], buf.w[u], buf.k[u], buf.b[u], buf.r[u], buf.v[u][i])
-                                    : 0.0f;
+            if (u >= count) {  // block-uniform
+                if (q == 0) *reinterpret_cast<float4*>(&buf.y[u][kChunkRows * g]) = make_float4(0.f, 0.f, 0.f, 0.f);
+                continue;
+            }
+            float sa[kChunkRows] = {}, y[kChunkRows] = {};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const float4 a4 = *reinterpret_cast<const float4*>(&buf.a[u][16 * c + 4 * q]);
+#pragma unroll
+                for (int r = 0; r < kChunkRows; ++r) {
+                    sa[r] = fmaf(s[r][4 * c + 0], a4.x, sa[r]);
+                    sa[r] = fmaf(s[r][4 * c + 1], a4.y, sa[r]);
+                    sa[r] = fmaf(s[r][4 * c + 2], a4.z, sa[r]);
+                    sa[r] = fmaf(s[r][4 * c + 3], a4.w, sa[r]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < kChunkRows; ++r) sa[r] = quad_sum(sa[r]);
+            const float4 v4 = *reinterpret_cast<const float4*>(&buf.v[u][kChunkRows * g]);
+            const float v[kChunkRows] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int j = 16 * c + 4 * q;
+                const float4 w4 = *reinterpret_cast<const float4*>(&buf.w[u][j]);
+                const float4 b4 = *reinterpret_cast<const float4*>(&buf.b[u][j]);
+                const float4 k4 = *reinterpret_cast<const float4*>(&buf.k[u][j]);
+                const float4 r4 = *reinterpret_cast<const float4*>(&buf.r[u][j]);
+#pragma unroll
+                for (int r = 0; r < kChunkRows; ++r) {
+                    float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+                    wkv7::update4(&s[r][4 * c], w4, b4, k4, r4, sa[r], v[r], out);
+                    y[r] += wkv7::hsum4(out);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < kChunkRows; ++r) y[r] = quad_sum(y[r]);
+            if (q == 0) *reinterpret_cast<float4*>(&buf.y[u][kChunkRows * g]) = make_float4(y[0], y[1], y[2], y[3]);
         }
         if (more) {  // the inputs' buffer is free since the first barrier; in two halves: fewer registers
             ChunkLoads<0, kChunkInputs / 2> front;
@@ -722,6 +774,8 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
             load_chunk(p, t0 + kChunkTokens, last, C, h, back);
             store_chunk(back, inputs);
         }
+
+        __syncthreads();  // y of channel i was written by thread i / 4 * 4
 
         // C: group norm over the head (two passes over y), bonus, gate
         float y[kChunkTokens], mean[kChunkTokens], bonus[kChunkTokens];
@@ -750,7 +804,13 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     }
 
     __syncthreads();  // the chunk buffers are read for the last time above; the tile takes their memory back
-    wkv7::regs_to_tile_row(s, tile[i]);
+#pragma unroll
+    for (int r = 0; r < kChunkRows; ++r) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            *reinterpret_cast<float4*>(&tile[kChunkRows * g + r][16 * c + 4 * q]) =
+                make_float4(s[r][4 * c], s[r][4 * c + 1], s[r][4 * c + 2], s[r][4 * c + 3]);
+    }
     __syncthreads();
     wkv7::tile_to_block(tile, block);
 }

@@ -410,9 +410,9 @@ def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("layer,state_dtype", [(0, torch.float32), (2, torch.float32), (1, torch.float16)])
-def test_time_mix_chunked_is_bit_identical_to_decode_kernel(variant, layer, state_dtype, libs):
-    """The chunked prefill kernel computes every value as time_mix_kernel does, in the same order: outputs,
-    v_first and the state are equal bit for bit, for rows of whole chunks, partial ones and single tokens."""
+def test_time_mix_chunked_matches_decode_kernel(variant, layer, state_dtype, libs):
+    """The chunked prefill kernel against time_mix_kernel on rows of whole chunks, partial ones and single
+    tokens: the same math, only the dot products over the state rows summed in another order."""
     lens, slots = [8, 3, 16, 1, 9, 13], [4, 0, 2, 5, 1, 3]
     C, T = 128, sum(lens)
     gen = torch.Generator().manual_seed(99 + layer)
@@ -425,9 +425,15 @@ def test_time_mix_chunked_is_bit_identical_to_decode_kernel(variant, layer, stat
         got = pool.clone()
         out, v_first = run_time_mix(libs[f"fused-{variant}"], layer, p, got, slots, starts, lasts, kernel=kernel)
         runs[kernel] = (out, v_first, got)
-    for what, a, b in zip(("output", "v_first", "state"), runs["decode"], runs["chunked"]):
-        assert torch.equal(a, b), f"chunked vs decode kernel: {what} differs"
-    assert not torch.equal(runs["chunked"][2], pool), "the state must have been updated"
+    (out_d, vf_d, pool_d), (out_c, vf_c, pool_c) = runs["decode"], runs["chunked"]
+    assert torch.equal(vf_d, vf_c), "v_first"
+    assert_ulps(out_c, out_d, 2, "output, chunked vs decode kernel", atol=STATE_ATOL)
+    assert (out_c == out_d).float().mean() > 0.98
+    if state_dtype == torch.float32:
+        assert_close(pool_c, pool_d, 1e-5, 1e-5, "state, chunked vs decode kernel")
+    else:
+        assert_ulps(pool_c, pool_d, 1, "fp16 state, chunked vs decode kernel", atol=STATE_ATOL)
+    assert not torch.equal(pool_c, pool), "the state must have been updated"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
