@@ -23,7 +23,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sparse-ffn  # the sparse-input FFN value GEMV: GPU tests, decode A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh decode-b1   # builds first, then GPU tests, decode, A/B of the GEMV plans
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh chunked   # the chunked prefill time mix: GPU tests, prefill, A/B
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh prefill-rkv  # r/k/v batched or not: GPU tests, prefill A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -33,7 +32,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|prefill-rkv}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -235,22 +234,6 @@ chunked)  # the chunked time mix for prefills of many rows: GPU tests, prefill, 
         python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 --prefill-rows 1,4 --wkv cuda --no-checks \
         --out bench/results/experiment_prefill_chunked_small_h200.json
     copy bench/results/experiment_prefill_chunked_small_h200.json
-    ;;
-prefill-rkv)  # r, k, v as one batched matmul or three plain ones at prefill: GPU tests, prefill, A/B both ways
-    build_fused
-    step 200 "fused GPU tests (prefill, decode, oracle, greedy, invariance)" python -m pytest -q -rs -p no:cacheprovider \
-        test/test_fused_cuda.py -k "(prefill or decode_matches or cpu_fp32 or greedy or invariance or relu_square) and not uint4 and not gemlite"
-    step 150 "prefill" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
-        --prefill-rows 1,4,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill_rkv.json
-    copy bench/results/decode_h200_prefill_rkv.json
-    step 90 "A/B: r, k, v batched at every length (RWKV_RKV_BMM_ROWS=1000000000)" env RWKV_RKV_BMM_ROWS=1000000000 \
-        python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 --prefill-rows 2,4,16 --wkv cuda --no-checks \
-        --out bench/results/experiment_prefill_rkv_bmm_h200.json
-    copy bench/results/experiment_prefill_rkv_bmm_h200.json
-    step 90 "A/B: r, k, v as three matmuls at every length (RWKV_RKV_BMM_ROWS=0)" env RWKV_RKV_BMM_ROWS=0 \
-        python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 512,1024 --prefill-rows 1,2 --wkv cuda --no-checks \
-        --out bench/results/experiment_prefill_rkv_split_h200.json
-    copy bench/results/experiment_prefill_rkv_split_h200.json
     ;;
 w4-gemv)  # GemLite A16W4 on the fused GEMV's 4-bit tasks: GPU tests, then decode at batch 1-8
     export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home

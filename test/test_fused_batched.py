@@ -3,7 +3,6 @@ weights behind its batched matmuls, and what those matmuls compute, against the 
 Runs on the CPU; test_fused_cuda.py runs the whole fused forward on a GPU."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from infer.ops.fused import BatchedWeights, add_product, batch_weights, batched_projections
@@ -43,8 +42,7 @@ def test_stacks_share_the_linears_storage_and_keep_their_values():
     assert torch.equal(stacked.lora_up[0, :, :32], blk.v2.weight)
 
 
-@pytest.mark.parametrize("rkv_batched", [True, False])
-def test_batched_projections_match_the_linears(rkv_batched):
+def test_batched_projections_match_the_linears():
     model = model_fp16()
     gen = torch.Generator().manual_seed(4)
     for layer, blk in enumerate(model.blocks):
@@ -52,7 +50,7 @@ def test_batched_projections_match_the_linears(rkv_batched):
         xr, xk, xv, xw, xa, _ = mixed.unbind(0)
         want = [blk.receptance(xr), blk.key(xk), blk.value(xv), blk.w2(torch.tanh(blk.w1(xw))), blk.a2(blk.a1(xa))]
         want.append(blk.v2(blk.v1(xv)) if layer else None)
-        got = batched_projections(batch_weights(blk), mixed, first_layer=layer == 0, rkv_batched=rkv_batched)
+        got = batched_projections(batch_weights(blk), mixed, first_layer=layer == 0)
         assert len(got) == 6
         for name, g, w in zip(("r", "k", "v", "dw", "da", "dv"), got, want):
             if w is None:

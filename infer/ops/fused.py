@@ -51,7 +51,6 @@ PREFERENCES = ("auto", "on", "off")
 ACT_NONE, ACT_TANH, ACT_SIGMOID = 0, 1, 2
 EPI_NONE, EPI_RELU_SQUARE, EPI_TANH, EPI_SIGMOID = 0, 1, 2, 3
 DEFAULT_GEMV_ROWS = 2
-DEFAULT_RKV_BMM_ROWS = 2048
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -141,15 +140,10 @@ def batch_weights(blk: "Block") -> BatchedWeights | None:
     return BatchedWeights(rkv, lora_down, lora_up)
 
 
-def batched_projections(weights: BatchedWeights, mixed: torch.Tensor, first_layer: bool,
-                        rkv_batched: bool = True) -> tuple[torch.Tensor, ...]:
+def batched_projections(weights: BatchedWeights, mixed: torch.Tensor, first_layer: bool) -> tuple[torch.Tensor, ...]:
     """r, k, v, dw, da, dv (None in layer 0) from ``mixed`` [6, T, C], the mixed inputs in the order
-    r, k, v, w, a, g: three batched matmuls (the LoRA inputs v, w, a are adjacent there), or with
-    ``rkv_batched`` False r, k and v as three plain matmuls (faster for long prefills, see FusedKernels)."""
-    if rkv_batched:
-        r, k, v = torch.bmm(mixed[:3], weights.rkv.transpose(1, 2)).unbind(0)
-    else:
-        r, k, v = (F.linear(mixed[i], weights.rkv[i]) for i in range(3))
+    r, k, v, w, a, g: three batched matmuls (the LoRA inputs v, w, a are adjacent there)."""
+    r, k, v = torch.bmm(mixed[:3], weights.rkv.transpose(1, 2)).unbind(0)
     hidden = torch.bmm(mixed[3:5] if first_layer else mixed[2:5], weights.lora_down.transpose(1, 2))
     torch.tanh_(hidden[-2])  # the decay LoRA's nonlinearity (zero-padded columns stay zero)
     *dv, dw, da = torch.bmm(hidden, weights.lora_up.transpose(1, 2)).unbind(0)
@@ -186,10 +180,6 @@ class FusedKernels:
         # self-test keep them dense (for A/B timing, and so that the other paths do not depend on it).
         self.sparse_rows: int = module.sparse_gemv_max_rows()
         self.sparse_ffn: bool = os.environ.get("RWKV_SPARSE_FFN", "1") != "0"
-        # Steps of up to this many tokens multiply r, k and v as one batched matmul, longer ones as three plain
-        # ones: at 16 x 1,024 tokens of a 7.2B model cuBLAS ran the batched one at ~550 TFLOP/s, the same-shaped
-        # output projection at ~690 (bench/results/profile_prefill_chunked_h200.json).
-        self.rkv_bmm_rows: int = int(os.environ.get("RWKV_RKV_BMM_ROWS", DEFAULT_RKV_BMM_ROWS))
 
     # -------------------------------------------------------------- ops
     @staticmethod
@@ -284,7 +274,7 @@ class FusedKernels:
                     second.append((blk.v2, hv, dv, ACT_NONE, EPI_NONE, None))
                 self.gemv(second)
             elif isinstance(blk.batched, BatchedWeights):
-                r, k, v, dw, da, dv = batched_projections(blk.batched, mixed, first, T <= self.rkv_bmm_rows)
+                r, k, v, dw, da, dv = batched_projections(blk.batched, mixed, first)
                 dv = _empty(x.device) if dv is None else dv
                 g = blk.g2(torch.sigmoid(blk.g1(xg)))
             else:
