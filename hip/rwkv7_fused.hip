@@ -1650,6 +1650,12 @@ inline bool gemv_split_enabled() {
     return enabled;
 }
 
+// RWKV_GEMV_SPLIT_ROWS overrides kGemvSplitRows (read once; for A/B timing).
+inline int64_t gemv_split_rows() {
+    static const int64_t value = env_int("RWKV_GEMV_SPLIT_ROWS", kGemvSplitRows);
+    return value;
+}
+
 inline void plan_gemv_splits(GemvArgs& args) {
     int64_t units = 0;
     for (int i = 0; i < args.count; ++i) {
@@ -1657,7 +1663,7 @@ inline void plan_gemv_splits(GemvArgs& args) {
         args.task[i].rows_per_warp = gemv_rows_per_warp(args.task[i]);
         units += gemv_units(args.task[i], 1);
     }
-    while (gemv_split_enabled() && units < kGemvSplitRows) {
+    while (gemv_split_enabled() && units < gemv_split_rows()) {
         int best = -1, best_slice = 0;
         for (int i = 0; i < args.count; ++i) {
             const GemvTask& t = args.task[i];
