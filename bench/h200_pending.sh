@@ -23,7 +23,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sparse-ffn  # the sparse-input FFN value GEMV: GPU tests, decode A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh decode-b1   # builds first, then GPU tests, decode, A/B of the GEMV plans
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh chunked   # the chunked prefill time mix: GPU tests, prefill, A/B
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-order  # LoRA tasks first: GPU tests, decode, split A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-order  # batch-1 GEMV launches: GPU tests, decode, split A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -236,19 +236,18 @@ chunked)  # the chunked time mix for prefills of many rows: GPU tests, prefill, 
         --out bench/results/experiment_prefill_chunked_small_h200.json
     copy bench/results/experiment_prefill_chunked_small_h200.json
     ;;
-gemv-order)  # the LoRA first halves first in the r/k/v launch: GPU tests, decode, A/B of the split target
+gemv-order)  # batch-1 GEMV launches (LoRA tasks first, split to 32,768 units): GPU tests, decode, A/B at 16,384
     build_fused
     step 100 "fused GPU tests (decode, greedy, invariance)" python -m pytest -q -rs -p no:cacheprovider \
         test/test_fused_cuda.py -k "(decode_matches or greedy or invariance or gemv_tasks) and not uint4 and not gemlite"
     step 80 "decode" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1,2,4,8 --steps 30 \
-        --wkv cuda --no-checks --out bench/results/decode_h200_lora_first.json
-    copy bench/results/decode_h200_lora_first.json
-    step 50 "A/B: GEMV launches split to 32768 units (RWKV_GEMV_SPLIT_ROWS=32768)" env RWKV_GEMV_SPLIT_ROWS=32768 \
-        python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1 --steps 30 --wkv cuda --no-checks \
-        --out bench/results/experiment_split_rows_32k_h200.json
-    copy bench/results/experiment_split_rows_32k_h200.json
-    step 40 "A/B: GEMV launches split to 32768 units, launches alone" env RWKV_GEMV_SPLIT_ROWS=32768 \
-        python bench/bench_gemv.py --size 7.2b --out bench/results/gemv_h200_split_rows_32k.json
+        --wkv cuda --no-checks --out bench/results/decode_h200_lora_first_split32k.json
+    copy bench/results/decode_h200_lora_first_split32k.json
+    step 80 "A/B: GEMV launches split to 16384 units (RWKV_GEMV_SPLIT_ROWS=16384)" env RWKV_GEMV_SPLIT_ROWS=16384 \
+        python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1,2,4,8 --steps 30 --wkv cuda --no-checks \
+        --out bench/results/experiment_lora_first_split16k_h200.json
+    copy bench/results/experiment_lora_first_split16k_h200.json
+    step 40 "GEMV launches alone" python bench/bench_gemv.py --size 7.2b --out bench/results/gemv_h200_split_rows_32k.json
     copy bench/results/gemv_h200_split_rows_32k.json
     ;;
 w4-gemv)  # GemLite A16W4 on the fused GEMV's 4-bit tasks: GPU tests, then decode at batch 1-8

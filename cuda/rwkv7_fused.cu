@@ -1571,7 +1571,9 @@ inline int gemv_rows_per_warp(const GemvTask& t) {
 // while each slice keeps at least one full batch of loads per lane (kGemvMinSlice vectors). A 4-bit task
 // with long rows halves its band instead (once).
 // RWKV_GEMV_SPLIT=0 turns it off (for A/B timing).
-constexpr int kGemvSplitRows = 16384;
+// 32,768 units: a 7.2B layer at batch 1 then splits r, k and v (and the FFN key) in two, one batch of loads
+// per lane: 260.7 -> 267.8 tok/s against 16,384 (bench/results/decode_h200_lora_first_split32k.json).
+constexpr int kGemvSplitRows = 32768;
 constexpr int kGemvMinSlice = 32 * kGemvLoads;
 
 inline bool gemv_split_enabled() {

@@ -264,7 +264,7 @@ class FusedKernels:
             if small:
                 # The decay and gate LoRAs' tanh/sigmoid as epilogues of their first halves. Those come first in
                 # the grid: last, their few blocks ran after the big matrices' at low occupancy, 38.9 us per 7.2B
-                # layer against 34.0 first (bench/results/gemv_h200_default.json).
+                # layer against 34.0 first (bench/results/gemv_h200_split_rows_16k.json).
                 tasks = [(blk.w1, xw, hw, EPI_TANH), (blk.a1, xa, ha, EPI_NONE), (blk.g1, xg, hg, EPI_SIGMOID)]
                 if not first:
                     tasks.append((blk.v1, xv, hv, EPI_NONE))
