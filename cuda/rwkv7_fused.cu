@@ -280,6 +280,27 @@ __device__ __forceinline__ TokenInputs load_token_inputs(const TimeMixArgs& p, i
     return in;
 }
 
+// The row of time-mix block blockIdx.x (= row * H + head): its first and last token and its state slot.
+struct TimeMixRow {
+    int64_t first, last, slot;
+};
+
+__device__ __forceinline__ TimeMixRow time_mix_row(int H, const int64_t* slots, const int64_t* starts,
+                                                   const int64_t* lasts) {
+    const int64_t row = blockIdx.x / H;
+    return {starts[row], lasts[row], slots[row]};
+}
+
+// The time mix's per-channel parameters at channel col, as floats (v0: 0 in layer 0, which has none).
+struct ChannelParams {
+    float w0, r_k, lnx_w, lnx_b, a0, k_k, k_a, v0;
+};
+
+__device__ __forceinline__ ChannelParams load_channel_params(const TimeMixArgs& p, int64_t col) {
+    return {p.w0[col],        p.r_k[col],       p.lnx_w[col],      p.lnx_b[col],
+            h2f(p.a0[col]),   h2f(p.k_k[col]),  h2f(p.k_a[col]),   p.first_layer ? 0.0f : h2f(p.v0[col])};
+}
+
 // Whether a time-mix block's row has work (values the same for the whole block, so the early return is
 // block-uniform). If not, the block waits for its predecessor like any other and, for a row on a bad slot,
 // stores NaN outputs (its tokens first + offset, + stride, ... at channel col), leaving the state alone.
@@ -303,15 +324,12 @@ template <typename S>
 __global__ void __launch_bounds__(N)
 time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state, const int64_t* __restrict__ slots,
                 const int64_t* __restrict__ starts, const int64_t* __restrict__ lasts, TimeMixArgs p) {
-    const int64_t row = blockIdx.x / H;
     const int h = blockIdx.x % H;
     const int i = threadIdx.x;
     const int64_t C = int64_t(H) * N;
     const int64_t col = int64_t(h) * N + i;
 
-    const int64_t first = starts[row];
-    const int64_t last = lasts[row];
-    const int64_t slot = slots[row];
+    const auto [first, last, slot] = time_mix_row(H, slots, starts, lasts);
     if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
 
     __shared__ __align__(16) float tile[N][wkv7::LD];
@@ -325,9 +343,7 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
     wkv7::Staged<S> staged;
     wkv7::block_load(block, staged);  // only this kernel writes the state: safe before the wait
 
-    const float w0 = p.w0[col], r_k = p.r_k[col], lnx_w = p.lnx_w[col], lnx_b = p.lnx_b[col];
-    const float a0 = h2f(p.a0[col]), k_k = h2f(p.k_k[col]), k_a = h2f(p.k_a[col]);
-    const float v0 = p.first_layer ? 0.0f : h2f(p.v0[col]);
+    const auto [w0, r_k, lnx_w, lnx_b, a0, k_k, k_a, v0] = load_channel_params(p, col);
 
     dependency_wait();
     TokenInputs in = load_token_inputs(p, first * C + col);
@@ -420,7 +436,6 @@ __global__ void __launch_bounds__(kPrefillThreads)
 time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
                         const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
                         const int64_t* __restrict__ lasts, TimeMixArgs p) {
-    const int64_t row = blockIdx.x / H;
     const int h = blockIdx.x % H;
     const int ci = threadIdx.x % N;         // phases A and C: channel h*64+ci of tokens u0, u0+4, ...
     const int u0 = threadIdx.x / N;
@@ -429,9 +444,7 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     const int64_t C = int64_t(H) * N;
     const int64_t col = int64_t(h) * N + ci;
 
-    const int64_t first = starts[row];
-    const int64_t last = lasts[row];
-    const int64_t slot = slots[row];
+    const auto [first, last, slot] = time_mix_row(H, slots, starts, lasts);
     if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, u0, kPrefillPerPass)) return;
 
     // The staging tile is needed before the first chunk and after the last: the chunk buffers share it.
@@ -444,20 +457,20 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     wkv7::Staged<S> staged;
     if (stager) wkv7::block_load(block, staged);  // only this kernel writes the state: safe before the wait
 
-    const float w0 = p.w0[col], r_k = p.r_k[col], lnx_w = p.lnx_w[col], lnx_b = p.lnx_b[col];
-    const float a0 = h2f(p.a0[col]), k_k = h2f(p.k_k[col]), k_a = h2f(p.k_a[col]);
-    const float v0 = p.first_layer ? 0.0f : h2f(p.v0[col]);
+    const auto [w0, r_k, lnx_w, lnx_b, a0, k_k, k_a, v0] = load_channel_params(p, col);
 
     dependency_wait();
     TokenInputs in[kPrefillPasses];
-    auto fetch = [&](int64_t t0) {  // this thread's inputs of the chunk starting at token t0
+    // this thread's inputs of the chunk starting at token t0 (a row ending at token end; a parameter, since a
+    // structured binding cannot be captured)
+    auto fetch = [&](int64_t t0, int64_t end) {
 #pragma unroll
         for (int m = 0; m < kPrefillPasses; ++m) {
             const int64_t t = t0 + u0 + m * kPrefillPerPass;
-            if (t <= last) in[m] = load_token_inputs(p, t * C + col);
+            if (t <= end) in[m] = load_token_inputs(p, t * C + col);
         }
     };
-    fetch(first);
+    fetch(first, last);
     if (stager) wkv7::staged_to_tile(staged, tile);
     __syncthreads();
     float s[16];  // s[4c + e] = S[si][16c + 4q + e]
@@ -511,7 +524,7 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
             buf.b[u][ci] = kk * a[m];
             buf.v[u][ci] = vn[m];
         }
-        if (t0 + kPrefillChunk <= last) fetch(t0 + kPrefillChunk);  // in flight across phase B
+        if (t0 + kPrefillChunk <= last) fetch(t0 + kPrefillChunk, last);  // in flight across phase B
         __syncthreads();
 
         // B: the recurrence on this thread's quarter row (see token_step in wkv7_state.cuh)
@@ -636,16 +649,13 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
                         const int64_t* __restrict__ lasts, TimeMixArgs p) {
     static_assert(kChunkTokens * 8 == N, "load_chunk: 8 threads per token");
     static_assert(kChunkRows == 4 && N / kChunkRows * 4 == N, "phase B: a quad of threads per 4 rows (float4 of v, y)");
-    const int64_t row = blockIdx.x / H;
     const int h = blockIdx.x % H;
     const int i = threadIdx.x, warp = threadIdx.x >> 5;
     const int g = i / 4, q = i % 4;  // phase B: state rows 4g .. 4g + 3, columns 16c + 4q + e (c, e < 4)
     const int64_t C = int64_t(H) * N;
     const int64_t col = int64_t(h) * N + i;
 
-    const int64_t first = starts[row];
-    const int64_t last = lasts[row];
-    const int64_t slot = slots[row];
+    const auto [first, last, slot] = time_mix_row(H, slots, starts, lasts);
     if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
 
     // The staging tile is needed before the first chunk and after the last: the chunk buffers share it.
@@ -658,9 +668,7 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     wkv7::Staged<S> staged;
     wkv7::block_load(block, staged);  // only this kernel writes the state: safe before the wait
 
-    const float w0 = p.w0[col], r_k = p.r_k[col], lnx_w = p.lnx_w[col], lnx_b = p.lnx_b[col];
-    const float a0 = h2f(p.a0[col]), k_k = h2f(p.k_k[col]), k_a = h2f(p.k_a[col]);
-    const float v0 = p.first_layer ? 0.0f : h2f(p.v0[col]);
+    const auto [w0, r_k, lnx_w, lnx_b, a0, k_k, k_a, v0] = load_channel_params(p, col);
 
     dependency_wait();
     {
