@@ -768,10 +768,13 @@ struct ChunkBuffers {  // shared, per token of the chunk: key-axis vectors, v', 
     float norm[kChunkTokens][2], bonus[kChunkTokens][2], mean[kChunkTokens][2], var[kChunkTokens][2];
 };
 
-__device__ __forceinline__ const __half* chunk_input(const TimeMixArgs& p, int j) {
+// Input j of the chunk (the order above), and how many the layer reads: the kernel's loads and the launcher's
+// alignment check (time_mix_kernel_for) go through these.
+__host__ __device__ __forceinline__ const __half* chunk_input(const TimeMixArgs& p, int j) {
     return j == 0 ? p.r : j == 1 ? p.k : j == 2 ? p.v : j == 3 ? p.dw : j == 4 ? p.da : j == 5 ? p.g : j == 6 ? p.dv
                                                                                                        : p.v_first;
 }
+__host__ __device__ __forceinline__ int chunk_inputs(const TimeMixArgs& p) { return p.first_layer ? 6 : kChunkInputs; }
 
 // One thread's share of inputs [J0, J1) of a chunk: 16 bytes (8 channels) of token threadIdx.x / 8 of each;
 // zeros past the row's end.
@@ -785,7 +788,7 @@ __device__ __forceinline__ void load_chunk(const TimeMixArgs& p, int64_t t0, int
                                            ChunkLoads<J0, J1>& c) {
     const int64_t t = t0 + threadIdx.x / 8;
     const int64_t o = t * C + int64_t(h) * N + (threadIdx.x % 8) * 8;
-    const int inputs = p.first_layer ? 6 : kChunkInputs;
+    const int inputs = chunk_inputs(p);
 #pragma unroll
     for (int j = J0; j < J1; ++j)
         c.v[j - J0] = t <= last && j < inputs ? *reinterpret_cast<const uint4*>(chunk_input(p, j) + o)
@@ -1520,9 +1523,8 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
     static const bool chunked = env_int("RWKV_TIME_MIX_CHUNKED", 1) != 0;
     if (!prefill) return kTimeMixDecode;
     if (grid < prefill_max_blocks) return kTimeMixPrefill;
-    const void* inputs[kChunkInputs] = {p.r, p.k, p.v, p.dw, p.da, p.g, p.dv, p.v_first};
-    for (int j = 0; j < (p.first_layer ? 6 : kChunkInputs); ++j)
-        if (reinterpret_cast<uintptr_t>(inputs[j]) % 16) return kTimeMixDecode;
+    for (int j = 0; j < chunk_inputs(p); ++j)
+        if (reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16) return kTimeMixDecode;
     return chunked ? kTimeMixChunked : kTimeMixDecode;
 }
 
@@ -1646,23 +1648,19 @@ inline int gemv_rows_per_warp(const GemvTask& t) {
 
 // Row splitting, as in the CUDA source: the rows of the task with the longest slices are halved until the
 // launch has kGemvSplitRows (row, slice) units, each slice keeping a full batch of loads per lane; a 4-bit
-// task with long rows halves its band instead (once). RWKV_GEMV_SPLIT=0 turns it off.
+// task with long rows halves its band instead (once).
 // 32,768 units: a 7.2B layer at batch 1 then splits r, k and v (and the FFN key) in two, one batch of loads
 // per lane: 260.7 -> 267.8 tok/s against 16,384 (bench/results/decode_h200_lora_first_split32k.json).
 constexpr int kGemvSplitRows = 32768;
 constexpr int kGemvMinSlice = kTeam * kGemvLoads;
 
-inline bool gemv_split_enabled() {
-    static const bool enabled = [] {
-        const char* env = std::getenv("RWKV_GEMV_SPLIT");
-        return !(env && env[0] == '0');
-    }();
-    return enabled;
-}
-
-// RWKV_GEMV_SPLIT_ROWS overrides kGemvSplitRows (read once; for A/B timing).
+// The (row, slice) units a launch is split to: kGemvSplitRows, RWKV_GEMV_SPLIT_ROWS instead if set, 0 (no
+// splitting) with RWKV_GEMV_SPLIT=0 (read once; for A/B timing).
 inline int64_t gemv_split_rows() {
-    static const int64_t value = env_int("RWKV_GEMV_SPLIT_ROWS", kGemvSplitRows);
+    static const int64_t value = [] {
+        const char* off = std::getenv("RWKV_GEMV_SPLIT");
+        return off && off[0] == '0' ? int64_t(0) : env_int("RWKV_GEMV_SPLIT_ROWS", kGemvSplitRows);
+    }();
     return value;
 }
 
@@ -1673,7 +1671,7 @@ inline void plan_gemv_splits(GemvArgs& args) {
         args.task[i].rows_per_warp = gemv_rows_per_warp(args.task[i]);
         units += gemv_units(args.task[i], 1);
     }
-    while (gemv_split_enabled() && units < gemv_split_rows()) {
+    while (units < gemv_split_rows()) {
         int best = -1, best_slice = 0;
         for (int i = 0; i < args.count; ++i) {
             const GemvTask& t = args.task[i];
