@@ -33,7 +33,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -235,6 +235,39 @@ chunked)  # the chunked time mix for prefills of many rows: GPU tests, prefill, 
         python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 --prefill-rows 1,4 --wkv cuda --no-checks \
         --out bench/results/experiment_prefill_chunked_small_h200.json
     copy bench/results/experiment_prefill_chunked_small_h200.json
+    ;;
+prefill-split)  # a head's state rows over four blocks for prompts alone: GPU tests, prefill and TTFT
+    build_fused
+    step 200 "fused GPU tests (prefill, decode, oracle, greedy, invariance)" python -m pytest -q -rs -p no:cacheprovider \
+        test/test_fused_cuda.py -k "(prefill or decode_matches or cpu_fp32 or greedy or invariance or relu_square) and not uint4 and not gemlite"
+    step 200 "prefill" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
+        --prefill-rows 1,2,4,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill_split.json
+    copy bench/results/decode_h200_prefill_split.json
+    ;;
+prefill-gaps)  # A/B of the split time mix against the 256-thread kernel; where the batched prefill's idle time is
+    build_fused
+    step 120 "A/B: the 256-thread kernel for prompts alone (RWKV_SPLIT_MAX_BLOCKS=0)" env RWKV_SPLIT_MAX_BLOCKS=0 \
+        python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024 --prefill-rows 1,2,4 --wkv cuda \
+        --no-checks --out bench/results/experiment_prefill_split_off_h200.json
+    copy bench/results/experiment_prefill_split_off_h200.json
+    step 200 "prefill profile, 7.2B (idle gaps, CUDA graph)" python bench/profile_decode.py --sizes 7.2b --batches "" \
+        --prompts 1x1024,16x1024 --out bench/results/profile_prefill_split_h200.json
+    copy bench/results/profile_prefill_split_h200.json
+    ;;
+prefill-split2)  # the split time mix (the FULL-chunk recurrence): phases, GPU tests, prefill, the bound's A/B
+    build_fused
+    step 120 "time-mix phases, 7.2B prompt shape" python bench/experiment_time_mix_phases.py \
+        --out bench/results/experiment_time_mix_phases_final_h200.json
+    copy bench/results/experiment_time_mix_phases_final_h200.json
+    step 200 "fused GPU tests (prefill, decode, oracle, greedy, invariance)" python -m pytest -q -rs -p no:cacheprovider \
+        test/test_fused_cuda.py -k "(prefill or decode_matches or cpu_fp32 or greedy or invariance or relu_square) and not uint4 and not gemlite"
+    step 150 "prefill" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
+        --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill_split2.json
+    copy bench/results/decode_h200_prefill_split2.json
+    step 120 "A/B: the split kernel for more rows (RWKV_SPLIT_MAX_BLOCKS=4096)" env RWKV_SPLIT_MAX_BLOCKS=4096 \
+        python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024 --prefill-rows 2,4,8 --wkv cuda \
+        --no-checks --out bench/results/experiment_prefill_split2_rows_h200.json
+    copy bench/results/experiment_prefill_split2_rows_h200.json
     ;;
 gemv-order)  # batch-1 GEMV launches (LoRA tasks first, split to 32,768 units): GPU tests, decode, A/B at 16,384
     build_fused

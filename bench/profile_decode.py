@@ -6,7 +6,9 @@ ramp-up), the part that fewer or overlapping launches can remove.
     python bench/profile_decode.py --sizes 1.5b,7.2b --batches 1,256 --out bench/results/profile_h200.json
 
 With ``--prompts 1x1024,16x1024`` it profiles prefill forwards instead (rows x tokens each, eager, as the
-engine runs them), timed with CUDA events.
+engine runs them), timed with CUDA events, and the same forward captured as a CUDA graph (``graph_step_us``;
+the eager time above it is what issuing the launches from the host costs). Every row lists the largest idle
+gaps between consecutive kernels (``gaps``: the kernels on either side, µs averaged over the steps).
 
     python bench/profile_decode.py --sizes 7.2b --batches "" --prompts 1x1024 --out bench/results/profile_prefill_h200.json
 """
@@ -39,10 +41,11 @@ def short_name(name: str) -> str:
     return name.removeprefix("void ")[:60]
 
 
-def kernel_times(fn, steps: int) -> tuple[dict[str, dict], float, list]:
-    """Per kernel name: launches and device µs per step; the summed kernel µs per step; and the step's
+def kernel_times(fn, steps: int) -> tuple[dict[str, dict], float, list, dict]:
+    """Per kernel name: launches and device µs per step; the summed kernel µs per step; the step's
     launches in order, [name, µs averaged over the steps] (which matrix each GEMV launch reads follows
-    from the forward's order)."""
+    from the forward's order); and the idle time between consecutive launches within a step (total and the
+    largest gaps)."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -59,10 +62,25 @@ def kernel_times(fn, steps: int) -> tuple[dict[str, dict], float, list]:
              for name, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1])}
     kernels.sort(key=lambda e: e.time_range.start)
     per_step = len(kernels) // steps
+    whole = per_step * steps == len(kernels)
     sequence = [[short_name(kernels[i].name),
                  round(sum(kernels[s * per_step + i].device_time for s in range(steps)) / steps, 2)]
-                for i in range(per_step)] if per_step * steps == len(kernels) else []
-    return table, sum(v["us_per_step"] for v in table.values()), sequence
+                for i in range(per_step)] if whole else []
+    return table, sum(v["us_per_step"] for v in table.values()), sequence, idle_gaps(kernels, steps) if whole else {}
+
+
+def idle_gaps(kernels: list, steps: int, top: int = 12) -> dict:
+    """The device's idle time between launch i and i + 1 of a step (next start - this end, averaged over the
+    steps; overlapping launches count 0): the total per step and the ``top`` largest, with their neighbours."""
+    per_step = len(kernels) // steps
+    gaps = []
+    for i in range(per_step - 1):
+        idle = sum(max(0.0, kernels[s * per_step + i + 1].time_range.start - kernels[s * per_step + i].time_range.end)
+                   for s in range(steps)) / steps
+        gaps.append((idle, i, short_name(kernels[i].name), short_name(kernels[i + 1].name)))
+    largest = sorted(gaps, reverse=True)[:top]
+    return {"idle_us_per_step": round(sum(g[0] for g in gaps), 1),
+            "largest": [{"after_launch": i, "after": a, "before": b, "us": round(us, 2)} for us, i, a, b in largest]}
 
 
 def profile_size(name: str, batches: list[int], prompts: list[tuple[int, int]], steps: int, forward: str) -> list[dict]:
@@ -82,8 +100,16 @@ def profile_size(name: str, batches: list[int], prompts: list[tuple[int, int]], 
         pool = model.new_state_pool(count)
         batch = PackedBatch.from_rows([torch.randint(1, 65530, (length,)).tolist() for _ in range(count)],
                                       list(range(count)), "cuda")
-        rows.append(profile_step(lambda: model.forward(batch, pool), max(2, steps // 4),
-                                 {"size": name, "prompts": count, "prompt_tokens": length, "forward": forward}))
+        row = profile_step(lambda: model.forward(batch, pool), max(2, steps // 4),
+                           {"size": name, "prompts": count, "prompt_tokens": length, "forward": forward})
+        try:  # the same forward as a CUDA graph: no host in the way (and proof that it never syncs the host)
+            graph, _ = capture(model, batch, pool)
+            row["graph_step_us"] = round(time_steps(graph.replay, max(2, steps // 4) * 3) * 1e6, 1)
+            del graph
+        except Exception as err:  # noqa: BLE001 - reported, not fatal: the eager figures stand
+            row["graph_error"] = f"{type(err).__name__}: {err}"[:300]
+        print(f"  as a CUDA graph: {row.get('graph_step_us', row.get('graph_error'))}", flush=True)
+        rows.append(row)
         del pool
         torch.cuda.empty_cache()
     return rows
@@ -93,17 +119,21 @@ def profile_step(fn, steps: int, row: dict) -> dict:
     """Time ``fn`` (one step) with CUDA events and per kernel with the profiler; print and return ``row``
     completed with both."""
     step_us = time_steps(fn, steps * 3) * 1e6
-    kernels, kernel_us, sequence = kernel_times(fn, steps)
+    kernels, kernel_us, sequence, gaps = kernel_times(fn, steps)
     launches = sum(v["launches_per_step"] for v in kernels.values())
     row.update({"step_us": round(step_us, 1), "kernel_us_per_step": round(kernel_us, 1),
                 "launches_per_step": round(launches, 1),
                 "boundary_us_per_launch": round((step_us - kernel_us) / max(launches, 1), 2),
-                "kernels": kernels, "sequence": sequence})
+                "kernels": kernels, "gaps": gaps, "sequence": sequence})
     what = f"batch {row['batch']}" if "batch" in row else f"prefill {row['prompts']} x {row['prompt_tokens']}"
     print(f"\n{row['size']} {what} ({row['forward']}): step {step_us:.0f} us, kernels {kernel_us:.0f} us in "
           f"{launches:.0f} launches, {row['boundary_us_per_launch']} us per boundary", flush=True)
     for kname, v in list(kernels.items())[:14]:
         print(f"  {v['us_per_step']:>9.1f} us {v['launches_per_step']:>6.1f}x  {kname}", flush=True)
+    if gaps:
+        print(f"  idle between launches: {gaps['idle_us_per_step']} us per step; largest:", flush=True)
+        for g in gaps["largest"][:6]:
+            print(f"    {g['us']:>8.1f} us after launch {g['after_launch']} ({g['after']} -> {g['before']})", flush=True)
     return row
 
 

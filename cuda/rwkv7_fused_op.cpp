@@ -17,7 +17,10 @@ extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, 
 extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
-                                     const void* const* params, int first_layer, int prefill);
+                                     const void* const* params, int first_layer, int64_t max_len, float* scratch,
+                                     int64_t scratch_floats);
+extern "C" int64_t fused_time_mix_scratch_floats(int64_t B, int64_t H, int64_t num_tokens, const void* const* tensors,
+                                                 int first_layer, int64_t max_len);
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
                                  const void* const* scale, const void* const* zero, const void* const* x,
                                  void* const* y, const void* const* residual, const int64_t* n, const int64_t* k,
@@ -99,11 +102,11 @@ void ln_shift_mix(torch::Tensor x, torch::Tensor ln_w, torch::Tensor ln_b, torch
 // The time-mix between the projections and the output projection, state[slots] updated in place.
 // tensors = [r, k, v, dw, da, dv, g, v_first, out] ([T, C] fp16; dv may be empty in layer 0),
 // params = [w0, r_k, lnx_w, lnx_b] fp32 [C] + [a0, v0, k_k, k_a] fp16 [C] (v0 may be empty in layer 0).
-// prefill: some row has several tokens; the launcher then takes the prefill kernel for a small grid (same
-// results; see cuda/rwkv7_fused.cu).
+// max_len: the longest row's tokens; with several, the launcher takes a prefill kernel (same results; see
+// cuda/rwkv7_fused.cu), for a small grid one that needs an fp32 scratch [T, C], allocated here.
 void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, torch::Tensor lasts,
               std::vector<torch::Tensor> tensors, std::vector<torch::Tensor> params, bool first_layer,
-              bool prefill, int64_t stream) {
+              int64_t max_len, int64_t stream) {
     const char* op = "time_mix";
     TORCH_CHECK(state.is_cuda() && state.dim() == 4 && state.size(2) == kHeadSize && state.size(3) == kHeadSize, op,
                 ": state must be a CUDA tensor [slots, heads, 64, 64], got ", shape(state));
@@ -131,10 +134,15 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
         param_ptr.push_back(unused ? nullptr : params[i].data_ptr());
     }
     const int state_dtype = state.scalar_type() == torch::kFloat32 ? 0 : 1;
+    TORCH_CHECK(B == 0 || (max_len >= 1 && max_len <= T), op, ": max_len must be in [1, T = ", T, "], got ", max_len);
+    const int64_t scratch_floats =
+        fused_time_mix_scratch_floats(B, H, T, tensor_ptr.data(), first_layer ? 1 : 0, max_len);
+    torch::Tensor scratch;
+    if (scratch_floats > 0) scratch = torch::empty({scratch_floats}, state.options().dtype(torch::kFloat32));
     raise_on(fused_time_mix_launch(static_cast<int>(device.index()), stream, state_dtype, B, H, state.size(0), T,
                                    state.data_ptr(), slots.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
                                    lasts.data_ptr<int64_t>(), tensor_ptr.data(), param_ptr.data(), first_layer ? 1 : 0,
-                                   prefill ? 1 : 0),
+                                   max_len, scratch_floats > 0 ? scratch.data_ptr<float>() : nullptr, scratch_floats),
              op);
 }
 
@@ -257,7 +265,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "Fused RWKV-7 forward kernels: layer norm + token shift + mix, time mix, grouped GEMV, sparse-input GEMV, "
             "relu^2";
     m.def("ln_shift_mix", &ln_shift_mix, "ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mix, out, stream)");
-    m.def("time_mix", &time_mix, "time_mix(state, slots, starts, lasts, tensors, params, first_layer, prefill, stream)");
+    m.def("time_mix", &time_mix, "time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, stream)");
     m.def("gemv", &gemv, "gemv(w, scale, zero, x, y, residual, group, activation, epilogue, stream)");
     m.def("gemv_max_rows", &fused_gemv_max_rows);
     m.def("gemv_max_tasks", &fused_gemv_max_tasks);

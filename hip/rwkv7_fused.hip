@@ -438,14 +438,13 @@ __device__ __forceinline__ TokenInputs load_token_inputs(const TimeMixArgs& p, i
     return in;
 }
 
-// The row of time-mix block blockIdx.x (= row * H + head): its first and last token and its state slot.
+// Row `row` of a time-mix launch: its first and last token and its state slot.
 struct TimeMixRow {
     int64_t first, last, slot;
 };
 
-__device__ __forceinline__ TimeMixRow time_mix_row(int H, const int64_t* slots, const int64_t* starts,
+__device__ __forceinline__ TimeMixRow time_mix_row(int64_t row, const int64_t* slots, const int64_t* starts,
                                                    const int64_t* lasts) {
-    const int64_t row = blockIdx.x / H;
     return {starts[row], lasts[row], slots[row]};
 }
 
@@ -489,7 +488,7 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
     const int64_t C = int64_t(H) * N;
     const int64_t col = int64_t(h) * N + i;
 
-    const auto [first, last, slot] = time_mix_row(H, slots, starts, lasts);
+    const auto [first, last, slot] = time_mix_row(blockIdx.x / H, slots, starts, lasts);
     if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
 
     __shared__ __align__(16) float tile[N][wkv7::LD];
@@ -599,7 +598,7 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     const int64_t C = int64_t(H) * N;
     const int64_t col = int64_t(h) * N + ci;
 
-    const auto [first, last, slot] = time_mix_row(H, slots, starts, lasts);
+    const auto [first, last, slot] = time_mix_row(blockIdx.x / H, slots, starts, lasts);
     if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, u0, kPrefillPerPass)) return;
 
     // The staging tile is needed before the first chunk and after the last: the chunk buffers share it.
@@ -802,6 +801,62 @@ __device__ __forceinline__ void store_chunk(const ChunkLoads<J0, J1>& c, __half 
         *reinterpret_cast<uint4*>(&in[j][threadIdx.x / 8][(threadIdx.x % 8) * 8]) = c.v[j - J0];
 }
 
+// The state-free values of one token at one channel (time_mix_kernel's formulas): decay w, gate a, the
+// unnormalised kk (k * k_k), k' and v' (layer 0: v).
+struct ChannelToken {
+    float w, a, kkr, kn, vn;
+};
+
+__device__ __forceinline__ ChannelToken channel_token(const ChannelParams& cp, float k, float v, float dw, float da,
+                                                      float dv, float v_first, int first_layer) {
+    ChannelToken o;
+    o.w = __expf(-kExpMinusHalf * sigmoidf(cp.w0 + dw));
+    o.a = sigmoidf(cp.a0 + da);
+    o.kkr = k * cp.k_k;
+    o.kn = k * (1.0f + (o.a - 1.0f) * cp.k_a);
+    o.vn = first_layer ? v : v + (v_first - v) * sigmoidf(cp.v0 + dv);
+    return o;
+}
+
+// A of a chunk (time_mix_chunked_kernel, time_mix_split_kernel): per token at channel col = h * 64 + threadIdx.x
+// of a 64-thread block, from the chunk's inputs in shared memory: decay, gates, k', v' and g into buf, and the
+// head's sums for kk's norm and the bonus, the chunk's tokens side by side; then -kk and kk * a. Two barriers.
+// Tokens past the row's end compute on zeros and store nothing; in layer 0 v_first := v where store_v_first.
+__device__ __forceinline__ void chunk_prepare(const TimeMixArgs& p, const __half (*inputs)[kChunkTokens][N],
+                                              ChunkBuffers& buf, const ChannelParams& cp, int64_t t0, int count,
+                                              int64_t C, int64_t col, bool store_v_first) {
+    const int i = threadIdx.x, team = threadIdx.x / kTeam;
+    // (k * k_k and a wait for the norm in buf.a and buf.b at this thread's own channel)
+#pragma unroll 2
+    for (int u = 0; u < kChunkTokens; ++u) {
+        const float r = h2f(inputs[0][u][i]), v = h2f(inputs[2][u][i]);
+        const ChannelToken ch = channel_token(cp, h2f(inputs[1][u][i]), v, h2f(inputs[3][u][i]), h2f(inputs[4][u][i]),
+                                              h2f(inputs[6][u][i]), h2f(inputs[7][u][i]), p.first_layer);
+        if (p.first_layer && store_v_first && u < count) p.v_first[(t0 + u) * C + col] = __float2half_rn(v);
+        buf.r[u][i] = r;
+        buf.w[u][i] = ch.w;
+        buf.k[u][i] = ch.kn;
+        buf.v[u][i] = ch.vn;
+        buf.g[u][i] = h2f(inputs[5][u][i]);
+        buf.a[u][i] = ch.kkr;
+        buf.b[u][i] = ch.a;
+        const float norm_part = warp_sum(ch.kkr * ch.kkr), bonus_part = warp_sum(r * ch.kn * cp.r_k);
+        if ((threadIdx.x & (kTeam - 1)) == 0) {
+            buf.norm[u][team] = norm_part;
+            buf.bonus[u][team] = bonus_part;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kChunkTokens; ++u) {
+        const float norm = sqrtf(buf.norm[u][0] + buf.norm[u][1]);
+        const float kk = buf.a[u][i] / fmaxf(norm, 1e-12f);
+        buf.b[u][i] = kk * buf.b[u][i];
+        buf.a[u][i] = -kk;
+    }
+    __syncthreads();
+}
+
 template <typename S>
 __global__ void __launch_bounds__(N, 8)
 time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
@@ -815,7 +870,7 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     const int64_t C = int64_t(H) * N;
     const int64_t col = int64_t(h) * N + i;
 
-    const auto [first, last, slot] = time_mix_row(H, slots, starts, lasts);
+    const auto [first, last, slot] = time_mix_row(blockIdx.x / H, slots, starts, lasts);
     if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
 
     // The staging tile is needed before the first chunk and after the last: the chunk buffers share it.
@@ -828,7 +883,7 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     wkv7::Staged<S> staged;
     wkv7::block_load(block, staged);  // only this kernel writes the state: safe before the wait
 
-    const auto [w0, r_k, lnx_w, lnx_b, a0, k_k, k_a, v0] = load_channel_params(p, col);
+    const ChannelParams params = load_channel_params(p, col);
 
     dependency_wait();
     {
@@ -854,42 +909,7 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 
     for (int64_t t0 = first; t0 <= last; t0 += kChunkTokens) {
         const int count = static_cast<int>(last - t0 + 1 < kChunkTokens ? last - t0 + 1 : kChunkTokens);
-        // A: per token at this channel (tokens past the row's end compute on zeros and store nothing)
-        // (k * k_k and a wait for the norm in buf.a and buf.b at this thread's own channel)
-#pragma unroll 2
-        for (int u = 0; u < kChunkTokens; ++u) {
-            const float r = h2f(inputs[0][u][i]), k = h2f(inputs[1][u][i]), v = h2f(inputs[2][u][i]);
-            const float w = __expf(-kExpMinusHalf * sigmoidf(w0 + h2f(inputs[3][u][i])));
-            const float a = sigmoidf(a0 + h2f(inputs[4][u][i])), kkr = k * k_k;
-            const float kn = k * (1.0f + (a - 1.0f) * k_a);
-            float vn = v;
-            if (p.first_layer) {
-                if (u < count) p.v_first[(t0 + u) * C + col] = __float2half_rn(v);
-            } else {
-                vn = v + (h2f(inputs[7][u][i]) - v) * sigmoidf(v0 + h2f(inputs[6][u][i]));
-            }
-            buf.r[u][i] = r;
-            buf.w[u][i] = w;
-            buf.k[u][i] = kn;
-            buf.v[u][i] = vn;
-            buf.g[u][i] = h2f(inputs[5][u][i]);
-            buf.a[u][i] = kkr;
-            buf.b[u][i] = a;
-            const float norm_part = warp_sum(kkr * kkr), bonus_part = warp_sum(r * kn * r_k);
-            if ((threadIdx.x & (kTeam - 1)) == 0) {
-                buf.norm[u][team] = norm_part;
-                buf.bonus[u][team] = bonus_part;
-            }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int u = 0; u < kChunkTokens; ++u) {
-            const float norm = sqrtf(buf.norm[u][0] + buf.norm[u][1]);
-            const float kk = buf.a[u][i] / fmaxf(norm, 1e-12f);
-            buf.b[u][i] = kk * buf.b[u][i];
-            buf.a[u][i] = -kk;
-        }
-        __syncthreads();
+        chunk_prepare(p, inputs, buf, params, t0, count, C, col, true);
         const bool more = t0 + kChunkTokens <= last;
 
         // B: the recurrence (see the comment above the kernel); v', g and y are kept in shared memory to leave
@@ -966,7 +986,7 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
         for (int u = 0; u < kChunkTokens; ++u) {
             if (u >= count) break;
             const float var = (buf.var[u][0] + buf.var[u][1]) * (1.0f / N);
-            const float yn = (y[u] - mean[u]) * rsqrtf(var + kGroupNormEps) * lnx_w + lnx_b;
+            const float yn = (y[u] - mean[u]) * rsqrtf(var + kGroupNormEps) * params.lnx_w + params.lnx_b;
             p.out[(t0 + u) * C + col] = __float2half_rn(round_half(yn + bonus[u] * buf.v[u][i]) * buf.g[u][i]);
         }
     }
@@ -981,6 +1001,202 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     }
     __syncthreads();
     wkv7::tile_to_block(tile, block);
+}
+
+// ------------------------------------------------------------------------------------ time_mix, split
+// Port note: the row sums shuffle within a 32-thread team.
+// A prompt alone, or a few: one (row, head) block per head leaves most of the multiprocessors idle and each
+// block walks 1,024 tokens of a 1k prompt one after another (the 256-thread kernel: 0.78 us per token and layer,
+// 25 ms of a 7.2B prompt's 46; bench/results/profile_prefill_h200.json). The state's rows are independent of
+// each other until the group norm, so this kernel splits a head's 64 rows over kSplitParts blocks of 64 threads.
+// Per chunk of 8 tokens:
+//   load: as time_mix_chunked_kernel, but the next chunk's inputs are loaded into registers at the start of a
+//         chunk and stored to shared memory at the start of the next (few blocks share a multiprocessor here,
+//         so nothing else would hide the round trip; with a quarter row per thread the registers are free);
+//   A: chunk_prepare, the whole head's key-axis vectors (every block of the head computes them);
+//   B: the recurrence on the block's 16 rows, a quad of threads per row (16 columns each, as in
+//      time_mix_prefill_kernel), with the next token's S . a summed in the same pass as this token's S . r;
+//   out: y before the group norm, fp32, into `y_raw` [T, C]; time_mix_finish_kernel does the rest (group norm,
+//        bonus, gate) over all of the tokens at once.
+// Three barriers per chunk. Same math and rounding points as time_mix_kernel (dot products summed in another
+// order, as in the other prefill kernels). 7.2B, 1 x 1,024 tokens, per layer: 425 us, of which A (with its two
+// barriers) is 159 and B 197 (bench/results/experiment_time_mix_phases_h200.json); the 256-thread kernel 792.
+constexpr int kSplitParts = 4;                    // blocks per (row, head)
+constexpr int kSplitRows = N / kSplitParts;       // state rows per block
+constexpr int kRowThreads = N / kSplitRows;       // threads per state row (a block has 64)
+constexpr int kRowVecs = N / kRowThreads / 4;     // float4s of a state row per thread
+// (row, head) grids below this take the split kernel: a 7.2B prompt alone (64) and 1.5B's of up to three (32 each);
+// from 128 on it is no faster than time_mix_prefill_kernel (bench/results/decode_h200_prefill_split.json against
+// experiment_prefill_split_off_h200.json: 7.2B 2 x 1024 66.3 ms against 65.4, 1.5B 4 x 1024 36.0 against 36.4)
+constexpr unsigned kSplitMaxBlocks = 128;
+constexpr int kFinishTokens = 8;                  // tokens per block of time_mix_finish_kernel
+
+// Sum over the kRowThreads threads of a state row (adjacent lanes of a team)
+__device__ __forceinline__ float row_sum(float v) {
+#pragma unroll
+    for (int o = 1; o < kRowThreads; o <<= 1) v += __shfl_xor(v, o, kTeam);
+    return v;
+}
+
+// Four consecutive state values S[row][j .. j+3] <-> fp32 (16 or 8 bytes, aligned)
+__device__ __forceinline__ float4 load_state4(const float* src) { return *reinterpret_cast<const float4*>(src); }
+__device__ __forceinline__ float4 load_state4(const __half* src) {
+    const uint2 u = *reinterpret_cast<const uint2*>(src);
+    auto half_at = [](uint32_t word, int hi) {
+        return __half2float(__ushort_as_half(static_cast<unsigned short>(hi ? word >> 16 : word & 0xFFFFu)));
+    };
+    return make_float4(half_at(u.x, 0), half_at(u.x, 1), half_at(u.y, 0), half_at(u.y, 1));
+}
+__device__ __forceinline__ void store_state4(float* dst, const float* v) {
+    *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store_state4(__half* dst, const float* v) {
+    auto bits = [](float x) { return uint32_t(__half_as_ushort(__float2half_rn(x))); };
+    uint2 u;
+    u.x = bits(v[0]) | (bits(v[1]) << 16);
+    u.y = bits(v[2]) | (bits(v[3]) << 16);
+    *reinterpret_cast<uint2*>(dst) = u;
+}
+
+// Thread q of a state row holds columns split_column(q, c) + e of it (c < kRowVecs, e < 4): conflict-free float4s.
+__device__ __forceinline__ int split_column(int q, int c) { return 4 * q + 4 * kRowThreads * c; }
+
+// B for one chunk: the recurrence on this thread's part s of state row `row`, writing y of token u to y_out[u * C]
+// (thread q == 0). FULL: the chunk has all its tokens, so no token is guarded by a branch and the compiler may
+// issue one token's shared-memory loads during the previous token's shuffles (7.2B prompt, the whole kernel: 425
+// against 496 us per layer with the guards; experiment_time_mix_phases_h200.json against its _run2).
+template <bool FULL>
+__device__ __forceinline__ void split_recurrence(float (&s)[4 * kRowVecs], const ChunkBuffers& buf, int q, int row,
+                                                 int count, float* y_out, int64_t C) {
+    float sa;
+    {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int c = 0; c < kRowVecs; ++c)
+            wkv7::dot4(&s[4 * c], *reinterpret_cast<const float4*>(&buf.a[0][split_column(q, c)]), acc);
+        sa = row_sum(wkv7::hsum4(acc));
+    }
+#pragma unroll
+    for (int u = 0; u < kChunkTokens; ++u) {
+        if (!FULL && u >= count) continue;  // (block-uniform; a break kept clang from unrolling)
+        const bool more = FULL ? u + 1 < kChunkTokens : u + 1 < count;
+        const int next = u + 1 < kChunkTokens ? u + 1 : u;  // (read only when more)
+        const float v = buf.v[u][row];
+        float4 out = make_float4(0.f, 0.f, 0.f, 0.f), acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int c = 0; c < kRowVecs; ++c) {
+            const int j = split_column(q, c);
+            wkv7::update4(&s[4 * c], *reinterpret_cast<const float4*>(&buf.w[u][j]),
+                          *reinterpret_cast<const float4*>(&buf.b[u][j]), *reinterpret_cast<const float4*>(&buf.k[u][j]),
+                          *reinterpret_cast<const float4*>(&buf.r[u][j]), sa, v, out);
+            if (more) wkv7::dot4(&s[4 * c], *reinterpret_cast<const float4*>(&buf.a[next][j]), acc);
+        }
+        const float y = row_sum(wkv7::hsum4(out));
+        sa = row_sum(wkv7::hsum4(acc));
+        if (q == 0) y_out[u * C] = y;
+    }
+}
+
+template <typename S>
+__global__ void __launch_bounds__(N)
+time_mix_split_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
+                      const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
+                      const int64_t* __restrict__ lasts, TimeMixArgs p, float* __restrict__ y_raw) {
+    static_assert(kChunkTokens * 8 == N, "load_chunk: 8 threads per token");
+    static_assert(kRowThreads * kSplitRows == N && kRowVecs >= 1, "B: whole float4s of a row per thread");
+    const int part = blockIdx.x % kSplitParts;
+    const int64_t head_block = blockIdx.x / kSplitParts;  // row * H + head
+    const int h = static_cast<int>(head_block % H);
+    const int i = threadIdx.x;
+    const int row = part * kSplitRows + i / kRowThreads, q = i % kRowThreads;  // B: state row, its columns
+    const int64_t C = int64_t(H) * N;
+    const int64_t col = int64_t(h) * N + i;
+
+    const auto [first, last, slot] = time_mix_row(head_block / H, slots, starts, lasts);
+    if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
+
+    __shared__ __align__(16) __half inputs[kChunkInputs][kChunkTokens][N];
+    __shared__ __align__(16) ChunkBuffers buf;
+
+    S* state_row = state + ((slot * H + h) * N + row) * N;
+    float s[4 * kRowVecs];  // s[4c + e] = S[row][split_column(q, c) + e]
+#pragma unroll
+    for (int c = 0; c < kRowVecs; ++c) {  // only this block touches these rows: safe before the wait
+        const float4 f = load_state4(state_row + split_column(q, c));
+        s[4 * c + 0] = f.x;
+        s[4 * c + 1] = f.y;
+        s[4 * c + 2] = f.z;
+        s[4 * c + 3] = f.w;
+    }
+    const ChannelParams params = load_channel_params(p, col);
+
+    dependency_wait();
+    ChunkLoads<0, kChunkInputs> next;
+    load_chunk(p, first, last, C, h, next);
+    for (int64_t t0 = first; t0 <= last; t0 += kChunkTokens) {
+        const int count = static_cast<int>(last - t0 + 1 < kChunkTokens ? last - t0 + 1 : kChunkTokens);
+        store_chunk(next, inputs);
+        __syncthreads();  // the inputs are in; the previous chunk's B is done with buf
+        if (t0 + kChunkTokens <= last) load_chunk(p, t0 + kChunkTokens, last, C, h, next);  // in flight over A, B
+        chunk_prepare(p, inputs, buf, params, t0, count, C, col, part == 0);
+        float* y_out = y_raw + t0 * C + int64_t(h) * N + row;
+        if (count == kChunkTokens)  // (block-uniform)
+            split_recurrence<true>(s, buf, q, row, count, y_out, C);
+        else
+            split_recurrence<false>(s, buf, q, row, count, y_out, C);
+    }
+
+#pragma unroll
+    for (int c = 0; c < kRowVecs; ++c) store_state4(state_row + split_column(q, c), &s[4 * c]);
+}
+
+__global__ void __launch_bounds__(N)
+time_mix_finish_kernel(int H, int64_t rows, int64_t num_slots, int64_t num_tokens, const int64_t* __restrict__ slots,
+                       const int64_t* __restrict__ starts, const int64_t* __restrict__ lasts, TimeMixArgs p,
+                       const float* __restrict__ y_raw) {
+    const int64_t head_block = blockIdx.x % (rows * H);
+    const int h = static_cast<int>(head_block % H);
+    const int i = threadIdx.x, team = threadIdx.x / kTeam;
+    const int64_t C = int64_t(H) * N;
+    const int64_t col = int64_t(h) * N + i;
+    const auto [first, last, slot] = time_mix_row(head_block / H, slots, starts, lasts);
+    const int64_t t0 = first + kFinishTokens * int64_t(blockIdx.x / (rows * H));
+    dependency_wait();
+    if (last < first || first < 0 || last >= num_tokens || slot < 0 || slot >= num_slots || t0 > last) return;
+    const int count = static_cast<int>(last - t0 + 1 < kFinishTokens ? last - t0 + 1 : kFinishTokens);
+
+    __shared__ float bonus_sum[kFinishTokens][2], mean_sum[kFinishTokens][2], var_sum[kFinishTokens][2];
+    const ChannelParams cp = load_channel_params(p, col);
+    float y[kFinishTokens], vn[kFinishTokens], g[kFinishTokens], mean[kFinishTokens];
+#pragma unroll
+    for (int u = 0; u < kFinishTokens; ++u) {
+        const TokenInputs in = u < count ? load_token_inputs(p, (t0 + u) * C + col) : TokenInputs{};
+        y[u] = u < count ? y_raw[(t0 + u) * C + col] : 0.0f;
+        g[u] = in.g;
+        const ChannelToken ch = channel_token(cp, in.k, in.v, in.dw, in.da, in.dv, in.v_first, p.first_layer);
+        vn[u] = ch.vn;
+        const float bonus_part = warp_sum(in.r * ch.kn * cp.r_k), mean_part = warp_sum(y[u]);
+        if ((threadIdx.x & (kTeam - 1)) == 0) {
+            bonus_sum[u][team] = bonus_part;
+            mean_sum[u][team] = mean_part;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kFinishTokens; ++u) {
+        mean[u] = (mean_sum[u][0] + mean_sum[u][1]) * (1.0f / N);
+        const float part = warp_sum((y[u] - mean[u]) * (y[u] - mean[u]));
+        if ((threadIdx.x & (kTeam - 1)) == 0) var_sum[u][team] = part;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kFinishTokens; ++u) {
+        if (u >= count) break;
+        const float var = (var_sum[u][0] + var_sum[u][1]) * (1.0f / N);
+        const float bonus = bonus_sum[u][0] + bonus_sum[u][1];
+        const float yn = (y[u] - mean[u]) * rsqrtf(var + kGroupNormEps) * cp.lnx_w + cp.lnx_b;
+        p.out[(t0 + u) * C + col] = __float2half_rn(round_half(yn + bonus * vn[u]) * g[u]);
+    }
 }
 
 // ------------------------------------------------------------------------------------ relu_square
@@ -1506,12 +1722,8 @@ inline int ln_vecs(int64_t C) {
     return per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : kMaxVec;
 }
 
-// Which time-mix kernel a launch takes: a step of single tokens time_mix_kernel; rows of several tokens
-// time_mix_prefill_kernel on a grid of fewer than kPrefillMaxBlocks (row, head) blocks, else
-// time_mix_chunked_kernel, whose 16-byte loads need 16-byte aligned inputs (else time_mix_kernel).
-// RWKV_PREFILL_MAX_BLOCKS overrides kPrefillMaxBlocks, RWKV_TIME_MIX_CHUNKED=0 takes time_mix_kernel instead
-// of the chunked one (both read once; for A/B timing).
-enum TimeMixKernel : int { kTimeMixDecode = 0, kTimeMixPrefill = 1, kTimeMixChunked = 2 };
+// Which time-mix kernel a launch takes (see the CUDA source).
+enum TimeMixKernel : int { kTimeMixDecode = 0, kTimeMixPrefill = 1, kTimeMixChunked = 2, kTimeMixSplit = 3 };
 
 inline int64_t env_int(const char* name, int64_t fallback) {
     const char* env = std::getenv(name);
@@ -1519,13 +1731,15 @@ inline int64_t env_int(const char* name, int64_t fallback) {
 }
 
 inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill) {
+    static const int64_t split_max_blocks = env_int("RWKV_SPLIT_MAX_BLOCKS", kSplitMaxBlocks);
     static const int64_t prefill_max_blocks = env_int("RWKV_PREFILL_MAX_BLOCKS", kPrefillMaxBlocks);
     static const bool chunked = env_int("RWKV_TIME_MIX_CHUNKED", 1) != 0;
     if (!prefill) return kTimeMixDecode;
+    bool aligned = true;
+    for (int j = 0; j < chunk_inputs(p); ++j) aligned = aligned && reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16 == 0;
+    if (grid < split_max_blocks && aligned) return kTimeMixSplit;
     if (grid < prefill_max_blocks) return kTimeMixPrefill;
-    for (int j = 0; j < chunk_inputs(p); ++j)
-        if (reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16) return kTimeMixDecode;
-    return chunked ? kTimeMixChunked : kTimeMixDecode;
+    return chunked && aligned ? kTimeMixChunked : kTimeMixDecode;
 }
 
 // ------------------------------------------------------------------------------------ launches
@@ -1542,16 +1756,23 @@ hipError_t launch_ln_shift_mix(unsigned grid, hipStream_t stream, int C, int64_t
 template <typename S>
 hipError_t launch_time_mix(unsigned grid, hipStream_t stream, int H, int64_t num_slots, int64_t num_tokens, S* state,
                            const int64_t* slots, const int64_t* starts, const int64_t* lasts, const TimeMixArgs& p,
-                           int prefill) {
-    const int kernel = time_mix_kernel_for(p, grid, prefill);
-    if (kernel == kTimeMixPrefill)
+                           int kernel, int64_t rows, int64_t finish_grid, float* scratch) {
+    if (kernel == kTimeMixSplit) {
+        time_mix_split_kernel<S><<<dim3(grid * kSplitParts), dim3(N), 0, stream>>>(H, num_slots, num_tokens, state,
+                                                                                 slots, starts, lasts, p, scratch);
+        const hipError_t err = hipGetLastError();
+        if (err != hipSuccess) return err;
+        time_mix_finish_kernel<<<dim3(static_cast<unsigned>(finish_grid)), dim3(N), 0, stream>>>(
+            H, rows, num_slots, num_tokens, slots, starts, lasts, p, scratch);
+    } else if (kernel == kTimeMixPrefill) {
         time_mix_prefill_kernel<S><<<dim3(grid), dim3(kPrefillThreads), 0, stream>>>(H, num_slots, num_tokens, state,
                                                                                        slots, starts, lasts, p);
-    else if (kernel == kTimeMixChunked)
+    } else if (kernel == kTimeMixChunked) {
         time_mix_chunked_kernel<S><<<dim3(grid), dim3(N), 0, stream>>>(H, num_slots, num_tokens, state, slots, starts,
                                                                        lasts, p);
-    else
+    } else {
         time_mix_kernel<S><<<dim3(grid), dim3(N), 0, stream>>>(H, num_slots, num_tokens, state, slots, starts, lasts, p);
+    }
     return hipGetLastError();
 }
 
@@ -1787,25 +2008,42 @@ extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, 
 
 // tensors: r, k, v, dw, da, dv, g, v_first, out ([T, C] fp16; dv unused in layer 0);
 // params: w0, r_k, lnx_w, lnx_b (fp32 [C]), a0, v0, k_k, k_a (fp16 [C]; v0 unused in layer 0).
-// prefill: 1 when a row has several tokens (see time_mix_kernel_for).
+// max_len: the longest row's tokens (a prefill when > 1, see time_mix_kernel_for).
+// scratch: fp32, fused_time_mix_scratch_floats(...) of them (none when that is 0).
+extern "C" int64_t fused_time_mix_scratch_floats(int64_t B, int64_t H, int64_t num_tokens, const void* const* tensors,
+                                                 int first_layer, int64_t max_len) {
+    using namespace fused;
+    const void* params[8] = {};
+    const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
+    if (B <= 0 || H <= 0 || B * H > INT_MAX) return 0;
+    const bool split = time_mix_kernel_for(p, static_cast<unsigned>(B * H), max_len > 1) == kTimeMixSplit;
+    return split ? num_tokens * H * N : 0;
+}
+
 extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
-                                     const void* const* params, int first_layer, int prefill) {
+                                     const void* const* params, int first_layer, int64_t max_len, float* scratch,
+                                     int64_t scratch_floats) {
     using namespace fused;
     if (B == 0) return hipSuccess;
     if (B < 0 || H <= 0 || B * H > INT_MAX) return hipErrorInvalidConfiguration;
     const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const hipStream_t s = reinterpret_cast<hipStream_t>(stream);
+    const unsigned grid = static_cast<unsigned>(B * H);
+    const int kernel = time_mix_kernel_for(p, grid, max_len > 1);
+    const int64_t finish_grid = B * H * ((max_len + kFinishTokens - 1) / kFinishTokens);
+    if (kernel == kTimeMixSplit && (B * H > INT_MAX / kSplitParts || finish_grid > INT_MAX))
+        return hipErrorInvalidConfiguration;
+    if (kernel == kTimeMixSplit && (scratch == nullptr || scratch_floats < num_tokens * H * N)) return hipErrorInvalidValue;
     return on_device(device, [&] {
-        const unsigned grid = static_cast<unsigned>(B * H);
         if (state_dtype == wkv7::kFloat32)
             return launch_time_mix<float>(grid, s, h, num_slots, num_tokens, static_cast<float*>(state), slots,
-                                          starts, lasts, p, prefill);
+                                          starts, lasts, p, kernel, B, finish_grid, scratch);
         if (state_dtype == wkv7::kFloat16)
             return launch_time_mix<__half>(grid, s, h, num_slots, num_tokens, static_cast<__half*>(state), slots,
-                                           starts, lasts, p, prefill);
+                                           starts, lasts, p, kernel, B, finish_grid, scratch);
         return hipErrorInvalidValue;
     });
 }

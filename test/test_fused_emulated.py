@@ -84,7 +84,7 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
         i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         if name.startswith("fused"):
             so.emu_fused_ln_shift_mix.argtypes = [i64, i64, i64, p, p, p, p, p, p, p, p, p, i32]
-            so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32]
+            so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32, i64]
             so.emu_time_mix_kernel_for.argtypes = [p, i32, ctypes.c_uint, i32]
             so.emu_fused_relu_square.argtypes = [i64, p]
             so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p, p]
@@ -289,7 +289,7 @@ def time_mix_inputs(C: int, T: int, layer: int, gen: torch.Generator) -> dict:
     return p
 
 
-TIME_MIX_KERNELS = {"decode": 0, "prefill": 1, "chunked": 2}  # TimeMixKernel
+TIME_MIX_KERNELS = {"decode": 0, "prefill": 1, "chunked": 2, "split": 3}  # TimeMixKernel
 
 
 def run_time_mix(so, layer, p, pool, slots, starts, lasts, kernel="decode"):
@@ -301,9 +301,10 @@ def run_time_mix(so, layer, p, pool, slots, starts, lasts, kernel="decode"):
     B = len(slots)
     ints = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     slots_t, starts_t, lasts_t = ints(slots), ints(starts), ints(lasts)
+    max_len = max(1, max(last - start + 1 for start, last in zip(starts, lasts)))
     _check_rc(so.emu_fused_time_mix(DTYPE_CODE[pool.dtype], B, C // N, pool.shape[0], T, _ptr(pool), _ptr(slots_t),
                                     _ptr(starts_t), _ptr(lasts_t), _ptrs(tensors), _ptrs(params), int(layer == 0),
-                                    TIME_MIX_KERNELS[kernel]))
+                                    TIME_MIX_KERNELS[kernel], max_len))
     return out, v_first
 
 
@@ -409,10 +410,11 @@ def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kernel", ["chunked", "split"])
 @pytest.mark.parametrize("layer,state_dtype", [(0, torch.float32), (2, torch.float32), (1, torch.float16)])
-def test_time_mix_chunked_matches_decode_kernel(variant, layer, state_dtype, libs):
-    """The chunked prefill kernel against time_mix_kernel on rows of whole chunks, partial ones and single
-    tokens: the same math, only the dot products over the state rows summed in another order."""
+def test_time_mix_chunked_matches_decode_kernel(variant, kernel, layer, state_dtype, libs):
+    """The chunked and split prefill kernels against time_mix_kernel on rows of whole chunks, partial ones and
+    single tokens: the same math, only the dot products over the state rows summed in another order."""
     lens, slots = [8, 3, 16, 1, 9, 13], [4, 0, 2, 5, 1, 3]
     C, T = 128, sum(lens)
     gen = torch.Generator().manual_seed(99 + layer)
@@ -421,25 +423,26 @@ def test_time_mix_chunked_matches_decode_kernel(variant, layer, state_dtype, lib
     starts = [sum(lens[:i]) for i in range(len(lens))]
     lasts = [s + n - 1 for s, n in zip(starts, lens)]
     runs = {}
-    for kernel in ("decode", "chunked"):
+    for name in ("decode", kernel):
         got = pool.clone()
-        out, v_first = run_time_mix(libs[f"fused-{variant}"], layer, p, got, slots, starts, lasts, kernel=kernel)
-        runs[kernel] = (out, v_first, got)
-    (out_d, vf_d, pool_d), (out_c, vf_c, pool_c) = runs["decode"], runs["chunked"]
+        out, v_first = run_time_mix(libs[f"fused-{variant}"], layer, p, got, slots, starts, lasts, kernel=name)
+        runs[name] = (out, v_first, got)
+    (out_d, vf_d, pool_d), (out_c, vf_c, pool_c) = runs["decode"], runs[kernel]
     assert torch.equal(vf_d, vf_c), "v_first"
-    assert_ulps(out_c, out_d, 2, "output, chunked vs decode kernel", atol=STATE_ATOL)
+    assert_ulps(out_c, out_d, 2, f"output, {kernel} vs decode kernel", atol=STATE_ATOL)
     assert (out_c == out_d).float().mean() > 0.98
     if state_dtype == torch.float32:
-        assert_close(pool_c, pool_d, 1e-5, 1e-5, "state, chunked vs decode kernel")
+        assert_close(pool_c, pool_d, 1e-5, 1e-5, f"state, {kernel} vs decode kernel")
     else:
-        assert_ulps(pool_c, pool_d, 1, "fp16 state, chunked vs decode kernel", atol=STATE_ATOL)
+        assert_ulps(pool_c, pool_d, 1, f"fp16 state, {kernel} vs decode kernel", atol=STATE_ATOL)
     assert not torch.equal(pool_c, pool), "the state must have been updated"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_time_mix_kernel_choice(variant, libs):
-    """Single-token steps take the decode kernel; prefills the 256-thread kernel on small grids and the chunked
-    one on large grids, unless an input is not 16-byte aligned (its 16-byte loads need it)."""
+    """Single-token steps take the decode kernel; prefills the split kernel on small grids, the 256-thread kernel
+    on middling ones and the chunked one on large grids; the split and chunked kernels only when every input is
+    16-byte aligned (their 16-byte loads need it)."""
     so = libs[f"fused-{variant}"]
     buf = torch.zeros(4096, dtype=torch.float16)
     aligned = [buf[8 * j:] for j in range(9)]
@@ -449,15 +452,21 @@ def test_time_mix_kernel_choice(variant, libs):
         return so.emu_time_mix_kernel_for(ptrs, int(layer0), grid, int(prefill))
 
     assert choice(aligned, False, 4096, False) == TIME_MIX_KERNELS["decode"]
-    assert choice(aligned, False, 64, True) == TIME_MIX_KERNELS["prefill"]
+    assert choice(aligned, False, 32, False) == TIME_MIX_KERNELS["decode"]
+    assert choice(aligned, False, 64, True) == TIME_MIX_KERNELS["split"]
+    assert choice(aligned, False, 127, True) == TIME_MIX_KERNELS["split"]
+    assert choice(aligned, False, 128, True) == TIME_MIX_KERNELS["prefill"]
     assert choice(aligned, False, 511, True) == TIME_MIX_KERNELS["prefill"]
     assert choice(aligned, False, 512, True) == TIME_MIX_KERNELS["chunked"]
     for j in range(8):  # r, k, v, dw, da, dv, g, v_first
         shifted = list(aligned)
         shifted[j] = buf[8 * j + 1:]
         # layer 0 reads neither dv (5) nor v_first (7): their alignment does not matter there
-        assert choice(shifted, True, 512, True) == TIME_MIX_KERNELS["chunked" if j in (5, 7) else "decode"]
+        reads = j not in (5, 7)
+        assert choice(shifted, True, 512, True) == TIME_MIX_KERNELS["decode" if reads else "chunked"]
         assert choice(shifted, False, 512, True) == TIME_MIX_KERNELS["decode"], j
+        assert choice(shifted, True, 64, True) == TIME_MIX_KERNELS["prefill" if reads else "split"]
+        assert choice(shifted, False, 64, True) == TIME_MIX_KERNELS["prefill"], j
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -11,10 +11,11 @@ residual add folded in; the FFN value matrix, stored K-major (:class:`KMajorLine
 sparse-input GEMV, which reads only the weight rows of the nonzero entries of relu(k)^2.
 Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite); with fp16 dense weights the
 receptance/key/value matrices and the w/a/v LoRA factors go through three strided-batched matmuls
-(:class:`BatchedWeights`) and the residual adds into the output and FFN-value products. A prefill of few rows
-(a prompt alone) takes the time-mix kernel built for it (the token-independent work of a chunk of tokens side
-by side, then the recurrence alone), decode steps and prefills of many rows the one-token kernel (the
-launcher chooses by the grid; see cuda/rwkv7_fused.cu).
+(:class:`BatchedWeights`) and the residual adds into the output and FFN-value products. Prefills take time-mix
+kernels built for them (the token-independent work of a chunk of tokens side by side, then the recurrence alone):
+a prompt alone one that splits each head's state rows over four blocks, a few rows one with a block per head, many
+rows one with a quarter of the shared-memory traffic; decode steps the one-token kernel (the launcher chooses by
+the grid; see cuda/rwkv7_fused.cu).
 
 Tiers: this path when the extension builds and passes its self-test, on a CUDA device with fp16
 activations; otherwise ``RWKV7.forward``'s readable code (with the CUDA WKV kernel or torch).
@@ -239,8 +240,8 @@ class FusedKernels:
         empty = _empty(state.device)
         params = [blk.w0, blk.r_k.view(-1), blk.lnx_w, blk.lnx_b, blk.a0,
                   blk.v0 if blk.v0 is not None else empty, blk.k_k, blk.k_a]
-        prefill = max(batch.lens) > 1  # the launcher then takes the prefill kernel for a small grid
-        self._m.time_mix(state, batch.slots, batch.starts, batch.last, tensors, params, first_layer, prefill,
+        # the longest row: the launcher takes a prefill kernel when it is over 1, by the grid's size
+        self._m.time_mix(state, batch.slots, batch.starts, batch.last, tensors, params, first_layer, max(batch.lens),
                          self._stream(state))
 
     # -------------------------------------------------------------- forward

@@ -22,17 +22,29 @@ EMU_EXPORT int emu_fused_ln_shift_mix(int64_t T, int64_t C, int64_t num_slots, c
     });
 }
 
-// kernel: the one to run (TimeMixKernel); the launcher picks it with time_mix_kernel_for (exported below)
+// kernel: the one to run (TimeMixKernel); the launcher picks it with time_mix_kernel_for (exported below).
+// max_len: the longest row (the split kernel's finishing grid covers that many tokens per row).
 EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t num_slots, int64_t num_tokens,
                                   void* state, const int64_t* slots, const int64_t* starts, const int64_t* lasts,
                                   const void* const* tensors, const void* const* params, int first_layer,
-                                  int kernel) {
+                                  int kernel, int64_t max_len) {
     using namespace fused;
-    if (B <= 0 || H <= 0) return -1;
+    if (B <= 0 || H <= 0 || max_len < 1) return -1;
     const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const unsigned grid = static_cast<unsigned>(B * H);
-    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel) {
+    std::vector<float> scratch(static_cast<size_t>(num_tokens * H * N), __int_as_float(0x7fc00000));
+    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto split_kernel) {
+        if (kernel == kTimeMixSplit) {
+            const int rc = emu::run_grid(grid * kSplitParts, N, [&] {
+                split_kernel(h, num_slots, num_tokens, pool, slots, starts, lasts, p, scratch.data());
+            });
+            if (rc) return rc;
+            const auto finish_grid = static_cast<unsigned>(B * H * ((max_len + kFinishTokens - 1) / kFinishTokens));
+            return emu::run_grid(finish_grid, N, [&] {
+                time_mix_finish_kernel(h, B, num_slots, num_tokens, slots, starts, lasts, p, scratch.data());
+            });
+        }
         auto chosen = kernel == kTimeMixPrefill ? prefill_kernel : kernel == kTimeMixChunked ? chunked_kernel : decode_kernel;
         return emu::run_grid(grid, kernel == kTimeMixPrefill ? kPrefillThreads : N, [&] {
             chosen(h, num_slots, num_tokens, pool, slots, starts, lasts, p);
@@ -40,10 +52,10 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
     };
     if (state_dtype == wkv7::kFloat32)
         return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_prefill_kernel<float>,
-                   time_mix_chunked_kernel<float>);
+                   time_mix_chunked_kernel<float>, time_mix_split_kernel<float>);
     if (state_dtype == wkv7::kFloat16)
         return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_prefill_kernel<__half>,
-                   time_mix_chunked_kernel<__half>);
+                   time_mix_chunked_kernel<__half>, time_mix_split_kernel<__half>);
     return -1;
 }
 
