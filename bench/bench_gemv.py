@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_decode import SIZES, time_steps  # noqa: E402
-from infer.ops.fused import ACT_NONE, EPI_NONE, EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, load_fused_kernels  # noqa: E402
+from infer.ops.fused import EPI_NONE, EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, load_fused_kernels  # noqa: E402
 from infer.ops.linear import DenseLinear  # noqa: E402
 from infer.random_model import make_config  # noqa: E402
 
@@ -45,7 +45,7 @@ def time_variant(kernels, tasks, layers: int, steps: int) -> float:
         for _, out, inp, epi in tasks:
             w = DenseLinear(torch.randn(out, inp, device="cuda", dtype=torch.float16) * 0.02)
             x = torch.randn(1, inp, device="cuda", dtype=torch.float16)
-            launch.append((w, x, torch.empty(1, out, device="cuda", dtype=torch.float16), ACT_NONE, epi, None))
+            launch.append((w, x, torch.empty(1, out, device="cuda", dtype=torch.float16), epi, None))
         launches.append(launch)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -23,7 +23,7 @@
 //    per output channel reading the weight row once with 16-byte loads (a long row split among up to 8
 //    warps of one block, summed in shared memory); fp16 or int8 (+ per-channel fp16 scale) weights, or
 //    GemLite's packed 4-bit weights read in place (a block per band of output channels, see
-//    gemv_uint4_block); optional tanh/sigmoid on the input, relu^2, tanh or sigmoid on the output, residual add.
+//    gemv_uint4_block); relu^2, tanh or sigmoid on the output, residual add.
 //
 // 4. sparse_gemv: y = x Wt + residual for the FFN value matrix stored K-major, reading only the weight rows
 //    whose input relu(k)^2 is nonzero in some row of x (see sparse_gemv_kernel).
@@ -1081,7 +1081,6 @@ constexpr int kMaxTasks = 8;
 constexpr int kGemvMaxRows = 8;
 
 enum WeightType : int { kWeightHalf = 0, kWeightInt8 = 1, kWeightUint4 = 2 };
-enum Activation : int { kActNone = 0, kActTanh = 1, kActSigmoid = 2 };
 enum Epilogue : int { kEpiNone = 0, kEpiReluSquare = 1, kEpiTanh = 2, kEpiSigmoid = 3 };
 
 struct GemvTask {
@@ -1093,7 +1092,7 @@ struct GemvTask {
     const __half* residual;  // [M, N] added to the result, or null (may alias y)
     int n, k;
     int group;               // 4-bit: input columns per scale/zero group
-    int weight_type, activation, epilogue;
+    int weight_type, epilogue;
     int splits;              // warps per output channel (1, 2, 4 or 8), each reading one slice of the row;
                              // 4-bit: 1 or 2, a block takes kUint4Band / splits columns
     int rows_per_warp;       // output channels per warp (a power of two; short rows), 32 / rows_per_warp lanes
@@ -1105,24 +1104,6 @@ struct GemvArgs {
     GemvTask task[kMaxTasks];
     int count;
 };
-
-__device__ __forceinline__ float activate(float x, int act) {
-    if (act == kActTanh) return tanhf(x);
-    if (act == kActSigmoid) return sigmoidf(x);
-    return x;
-}
-
-// The activations of one 8-wide slice of x, converted and activated. The activation is a template
-// switch: inlined into every weight vector's step, its code made the plain loop too large for the
-// instruction cache, and only the small LoRA launches use it.
-template <bool kAct>
-__device__ __forceinline__ void load_x8(const __half* p, int act, float (&out)[8]) {
-    load8(p, out);
-    if (kAct && act != kActNone) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) out[e] = activate(out[e], act);
-    }
-}
 
 // Each lane keeps kGemvLoads 16-byte weight loads in flight: the GEMV is a stream of the weights, and at
 // batch 1 a matrix takes only microseconds, so the bytes in flight per multiprocessor set its speed.
@@ -1139,7 +1120,7 @@ __device__ __forceinline__ void load_weight_batch(const uint4* row, int first, i
 }
 
 // acc[m] += the batch's weights . x[m]; fp16 weights: 8 per vector.
-template <int M, bool kAct>
+template <int M>
 __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int end, int stride,
                                                const uint4 (&w)[kGemvLoads], float (&acc)[M]) {
 #pragma unroll
@@ -1155,7 +1136,7 @@ __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, 
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xf[8];
-            load_x8<kAct>(task.x + int64_t(m) * task.k + k, task.activation, xf);
+            load8(task.x + int64_t(m) * task.k + k, xf);
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[m] = fmaf(wf[e], xf[e], acc[m]);
         }
@@ -1163,7 +1144,7 @@ __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, 
 }
 
 // int8 weights: 16 per vector (the per-channel scale is applied in the epilogue).
-template <int M, bool kAct>
+template <int M>
 __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int end, int stride,
                                                const uint4 (&w)[kGemvLoads], float (&acc)[M]) {
 #pragma unroll
@@ -1179,8 +1160,8 @@ __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, 
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xa[8], xb[8];
-            load_x8<kAct>(task.x + int64_t(m) * task.k + k, task.activation, xa);
-            load_x8<kAct>(task.x + int64_t(m) * task.k + k + 8, task.activation, xb);
+            load8(task.x + int64_t(m) * task.k + k, xa);
+            load8(task.x + int64_t(m) * task.k + k + 8, xb);
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[m] = fmaf(wf[e], xa[e], acc[m]);
 #pragma unroll
@@ -1296,18 +1277,9 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
 #endif
 }
 
-// x[m][8c .. 8c + 7] as the B pairs of one row of words: pair i = (x[8c + i], x[8c + i + 4]), activated and
-// rounded to fp16 (the tensor cores' operands; the unfused forward's tanh/sigmoid give fp16 too).
-template <bool kAct>
-__device__ __forceinline__ void load_x_pairs(const __half* p, int act, uint32_t (&pair)[4]) {
-    if (kAct && act != kActNone) {
-        float xf[8];
-        load_x8<true>(p, act, xf);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            pair[i] = half2_bits(__halves2half2(__float2half_rn(xf[i]), __float2half_rn(xf[i + 4])));
-        return;
-    }
+// x[m][8c .. 8c + 7] as the B pairs of one row of words: pair i = (x[8c + i], x[8c + i + 4]) (the tensor cores'
+// operands).
+__device__ __forceinline__ void load_x_pairs(const __half* p, uint32_t (&pair)[4]) {
     const uint4 u = *reinterpret_cast<const uint4*>(p);
     pair[0] = __byte_perm(u.x, u.z, 0x5410);
     pair[1] = __byte_perm(u.x, u.z, 0x7632);
@@ -1341,7 +1313,7 @@ __device__ __forceinline__ void load_uint4_batch(const GemvTask& task, int col, 
 }
 
 // d[i / 2] += the batch's products for the lane's channel pair i / 2 (see above), `count` rows from c on.
-template <int M, bool kAct, int kWords>
+template <int M, int kWords>
 __device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int count, int end, int g,
                                                 const Uint4Batch<kWords>& b, float (&d)[kWords / 2][4]) {
     __half2 scale[kWords], zero[kWords];  // channel i's scale and zero in both halves
@@ -1355,7 +1327,7 @@ __device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int
     for (int j = 0; j < b.kLoads; ++j) {
         if (j >= count) break;  // block-uniform: every lane reaches every mma
         uint32_t x[4] = {0u, 0u, 0u, 0u};  // x row g (whatever the lane's channels), zeros past M or the rows
-        if (g < M && c + j < end) load_x_pairs<kAct>(task.x + int64_t(g) * task.k + (c + j) * 8, task.activation, x);
+        if (g < M && c + j < end) load_x_pairs(task.x + int64_t(g) * task.k + (c + j) * 8, x);
 #pragma unroll
         for (int h = 0; h < kWords / 2; ++h) {
             uint32_t lo[4], hi[4];  // channels 2h (A's row g) and 2h + 1 (row g + 8)
@@ -1369,7 +1341,7 @@ __device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int
 }
 
 // One block of a 4-bit task with kWords channels per lane (see above). Every thread reaches the barrier.
-template <int M, bool kAct, int kWords>
+template <int M, int kWords>
 __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&band_sum)[kGemvWarps][M][kUint4Band]) {
     constexpr int kBand = 8 * kWords;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -1394,7 +1366,7 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
     if (busy) {
 #pragma unroll 1
         for (int c = begin, last = begin + slice; c < last;) {
-            mma_uint4_batch<M, kAct, kWords>(task, c, count, end, g, b, d);
+            mma_uint4_batch<M, kWords>(task, c, count, end, g, b, d);
             c += count;
             if (c < last) load_uint4_batch(task, col, c, count, end, b);
         }
@@ -1417,28 +1389,27 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
     store_output(task, m, first_col + j, sum);
 }
 
-template <int M, bool kAct>
+template <int M>
 __device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
     __shared__ float band_sum[kGemvWarps][M][kUint4Band];
     if (task.splits == 1) {
-        gemv_uint4_band<M, kAct, 4>(task, band_sum);
+        gemv_uint4_band<M, 4>(task, band_sum);
     } else {
-        gemv_uint4_band<M, kAct, 2>(task, band_sum);
+        gemv_uint4_band<M, 2>(task, band_sum);
     }
 }
 
-// Registers capped for occupancy: four blocks per multiprocessor for one row and three for two without
-// activations (the big matrices at decode), else two. (The fp16/int8 code takes 64 registers at one row
-// by itself; the cap keeps the 4-bit code from raising that.)
-template <int M, bool kAct>
-__global__ void __launch_bounds__(kGemvWarps * 32, M == 1 && !kAct ? 4 : M <= 2 && !kAct ? 3 : 2)
+// Registers capped for occupancy: four blocks per multiprocessor for one row, three for two, else two. (The
+// fp16/int8 code takes 64 registers at one row by itself; the cap keeps the 4-bit code from raising that.)
+template <int M>
+__global__ void __launch_bounds__(kGemvWarps * 32, M == 1 ? 4 : M <= 2 ? 3 : 2)
     gemv_kernel(GemvArgs args) {
     int t = 0;
 #pragma unroll 1
     while (t + 1 < args.count && int(blockIdx.x) >= args.task[t + 1].first_block) ++t;
     const GemvTask& task = args.task[t];
     if (task.weight_type == kWeightUint4) {  // block-uniform
-        gemv_uint4_block<M, kAct>(task);
+        gemv_uint4_block<M>(task);
         return;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1471,9 +1442,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 && !kAct ? 4 : M <= 2 
 #pragma unroll 1
         for (int first = begin + lane;;) {
             if (task.weight_type == kWeightInt8) {
-                fma_int8_batch<M, kAct>(task, first, end, 32, w, acc);
+                fma_int8_batch<M>(task, first, end, 32, w, acc);
             } else {
-                fma_half_batch<M, kAct>(task, first, end, 32, w, acc);
+                fma_half_batch<M>(task, first, end, 32, w, acc);
             }
             first += 32 * kGemvLoads;
             if (first >= end) break;
@@ -1481,9 +1452,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 && !kAct ? 4 : M <= 2 
         }
     } else if (active) {
         if (task.weight_type == kWeightInt8) {
-            fma_int8_batch<M, kAct>(task, sub, count, lanes, w, acc);
+            fma_int8_batch<M>(task, sub, count, lanes, w, acc);
         } else {
-            fma_half_batch<M, kAct>(task, sub, count, lanes, w, acc);
+            fma_half_batch<M>(task, sub, count, lanes, w, acc);
         }
     }
 #pragma unroll
@@ -1642,17 +1613,23 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 ? 4 : 2) sparse_gemv_k
     }
 }
 
-// Which instance of a kernel a launch takes (the launchers and the CPU emulator's harness both ask):
-// the activating GEMV when any task has an activation; ln_shift_mix's 8-vectors per thread for width C.
-inline bool gemv_activates(const GemvArgs& args) {
-    for (int i = 0; i < args.count; ++i)
-        if (args.task[i].activation != kActNone) return true;
-    return false;
-}
+// Which instance of ln_shift_mix a launch takes (the launcher and the CPU emulator's harness both ask): its
+// 8-vectors per thread for width C.
 inline int ln_vecs(int64_t C) {
     const int64_t per_thread = (C / 8 + kLnThreads - 1) / kLnThreads;
     return per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : kMaxVec;
 }
+
+// Environment knobs (A/B switches for measurements, each read once): decimal digits only, or the default when
+// unset or anything else (as infer.ops.cuda_ext.env_int reads them); a switch is off at 0, on at other numbers.
+inline int64_t env_int(const char* name, int64_t fallback) {
+    const char* env = std::getenv(name);
+    if (env == nullptr || *env < '0' || *env > '9') return fallback;
+    char* end = nullptr;
+    const long long value = std::strtoll(env, &end, 10);
+    return *end == '\0' ? static_cast<int64_t>(value) : fallback;
+}
+inline bool env_flag(const char* name, bool fallback) { return env_int(name, fallback ? 1 : 0) != 0; }
 
 // Programmatic dependent launch is used on compute capability >= 9.0 unless RWKV_PDL=0.
 inline bool use_pdl(int device) {
@@ -1660,8 +1637,7 @@ inline bool use_pdl(int device) {
     if (device < 0 || device >= 64) return false;
     if (cached[device] == 0) {
         int major = 0;
-        const char* env = std::getenv("RWKV_PDL");
-        const bool disabled = env && env[0] == '0';
+        const bool disabled = !env_flag("RWKV_PDL", true);
         const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess;
         cached[device] = (!disabled && ok && major >= 9) ? 2 : 1;
     }
@@ -1687,8 +1663,7 @@ cudaError_t launch(void (*kernel)(KernelArgs...), unsigned grid, unsigned block,
 
 template <int M>
 cudaError_t launch_gemv(const GemvArgs& args, int blocks, cudaStream_t stream) {
-    return gemv_activates(args) ? launch(gemv_kernel<M, true>, static_cast<unsigned>(blocks), kGemvWarps * 32, stream, args)
-               : launch(gemv_kernel<M, false>, static_cast<unsigned>(blocks), kGemvWarps * 32, stream, args);
+    return launch(gemv_kernel<M>, static_cast<unsigned>(blocks), kGemvWarps * 32, stream, args);
 }
 
 template <typename F>
@@ -1747,15 +1722,10 @@ inline TimeMixArgs make_time_mix_args(const void* const* tensors, const void* co
 // time_mix_kernel instead of the chunked one (all read once; for A/B timing).
 enum TimeMixKernel : int { kTimeMixDecode = 0, kTimeMixPrefill = 1, kTimeMixChunked = 2, kTimeMixSplit = 3 };
 
-inline int64_t env_int(const char* name, int64_t fallback) {
-    const char* env = std::getenv(name);
-    return env && *env ? std::atoll(env) : fallback;
-}
-
 inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill) {
     static const int64_t split_max_blocks = env_int("RWKV_SPLIT_MAX_BLOCKS", kSplitMaxBlocks);
     static const int64_t prefill_max_blocks = env_int("RWKV_PREFILL_MAX_BLOCKS", kPrefillMaxBlocks);
-    static const bool chunked = env_int("RWKV_TIME_MIX_CHUNKED", 1) != 0;
+    static const bool chunked = env_flag("RWKV_TIME_MIX_CHUNKED", true);
     if (!prefill) return kTimeMixDecode;
     bool aligned = true;
     for (int j = 0; j < chunk_inputs(p); ++j) aligned = aligned && reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16 == 0;
@@ -1809,10 +1779,8 @@ constexpr int kGemvMinSlice = 32 * kGemvLoads;
 // The (row, slice) units a launch is split to: kGemvSplitRows, RWKV_GEMV_SPLIT_ROWS instead if set, 0 (no
 // splitting) with RWKV_GEMV_SPLIT=0 (read once; for A/B timing).
 inline int64_t gemv_split_rows() {
-    static const int64_t value = [] {
-        const char* off = std::getenv("RWKV_GEMV_SPLIT");
-        return off && off[0] == '0' ? int64_t(0) : env_int("RWKV_GEMV_SPLIT_ROWS", kGemvSplitRows);
-    }();
+    static const int64_t value =
+        env_flag("RWKV_GEMV_SPLIT", true) ? env_int("RWKV_GEMV_SPLIT_ROWS", kGemvSplitRows) : 0;
     return value;
 }
 
@@ -1849,7 +1817,7 @@ inline void plan_gemv_splits(GemvArgs& args) {
 inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void* const* scale,
                      const void* const* zero, const void* const* x, void* const* y, const void* const* residual,
                      const int64_t* n, const int64_t* k, const int64_t* group, const int* weight_type,
-                     const int* activation, const int* epilogue) {
+                     const int* epilogue) {
     int blocks = 0;
     for (int i = 0; i < count; ++i) {
         GemvTask& t = args.task[i];
@@ -1863,7 +1831,6 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
         t.k = static_cast<int>(k[i]);
         t.group = static_cast<int>(group[i]);
         t.weight_type = weight_type[i];
-        t.activation = activation[i];
         t.epilogue = epilogue[i];
     }
     args.count = count;
@@ -1997,21 +1964,19 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
 extern "C" int fused_gemv_max_rows() { return fused::kGemvMaxRows; }
 extern "C" int fused_gemv_max_tasks() { return fused::kMaxTasks; }
 
-// One launch computing `count` tasks y_i = act(x_i) W_i^T (see GemvTask) for M rows each.
+// One launch computing `count` tasks y_i = epilogue(x_i W_i^T) (see GemvTask) for M rows each.
 // Weight k must be a multiple of 8 (fp16) or 16 (int8); 4-bit (weight type 2): n % 4 == 0, group % 8 == 0,
 // k % group == 0; every pointer 16-byte aligned. zero and group are read for 4-bit tasks only.
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
                                  const void* const* scale, const void* const* zero, const void* const* x,
                                  void* const* y, const void* const* residual, const int64_t* n, const int64_t* k,
-                                 const int64_t* group, const int* weight_type, const int* activation,
-                                 const int* epilogue) {
+                                 const int64_t* group, const int* weight_type, const int* epilogue) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return cudaErrorInvalidValue;
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return cudaErrorInvalidValue;
     GemvArgs args{};
-    const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, activation,
-                                 epilogue);
+    const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, epilogue);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {

@@ -24,8 +24,7 @@ extern "C" int64_t fused_time_mix_scratch_floats(int64_t B, int64_t H, int64_t n
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
                                  const void* const* scale, const void* const* zero, const void* const* x,
                                  void* const* y, const void* const* residual, const int64_t* n, const int64_t* k,
-                                 const int64_t* group, const int* weight_type, const int* activation,
-                                 const int* epilogue);
+                                 const int64_t* group, const int* weight_type, const int* epilogue);
 extern "C" int fused_gemv_max_rows();
 extern "C" int fused_gemv_max_tasks();
 extern "C" int fused_sparse_gemv_max_rows();
@@ -146,22 +145,21 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
              op);
 }
 
-// Several small-M matrix products in one launch: y[i] = act[i](x[i]) @ W[i].T (* scale[i]) (epilogue[i]:
+// Several small-M matrix products in one launch: y[i] = x[i] @ W[i].T (* scale[i]) (epilogue[i]:
 // 1 relu^2, 2 tanh, 3 sigmoid) (+ residual[i]). The weights' dtype says their kind: fp16 [out, in]; int8
 // [out, in] with an fp16 scale [out]; int32 [in/8, out]: GemLite's packed 4-bit words, with fp16 scale and zero
 // [in/group[i], out] (W = q * scale + zero per group of group[i] input columns). Empty tensors mean "none"
 // for scale, zero and residual; group[i] is read for 4-bit tasks only.
 void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::vector<torch::Tensor> zero,
           std::vector<torch::Tensor> x, std::vector<torch::Tensor> y, std::vector<torch::Tensor> residual,
-          std::vector<int64_t> group, std::vector<int64_t> activation, std::vector<int64_t> epilogue,
+          std::vector<int64_t> group, std::vector<int64_t> epilogue,
           int64_t stream) {
     const char* op = "gemv";
     const size_t count = w.size();
     TORCH_CHECK(count >= 1 && count <= static_cast<size_t>(fused_gemv_max_tasks()), op, ": 1 to ",
                 num(fused_gemv_max_tasks()), " tasks per launch, got ", num(count));
     TORCH_CHECK(scale.size() == count && zero.size() == count && x.size() == count && y.size() == count &&
-                    residual.size() == count && group.size() == count && activation.size() == count &&
-                    epilogue.size() == count,
+                    residual.size() == count && group.size() == count && epilogue.size() == count,
                 op, ": every argument list needs one entry per task");
     TORCH_CHECK(x[0].is_cuda() && x[0].dim() == 2, op, ": x must be 2-D CUDA tensors");
     const auto device = x[0].device();
@@ -170,7 +168,7 @@ void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::v
     std::vector<const void*> w_ptr, s_ptr, z_ptr, x_ptr, r_ptr;
     std::vector<void*> y_ptr;
     std::vector<int64_t> n(count), k(count);
-    std::vector<int> wt(count), act(count), epi(count);
+    std::vector<int> wt(count), epi(count);
     for (size_t i = 0; i < count; ++i) {
         const std::string tag = "[" + num(i) + "]";
         TORCH_CHECK(w[i].dim() == 2, op, ": w", tag, " must be 2-D, got ", shape(w[i]));
@@ -200,20 +198,18 @@ void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::v
         check(x[i], device, torch::kFloat16, {M, k[i]}, op, "x" + tag);
         check(y[i], device, torch::kFloat16, {M, n[i]}, op, "y" + tag);
         if (residual[i].numel()) check(residual[i], device, torch::kFloat16, {M, n[i]}, op, "residual" + tag);
-        TORCH_CHECK(activation[i] >= 0 && activation[i] <= 2 && epilogue[i] >= 0 && epilogue[i] <= 3, op,
-                    ": bad activation/epilogue code");
+        TORCH_CHECK(epilogue[i] >= 0 && epilogue[i] <= 3, op, ": bad epilogue code ", num(epilogue[i]));
         w_ptr.push_back(w[i].data_ptr());
         s_ptr.push_back(int8 || uint4 ? scale[i].data_ptr() : nullptr);
         z_ptr.push_back(uint4 ? zero[i].data_ptr() : nullptr);
         x_ptr.push_back(x[i].data_ptr());
         y_ptr.push_back(y[i].data_ptr());
         r_ptr.push_back(residual[i].numel() ? residual[i].data_ptr() : nullptr);
-        act[i] = static_cast<int>(activation[i]);
         epi[i] = static_cast<int>(epilogue[i]);
     }
     raise_on(fused_gemv_launch(static_cast<int>(device.index()), stream, M, static_cast<int>(count), w_ptr.data(),
                                s_ptr.data(), z_ptr.data(), x_ptr.data(), y_ptr.data(), r_ptr.data(), n.data(),
-                               k.data(), group.data(), wt.data(), act.data(), epi.data()),
+                               k.data(), group.data(), wt.data(), epi.data()),
              op);
 }
 
@@ -266,7 +262,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             "relu^2";
     m.def("ln_shift_mix", &ln_shift_mix, "ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mix, out, stream)");
     m.def("time_mix", &time_mix, "time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, stream)");
-    m.def("gemv", &gemv, "gemv(w, scale, zero, x, y, residual, group, activation, epilogue, stream)");
+    m.def("gemv", &gemv, "gemv(w, scale, zero, x, y, residual, group, epilogue, stream)");
     m.def("gemv_max_rows", &fused_gemv_max_rows);
     m.def("gemv_max_tasks", &fused_gemv_max_tasks);
     m.def("sparse_gemv", &sparse_gemv, "sparse_gemv(x, w_t, y, residual, partial, arrivals, stream)");

@@ -1236,7 +1236,6 @@ constexpr int kMaxTasks = 8;
 constexpr int kGemvMaxRows = 8;
 
 enum WeightType : int { kWeightHalf = 0, kWeightInt8 = 1, kWeightUint4 = 2 };
-enum Activation : int { kActNone = 0, kActTanh = 1, kActSigmoid = 2 };
 enum Epilogue : int { kEpiNone = 0, kEpiReluSquare = 1, kEpiTanh = 2, kEpiSigmoid = 3 };
 
 struct GemvTask {
@@ -1248,7 +1247,7 @@ struct GemvTask {
     const __half* residual;  // [M, N] added to the result, or null (may alias y)
     int n, k;
     int group;               // 4-bit: input columns per scale/zero group
-    int weight_type, activation, epilogue;
+    int weight_type, epilogue;
     int splits;              // teams per output channel (1, 2, 4 or 8), each reading one slice of the row;
                              // 4-bit: 1 or 2, a block takes kUint4Band / splits columns
     int rows_per_warp;       // output channels per team (a power of two; short rows), kTeam / rows_per_warp
@@ -1260,23 +1259,6 @@ struct GemvArgs {
     GemvTask task[kMaxTasks];
     int count;
 };
-
-__device__ __forceinline__ float activate(float x, int act) {
-    if (act == kActTanh) return tanhf(x);
-    if (act == kActSigmoid) return sigmoidf(x);
-    return x;
-}
-
-// The activations of one 8-wide slice of x, converted and activated; the activation is a template
-// switch, as in the CUDA source (inlined everywhere it bloats the plain loop).
-template <bool kAct>
-__device__ __forceinline__ void load_x8(const __half* p, int act, float (&out)[8]) {
-    load8(p, out);
-    if (kAct && act != kActNone) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) out[e] = activate(out[e], act);
-    }
-}
 
 // Each lane keeps kGemvLoads 16-byte weight loads in flight (the GEMV streams the weights; see the CUDA
 // source): a batch of loads, then its arithmetic.
@@ -1292,7 +1274,7 @@ __device__ __forceinline__ void load_weight_batch(const uint4* row, int first, i
 }
 
 // acc[m] += the batch's weights . x[m]; fp16 weights: 8 per vector.
-template <int M, bool kAct>
+template <int M>
 __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, int end, int stride,
                                                const uint4 (&w)[kGemvLoads], float (&acc)[M]) {
 #pragma unroll
@@ -1305,7 +1287,7 @@ __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, 
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xf[8];
-            load_x8<kAct>(task.x + int64_t(m) * task.k + k, task.activation, xf);
+            load8(task.x + int64_t(m) * task.k + k, xf);
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[m] = fmaf(wf[e], xf[e], acc[m]);
         }
@@ -1313,7 +1295,7 @@ __device__ __forceinline__ void fma_half_batch(const GemvTask& task, int first, 
 }
 
 // int8 weights: 16 per vector (the per-channel scale is applied in the epilogue).
-template <int M, bool kAct>
+template <int M>
 __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, int end, int stride,
                                                const uint4 (&w)[kGemvLoads], float (&acc)[M]) {
 #pragma unroll
@@ -1329,8 +1311,8 @@ __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, 
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xa[8], xb[8];
-            load_x8<kAct>(task.x + int64_t(m) * task.k + k, task.activation, xa);
-            load_x8<kAct>(task.x + int64_t(m) * task.k + k + 8, task.activation, xb);
+            load8(task.x + int64_t(m) * task.k + k, xa);
+            load8(task.x + int64_t(m) * task.k + k + 8, xb);
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[m] = fmaf(wf[e], xa[e], acc[m]);
 #pragma unroll
@@ -1359,8 +1341,7 @@ __device__ __forceinline__ void store_output(const GemvTask& task, int m, int n,
 }
 
 // ---- 4-bit weights: GemLite's A16W4_HQQ_INT layout read in place (read the CUDA source's comment above
-// kUint4Band), W[n][k] = fp16(q * scale + zero) with one fp16 fma as GemLite rebuilds it, an activated x
-// rounded to fp16 (as the CUDA tensor cores take it), fp32 sums. The CUDA source sums on the tensor cores
+// kUint4Band), W[n][k] = fp16(q * scale + zero) with one fp16 fma as GemLite rebuilds it, fp32 sums. The CUDA source sums on the tensor cores
 // (mma.m16n8k16, whose fragments have no counterpart here); this port does each product with an fp32 fma:
 // a block per band of kUint4Band / splits channels, `lanes` threads across it loading 4 channels x 8 k
 // each, the block's other threads slices of the K/8 rows of words, the slices' sums added in a fixed order
@@ -1413,7 +1394,7 @@ __device__ __forceinline__ void load_uint4_batch(const GemvTask& task, int col, 
 }
 
 // acc[m][i] += x[m][k] * W[col + i][k] over the batch's rows; the rows of x in passes of at most 4.
-template <int M, bool kAct>
+template <int M>
 __device__ __forceinline__ void fma_uint4_batch(const GemvTask& task, int c, const Uint4Batch& b, float (&acc)[M][4]) {
     constexpr int kPasses = (M + 3) / 4, kRows = (M + kPasses - 1) / kPasses;
     const uint32_t scales[2] = {b.scale.x, b.scale.y}, zeros[2] = {b.zero.x, b.zero.y};
@@ -1436,11 +1417,7 @@ __device__ __forceinline__ void fma_uint4_batch(const GemvTask& task, int c, con
             for (int r = 0; r < kRows; ++r) {
                 const int m = p * kRows + r;
                 if (m >= M) break;
-                load_x8<kAct>(task.x + int64_t(m) * task.k + k, task.activation, xf[r]);
-                if (kAct && task.activation != kActNone) {  // fp16, as the CUDA source's tensor cores take it
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) xf[r][e] = round_half(xf[r][e]);
-                }
+                load8(task.x + int64_t(m) * task.k + k, xf[r]);
             }
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -1459,7 +1436,7 @@ __device__ __forceinline__ void fma_uint4_batch(const GemvTask& task, int c, con
 }
 
 // One block of a 4-bit task. Every thread reaches the shuffles and the barrier.
-template <int M, bool kAct>
+template <int M>
 __device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
     const int lanes_log2 = task.splits == 1 ? 3 : 2;  // threads across the band: 8 or 4
     const int lanes = 1 << lanes_log2, band = 4 * lanes;
@@ -1483,7 +1460,7 @@ __device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
 #pragma unroll 1
         for (int c = begin; c < end; c += b.count) {
             load_uint4_batch(task, col, c, end, b);
-            fma_uint4_batch<M, kAct>(task, c, b, acc);
+            fma_uint4_batch<M>(task, c, b, acc);
         }
     }
     // The slices of a team hold the same channels in lanes `lanes` apart: a butterfly over those lanes.
@@ -1515,14 +1492,14 @@ __device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
 }
 
 // (No minimum-occupancy argument: HIP's second __launch_bounds__ parameter means something else.)
-template <int M, bool kAct>
+template <int M>
 __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args) {
     int t = 0;
 #pragma unroll 1
     while (t + 1 < args.count && int(blockIdx.x) >= args.task[t + 1].first_block) ++t;
     const GemvTask& task = args.task[t];
     if (task.weight_type == kWeightUint4) {  // block-uniform
-        gemv_uint4_block<M, kAct>(task);
+        gemv_uint4_block<M>(task);
         return;
     }
     const int lane = threadIdx.x & (kTeam - 1), team = int(threadIdx.x / kTeam);
@@ -1549,9 +1526,9 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) gemv_kernel(GemvArgs args)
         for (int first = begin + sub; first < end; first += lanes * kGemvLoads) {
             load_weight_batch(row, first, end, lanes, w);
             if (task.weight_type == kWeightInt8) {
-                fma_int8_batch<M, kAct>(task, first, end, lanes, w, acc);
+                fma_int8_batch<M>(task, first, end, lanes, w, acc);
             } else {
-                fma_half_batch<M, kAct>(task, first, end, lanes, w, acc);
+                fma_half_batch<M>(task, first, end, lanes, w, acc);
             }
         }
     }
@@ -1710,30 +1687,31 @@ __global__ void __launch_bounds__(kGemvWarps * kTeam) sparse_gemv_kernel(SparseG
     }
 }
 
-// Which instance of a kernel a launch takes (the launchers and the CPU emulator's harness both ask):
-// the activating GEMV when any task has an activation; ln_shift_mix's 8-vectors per thread for width C.
-inline bool gemv_activates(const GemvArgs& args) {
-    for (int i = 0; i < args.count; ++i)
-        if (args.task[i].activation != kActNone) return true;
-    return false;
-}
+// Which instance of ln_shift_mix a launch takes (the launcher and the CPU emulator's harness both ask): its
+// 8-vectors per thread for width C.
 inline int ln_vecs(int64_t C) {
     const int64_t per_thread = (C / 8 + kLnThreads - 1) / kLnThreads;
     return per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : kMaxVec;
 }
 
-// Which time-mix kernel a launch takes (see the CUDA source).
-enum TimeMixKernel : int { kTimeMixDecode = 0, kTimeMixPrefill = 1, kTimeMixChunked = 2, kTimeMixSplit = 3 };
-
+// Environment knobs (A/B switches for measurements, each read once): decimal digits only, or the default when
+// unset or anything else (as infer.ops.cuda_ext.env_int reads them); a switch is off at 0, on at other numbers.
 inline int64_t env_int(const char* name, int64_t fallback) {
     const char* env = std::getenv(name);
-    return env && *env ? std::atoll(env) : fallback;
+    if (env == nullptr || *env < '0' || *env > '9') return fallback;
+    char* end = nullptr;
+    const long long value = std::strtoll(env, &end, 10);
+    return *end == '\0' ? static_cast<int64_t>(value) : fallback;
 }
+inline bool env_flag(const char* name, bool fallback) { return env_int(name, fallback ? 1 : 0) != 0; }
+
+// Which time-mix kernel a launch takes (see the CUDA source).
+enum TimeMixKernel : int { kTimeMixDecode = 0, kTimeMixPrefill = 1, kTimeMixChunked = 2, kTimeMixSplit = 3 };
 
 inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill) {
     static const int64_t split_max_blocks = env_int("RWKV_SPLIT_MAX_BLOCKS", kSplitMaxBlocks);
     static const int64_t prefill_max_blocks = env_int("RWKV_PREFILL_MAX_BLOCKS", kPrefillMaxBlocks);
-    static const bool chunked = env_int("RWKV_TIME_MIX_CHUNKED", 1) != 0;
+    static const bool chunked = env_flag("RWKV_TIME_MIX_CHUNKED", true);
     if (!prefill) return kTimeMixDecode;
     bool aligned = true;
     for (int j = 0; j < chunk_inputs(p); ++j) aligned = aligned && reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16 == 0;
@@ -1779,11 +1757,7 @@ hipError_t launch_time_mix(unsigned grid, hipStream_t stream, int H, int64_t num
 template <int M>
 hipError_t launch_gemv(const GemvArgs& args, int blocks, hipStream_t stream) {
     const dim3 grid(static_cast<unsigned>(blocks)), block(kGemvWarps * kTeam);
-    if (gemv_activates(args)) {
-        gemv_kernel<M, true><<<grid, block, 0, stream>>>(args);
-    } else {
-        gemv_kernel<M, false><<<grid, block, 0, stream>>>(args);
-    }
+    gemv_kernel<M><<<grid, block, 0, stream>>>(args);
     return hipGetLastError();
 }
 
@@ -1878,10 +1852,8 @@ constexpr int kGemvMinSlice = kTeam * kGemvLoads;
 // The (row, slice) units a launch is split to: kGemvSplitRows, RWKV_GEMV_SPLIT_ROWS instead if set, 0 (no
 // splitting) with RWKV_GEMV_SPLIT=0 (read once; for A/B timing).
 inline int64_t gemv_split_rows() {
-    static const int64_t value = [] {
-        const char* off = std::getenv("RWKV_GEMV_SPLIT");
-        return off && off[0] == '0' ? int64_t(0) : env_int("RWKV_GEMV_SPLIT_ROWS", kGemvSplitRows);
-    }();
+    static const int64_t value =
+        env_flag("RWKV_GEMV_SPLIT", true) ? env_int("RWKV_GEMV_SPLIT_ROWS", kGemvSplitRows) : 0;
     return value;
 }
 
@@ -1918,7 +1890,7 @@ inline void plan_gemv_splits(GemvArgs& args) {
 inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void* const* scale,
                      const void* const* zero, const void* const* x, void* const* y, const void* const* residual,
                      const int64_t* n, const int64_t* k, const int64_t* group, const int* weight_type,
-                     const int* activation, const int* epilogue) {
+                     const int* epilogue) {
     int blocks = 0;
     for (int i = 0; i < count; ++i) {
         GemvTask& t = args.task[i];
@@ -1932,7 +1904,6 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
         t.k = static_cast<int>(k[i]);
         t.group = static_cast<int>(group[i]);
         t.weight_type = weight_type[i];
-        t.activation = activation[i];
         t.epilogue = epilogue[i];
     }
     args.count = count;
@@ -2051,21 +2022,19 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
 extern "C" int fused_gemv_max_rows() { return fused::kGemvMaxRows; }
 extern "C" int fused_gemv_max_tasks() { return fused::kMaxTasks; }
 
-// One launch computing `count` tasks y_i = act(x_i) W_i^T (see GemvTask) for M rows each.
+// One launch computing `count` tasks y_i = epilogue(x_i W_i^T) (see GemvTask) for M rows each.
 // Weight k must be a multiple of 8 (fp16) or 16 (int8); 4-bit (weight type 2): n % 4 == 0, group % 8 == 0,
 // k % group == 0; every pointer 16-byte aligned. zero and group are read for 4-bit tasks only.
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
                                  const void* const* scale, const void* const* zero, const void* const* x,
                                  void* const* y, const void* const* residual, const int64_t* n, const int64_t* k,
-                                 const int64_t* group, const int* weight_type, const int* activation,
-                                 const int* epilogue) {
+                                 const int64_t* group, const int* weight_type, const int* epilogue) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return hipErrorInvalidValue;
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return hipErrorInvalidValue;
     GemvArgs args{};
-    const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, activation,
-                                 epilogue);
+    const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, epilogue);
     const hipStream_t s = reinterpret_cast<hipStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {

@@ -10,7 +10,7 @@ import torch
 
 from infer.batch import PackedBatch
 from infer.model import RWKV7
-from infer.ops.fused import ACT_NONE, ACT_SIGMOID, ACT_TANH, EPI_NONE, EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, \
+from infer.ops.fused import EPI_NONE, EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, \
     KMajorLinear, load_fused_kernels, select_fused
 from infer.ops.linear import DenseLinear
 from infer.ops.wkv_cuda import select_wkv
@@ -207,17 +207,17 @@ def test_gemv_tasks_match_matmul(kernels):
         res = torch.randn(rows, 512, device=dev).half()
         y1, y2, y3, y4 = (torch.empty(rows, n, device=dev, dtype=torch.float16) for n in (96, 512, 512, 512))
         y4.copy_(res)
-        kernels.gemv([(DenseLinear(w1), x, y1, ACT_NONE, EPI_NONE, None),
-                      (DenseLinear(w2), h, y2, ACT_TANH, EPI_NONE, None),
-                      (DenseLinear(w2), h, y3, ACT_SIGMOID, EPI_RELU_SQUARE, None),
-                      (DenseLinear(w2), h, y4, ACT_NONE, EPI_NONE, y4)])
+        kernels.gemv([(DenseLinear(w1), x, y1, EPI_NONE, None),
+                      (DenseLinear(w2), h, y2, EPI_NONE, None),
+                      (DenseLinear(w2), h, y3, EPI_RELU_SQUARE, None),
+                      (DenseLinear(w2), h, y4, EPI_NONE, y4)])
         torch.testing.assert_close(y1, x @ w1.T, atol=2e-3, rtol=2e-3)
-        torch.testing.assert_close(y2, torch.tanh(h) @ w2.T, atol=2e-3, rtol=2e-3)
-        torch.testing.assert_close(y3, torch.relu(torch.sigmoid(h) @ w2.T) ** 2, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(y2, h @ w2.T, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(y3, torch.relu(h @ w2.T) ** 2, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(y4, res + h @ w2.T, atol=4e-3, rtol=2e-3)
         y5, y6 = (torch.empty(rows, 96, device=dev, dtype=torch.float16) for _ in range(2))
-        kernels.gemv([(DenseLinear(w1), x, y5, ACT_NONE, EPI_TANH, None),
-                      (DenseLinear(w1), x, y6, ACT_NONE, EPI_SIGMOID, None)])
+        kernels.gemv([(DenseLinear(w1), x, y5, EPI_TANH, None),
+                      (DenseLinear(w1), x, y6, EPI_SIGMOID, None)])
         torch.testing.assert_close(y5, torch.tanh(x @ w1.T), atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(y6, torch.sigmoid(x @ w1.T), atol=2e-3, rtol=2e-3)
 
@@ -238,14 +238,14 @@ def test_gemv_split_rows_match_matmul(kernels, rows):
     res = torch.randn(rows, 200, generator=gen, device="cuda").half()
     y_long, y_short, y_q = (torch.empty(rows, n, device="cuda", dtype=torch.float16) for n in (200, 72, 136))
     z_long = res.clone()
-    kernels.gemv([(DenseLinear(long_w), x_long, y_long, ACT_NONE, EPI_NONE, None),
-                  (DenseLinear(long_w), x_long, z_long, ACT_NONE, EPI_NONE, z_long),
-                  (DenseLinear(short_w), x_short, y_short, ACT_TANH, EPI_NONE, None),
-                  (W8A16Linear(q, scale), x_q, y_q, ACT_NONE, EPI_RELU_SQUARE, None)])
+    kernels.gemv([(DenseLinear(long_w), x_long, y_long, EPI_NONE, None),
+                  (DenseLinear(long_w), x_long, z_long, EPI_NONE, z_long),
+                  (DenseLinear(short_w), x_short, y_short, EPI_NONE, None),
+                  (W8A16Linear(q, scale), x_q, y_q, EPI_RELU_SQUARE, None)])
     expect_long = (x_long.float() @ long_w.float().T)
     torch.testing.assert_close(y_long.float(), expect_long, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(z_long.float(), res.float() + expect_long, atol=3e-2, rtol=1e-2)
-    torch.testing.assert_close(y_short, torch.tanh(x_short) @ short_w.T, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(y_short, x_short @ short_w.T, atol=2e-3, rtol=2e-3)
     expect_q = torch.relu(x_q.float() @ (q.float() * scale.float()[:, None]).T) ** 2
     torch.testing.assert_close(y_q.float(), expect_q, atol=5e-2, rtol=2e-2)
 
@@ -260,7 +260,7 @@ def test_gemv_int8_tasks_match_dequantized(kernels, rows):
     res = torch.randn(rows, 264, generator=gen, device="cuda").half()
     y, z = torch.empty(rows, 264, device="cuda").half(), res.clone()
     lin = W8A16Linear(q, scale)
-    kernels.gemv([(lin, x, y, ACT_NONE, EPI_NONE, None), (lin, x, z, ACT_NONE, EPI_NONE, z)])
+    kernels.gemv([(lin, x, y, EPI_NONE, None), (lin, x, z, EPI_NONE, z)])
     expect = dequantize_matmul(x, q, scale)
     torch.testing.assert_close(y, expect, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(z, res + expect, atol=3e-2, rtol=1e-2)
@@ -300,9 +300,9 @@ def test_gemv_rejects_bad_arguments(kernels):
     x = torch.randn(9, 64, device="cuda").half()
     y = torch.empty(9, 64, device="cuda").half()
     with pytest.raises(RuntimeError, match="rows"):
-        kernels.gemv([(w, x, y, ACT_NONE, EPI_NONE, None)])
+        kernels.gemv([(w, x, y, EPI_NONE, None)])
     with pytest.raises(RuntimeError, match="shape"):
-        kernels.gemv([(w, x[:2], y[:3], ACT_NONE, EPI_NONE, None)])
+        kernels.gemv([(w, x[:2], y[:3], EPI_NONE, None)])
 
 
 # --------------------------------------------------------------------------------------------- sparse-input GEMV
@@ -386,7 +386,7 @@ def test_gemv_uint4_rebuilds_gemlite_weights_bit_for_bit(kernels, uint4_layer):
     eye = torch.eye(512, device="cuda", dtype=torch.float16)
     got = torch.full((512, 1040), float("nan"), device="cuda", dtype=torch.float16)
     for first in range(0, 512, 8):
-        kernels.gemv([(lin, eye[first:first + 8], got[first:first + 8], ACT_NONE, EPI_NONE, None)])
+        kernels.gemv([(lin, eye[first:first + 8], got[first:first + 8], EPI_NONE, None)])
     assert torch.equal(got.t(), dense)
 
 
@@ -400,13 +400,13 @@ def test_gemv_uint4_tasks_match_gemlite(kernels, uint4_layer, rows):
     res = torch.randn(rows, 1040, generator=gen, device="cuda").half()
     w16 = (torch.randn(96, 512, generator=gen, device="cuda") * 0.05).half()
     y, z, h = torch.empty(rows, 1040, device="cuda").half(), res.clone(), torch.empty(rows, 96, device="cuda").half()
-    kernels.gemv([(lin, x, y, ACT_NONE, EPI_NONE, None), (DenseLinear(w16), x, h, ACT_TANH, EPI_NONE, None),
-                  (lin, x, z, ACT_NONE, EPI_RELU_SQUARE, z)])
+    kernels.gemv([(lin, x, y, EPI_NONE, None), (DenseLinear(w16), x, h, EPI_NONE, None),
+                  (lin, x, z, EPI_RELU_SQUARE, z)])
     exact = x.double() @ dense.double().T
     torch.testing.assert_close(y.double(), exact, atol=1e-3, rtol=1e-3)
     relu2 = exact.half().double().clamp_min(0) ** 2
     torch.testing.assert_close(z.double(), res.double() + relu2, atol=2e-2, rtol=2e-3)
-    torch.testing.assert_close(h, torch.tanh(x) @ w16.T, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(h, x @ w16.T, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(y, lin(x), atol=1e-2, rtol=1e-2)
 
 

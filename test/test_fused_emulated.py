@@ -56,7 +56,6 @@ from infer.ops.wkv import TorchWKV
 from kernel_emu import emu_build
 
 N = 64
-ACT_NONE, ACT_TANH, ACT_SIGMOID = 0, 1, 2
 EPI_NONE, EPI_RELU_SQUARE, EPI_TANH, EPI_SIGMOID = 0, 1, 2, 3
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 FUSED = {"cuda": ("cuda/rwkv7_fused.cu", 32, ()), "hip-wave64": ("hip/rwkv7_fused.hip", 64, ()),
@@ -87,7 +86,7 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
             so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32, i64]
             so.emu_time_mix_kernel_for.argtypes = [p, i32, ctypes.c_uint, i32]
             so.emu_fused_relu_square.argtypes = [i64, p]
-            so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p, p]
+            so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p]
             so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p, p]
             so.emu_fused_sparse_gemv.argtypes = [i64, p, p, p, p, p, p, i64, i64, i64, ctypes.c_uint]
             so.emu_fused_sparse_gemv_plan.argtypes = [i64, i64, i64, p]
@@ -469,6 +468,33 @@ def test_time_mix_kernel_choice(variant, libs):
         assert choice(shifted, False, 64, True) == TIME_MIX_KERNELS["prefill"], j
 
 
+KNOB_VALUES = [None, "", "0", "12", "007", "abc", "-3", "+5", " 5", "5 ", "4x", "1.5", "99999999999"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_env_knobs_parse_as_in_python(variant, libs, monkeypatch):
+    """The kernels' env_int/env_flag read an environment knob as infer.ops.cuda_ext does: decimal digits, else
+    the default (a sign, a space, a fraction or garbage is ignored, not read as 0); a switch is off at 0 only."""
+    from infer.ops.cuda_ext import env_flag, env_int
+    so = libs[f"fused-{variant}"]
+    so.emu_env_int.argtypes, so.emu_env_int.restype = [ctypes.c_char_p, ctypes.c_longlong], ctypes.c_longlong
+    so.emu_env_flag.argtypes, so.emu_env_flag.restype = [ctypes.c_char_p, ctypes.c_int], ctypes.c_int
+    name = "RWKV_TEST_KNOB"
+    want_int = {None: 9, "": 9, "0": 0, "12": 12, "007": 7, "99999999999": 99999999999}
+    for value in KNOB_VALUES:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        expect = want_int.get(value, 9)
+        assert env_int(name, 9) == expect, value
+        assert so.emu_env_int(name.encode(), 9) == expect, value
+        for default in (True, False):
+            flag = default if value not in want_int or value in (None, "") else want_int[value] != 0
+            assert env_flag(name, default) is flag, (value, default)
+            assert so.emu_env_flag(name.encode(), int(default)) == int(flag), (value, default)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("n", [8, 4100, 8 * 256 * 4096 + 24 + 5])  # one vector; a tail; more than one grid-stride pass
 def test_relu_square_matches_torch(variant, n, libs):
@@ -541,7 +567,7 @@ def uint4_layer(gen, n: int, k: int, group: int) -> tuple[torch.Tensor, ...]:
     return words, scale, zero, dequantize_gemlite_uint4(words, scale, zero)
 
 
-def gemv_task(gen, M, n, k, kind=F16, act=ACT_NONE, epi=EPI_NONE, residual=False) -> dict:
+def gemv_task(gen, M, n, k, kind=F16, epi=EPI_NONE, residual=False) -> dict:
     zero, dense, group = None, None, 0
     if kind == I8:
         w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -551,10 +577,10 @@ def gemv_task(gen, M, n, k, kind=F16, act=ACT_NONE, epi=EPI_NONE, residual=False
     else:
         kind, group = kind
         w, scale, zero, dense = uint4_layer(gen, n, k, group)
-    x = (torch.randn(M, k, generator=gen) * (2.0 if act else 1.0)).half()
+    x = torch.randn(M, k, generator=gen).half()
     res = torch.randn(M, n, generator=gen).half() if residual else None
     return dict(w=w, scale=scale, zero=zero, dense=dense, n=n, k=k, group=group, type=WEIGHT_TYPE[kind], x=x,
-                residual=res, act=act, epi=epi)
+                residual=res, epi=epi)
 
 
 def run_gemv(so, tasks, M):
@@ -569,27 +595,20 @@ def run_gemv(so, tasks, M):
                                 _ints([t["k"] for t in tasks], ctypes.c_int64),
                                 _ints([t["group"] for t in tasks], ctypes.c_int64),
                                 _ints([t["type"] for t in tasks], ctypes.c_int),
-                                _ints([t["act"] for t in tasks], ctypes.c_int),
                                 _ints([t["epi"] for t in tasks], ctypes.c_int)))
     return ys
 
 
 def check_gemv(t: dict, y: torch.Tensor, what: str) -> None:
-    """y = fp16(epi(fp16(act(x) W^T * scale)) + residual), the inner fp16 product being one of the fp16
-    numbers around the exact product +- a bound on the fp32 accumulation (and activation) error. 4-bit
-    weights: W is GemLite's dequantized matrix (dequantize_gemlite_uint4), and the tensor cores take act(x)
-    rounded to fp16 (its fp32 value may round to either neighbour: one ulp of slack)."""
+    """y = fp16(epi(fp16(x W^T * scale)) + residual), the inner fp16 product being one of the fp16 numbers
+    around the exact product +- a bound on the fp32 accumulation error. 4-bit weights: W is GemLite's
+    dequantized matrix (dequantize_gemlite_uint4)."""
     x = t["x"].double()
-    x = torch.tanh(x) if t["act"] == ACT_TANH else torch.sigmoid(x) if t["act"] == ACT_SIGMOID else x
     w = t["dense"] if t["dense"] is not None else t["w"].double()
-    slack = 0.0
-    if t["type"] == WEIGHT_TYPE["u4"] and t["act"] != ACT_NONE:
-        x = f16_round(x).double()
-        slack = ulp16(x) @ w.abs().T
     scale = t["scale"].double() if t["type"] == WEIGHT_TYPE[I8] else torch.ones(w.shape[0], dtype=torch.float64)
     exact = (x @ w.T) * scale
     K = w.shape[1]
-    err = (x.abs() @ w.abs().T) * scale * (K + 4) * 2.0 ** -23 + slack + 1e-30
+    err = (x.abs() @ w.abs().T) * scale * (K + 4) * 2.0 ** -23 + 1e-30
 
     def finish(val16: torch.Tensor) -> torch.Tensor:
         val = val16.float()
@@ -621,63 +640,63 @@ def check_gemv(t: dict, y: torch.Tensor, what: str) -> None:
 
 
 GEMV_CASES = {
-    # M, tasks: (n, k, weights, act, epi, residual)
-    "one-row": (1, [(37, 136, F16, ACT_NONE, EPI_NONE, False)]),  # a partly idle last block, lanes past k
-    "lora-and-ffn": (2, [(64, 128, F16, ACT_TANH, EPI_NONE, False), (40, 160, I8, ACT_SIGMOID, EPI_NONE, False),
-                         (48, 96, F16, ACT_NONE, EPI_RELU_SQUARE, False), (24, 512, I8, ACT_NONE, EPI_NONE, True),
-                         (20, 264, F16, ACT_NONE, EPI_NONE, True)]),
-    "eight-rows": (8, [(9, 8, F16, ACT_NONE, EPI_NONE, False), (16, 16, I8, ACT_TANH, EPI_RELU_SQUARE, True),
-                       (33, 272, I8, ACT_NONE, EPI_RELU_SQUARE, False), (8, 1032, F16, ACT_SIGMOID, EPI_NONE, True),
-                       (3, 64, F16, ACT_NONE, EPI_NONE, False), (5, 48, I8, ACT_NONE, EPI_NONE, False),
-                       (17, 24, F16, ACT_TANH, EPI_NONE, False), (2, 32, I8, ACT_SIGMOID, EPI_NONE, True)]),
-    "three-rows": (3, [(11, 40, F16, ACT_NONE, EPI_RELU_SQUARE, True), (13, 32, I8, ACT_NONE, EPI_NONE, False)]),
-    "five-rows": (5, [(7, 56, F16, ACT_SIGMOID, EPI_NONE, False)]),
-    "seven-rows": (7, [(10, 48, I8, ACT_TANH, EPI_NONE, True)]),
+    # M, tasks: (n, k, weights, epi, residual)
+    "one-row": (1, [(37, 136, F16, EPI_NONE, False)]),  # a partly idle last block, lanes past k
+    "lora-and-ffn": (2, [(64, 128, F16, EPI_NONE, False), (40, 160, I8, EPI_NONE, False),
+                         (48, 96, F16, EPI_RELU_SQUARE, False), (24, 512, I8, EPI_NONE, True),
+                         (20, 264, F16, EPI_NONE, True)]),
+    "eight-rows": (8, [(9, 8, F16, EPI_NONE, False), (16, 16, I8, EPI_RELU_SQUARE, True),
+                       (33, 272, I8, EPI_RELU_SQUARE, False), (8, 1032, F16, EPI_NONE, True),
+                       (3, 64, F16, EPI_NONE, False), (5, 48, I8, EPI_NONE, False),
+                       (17, 24, F16, EPI_NONE, False), (2, 32, I8, EPI_NONE, True)]),
+    "three-rows": (3, [(11, 40, F16, EPI_RELU_SQUARE, True), (13, 32, I8, EPI_NONE, False)]),
+    "five-rows": (5, [(7, 56, F16, EPI_NONE, False)]),
+    "seven-rows": (7, [(10, 48, I8, EPI_NONE, True)]),
     # rows longer than one batch of loads per lane (256 vectors): a full batch, then a partial one
-    "long-rows": (2, [(5, 2312, F16, ACT_NONE, EPI_NONE, True), (3, 4112, I8, ACT_TANH, EPI_NONE, False),
-                      (2, 4096, F16, ACT_SIGMOID, EPI_RELU_SQUARE, False)]),
-    # the same without any activation (the plain kernel instance), int8 and fp16
-    "long-rows-plain": (1, [(6, 4112, I8, ACT_NONE, EPI_NONE, False), (4, 2312, F16, ACT_NONE, EPI_NONE, True)]),
+    "long-rows": (2, [(5, 2312, F16, EPI_NONE, True), (3, 4112, I8, EPI_NONE, False),
+                      (2, 4096, F16, EPI_RELU_SQUARE, False)]),
+    # the same at one row (the batch-1 kernel instance), int8 and fp16
+    "long-rows-batch1": (1, [(6, 4112, I8, EPI_NONE, False), (4, 2312, F16, EPI_NONE, True)]),
     # few long rows: split among 8, 2 and 4 warps of a block (GEMV_SPLITS), idle warps in the last blocks
-    "split-rows": (2, [(5, 16384, F16, ACT_NONE, EPI_NONE, True), (3, 8192, I8, ACT_TANH, EPI_NONE, False),
-                       (9, 8192, F16, ACT_NONE, EPI_RELU_SQUARE, False)]),
-    "split-rows-plain": (1, [(6, 4096, F16, ACT_NONE, EPI_NONE, False), (7, 8192, I8, ACT_NONE, EPI_NONE, True)]),
+    "split-rows": (2, [(5, 16384, F16, EPI_NONE, True), (3, 8192, I8, EPI_NONE, False),
+                       (9, 8192, F16, EPI_RELU_SQUARE, False)]),
+    "split-rows-batch1": (1, [(6, 4096, F16, EPI_NONE, False), (7, 8192, I8, EPI_NONE, True)]),
     # 4-bit (GemLite) bands of 32 channels: 36 leaves 8 of a block's 9 channel quads idle; k = 64: fewer rows
     # of words than slices; 16-column groups: batches of 2 rows
-    "u4-one-row": (1, [(36, 64, U4(16), ACT_NONE, EPI_NONE, False), (32, 128, U4(64), ACT_NONE, EPI_NONE, True)]),
+    "u4-one-row": (1, [(36, 64, U4(16), EPI_NONE, False), (32, 128, U4(64), EPI_NONE, True)]),
     # groups of 3 rows of words (24 columns) that straddle the slices' 4-row chunks; 8 channels: one quad
-    "u4-two-rows": (2, [(16, 960, U4(24), ACT_TANH, EPI_NONE, False),
-                        (8, 256, U4(128), ACT_SIGMOID, EPI_RELU_SQUARE, True),
-                        (44, 96, U4(32), ACT_NONE, EPI_RELU_SQUARE, True)]),
-    "u4-three-rows": (3, [(28, 136, U4(8), ACT_NONE, EPI_NONE, False)]),  # one row of words per group
-    "u4-five-rows": (5, [(20, 320, U4(32), ACT_SIGMOID, EPI_NONE, True)]),  # two passes over x: 3 and 2 rows
+    "u4-two-rows": (2, [(16, 960, U4(24), EPI_NONE, False),
+                        (8, 256, U4(128), EPI_RELU_SQUARE, True),
+                        (44, 96, U4(32), EPI_RELU_SQUARE, True)]),
+    "u4-three-rows": (3, [(28, 136, U4(8), EPI_NONE, False)]),  # one row of words per group
+    "u4-five-rows": (5, [(20, 320, U4(32), EPI_NONE, True)]),  # two passes over x: 3 and 2 rows
     # fp16, int8 and 4-bit tasks in one launch; 8 rows (two passes of 4)
-    "u4-eight-rows": (8, [(40, 256, U4(64), ACT_TANH, EPI_RELU_SQUARE, True), (9, 8, F16, ACT_NONE, EPI_NONE, False),
-                          (16, 16, I8, ACT_TANH, EPI_NONE, True), (12, 520, U4(40), ACT_NONE, EPI_NONE, False),
-                          (4, 8, U4(8), ACT_SIGMOID, EPI_NONE, False), (33, 272, I8, ACT_NONE, EPI_RELU_SQUARE, False),
-                          (64, 1024, U4(128), ACT_NONE, EPI_NONE, True), (17, 24, F16, ACT_SIGMOID, EPI_NONE, False)]),
-    "u4-mixed": (1, [(37, 136, F16, ACT_NONE, EPI_NONE, False), (24, 512, I8, ACT_NONE, EPI_NONE, True),
-                     (32, 4096, U4(128), ACT_NONE, EPI_NONE, True),
-                     (12, 64, U4(64), ACT_NONE, EPI_RELU_SQUARE, False)]),
+    "u4-eight-rows": (8, [(40, 256, U4(64), EPI_RELU_SQUARE, True), (9, 8, F16, EPI_NONE, False),
+                          (16, 16, I8, EPI_NONE, True), (12, 520, U4(40), EPI_NONE, False),
+                          (4, 8, U4(8), EPI_NONE, False), (33, 272, I8, EPI_RELU_SQUARE, False),
+                          (64, 1024, U4(128), EPI_NONE, True), (17, 24, F16, EPI_NONE, False)]),
+    "u4-mixed": (1, [(37, 136, F16, EPI_NONE, False), (24, 512, I8, EPI_NONE, True),
+                     (32, 4096, U4(128), EPI_NONE, True),
+                     (12, 64, U4(64), EPI_RELU_SQUARE, False)]),
     # long 4-bit rows (a 16384-wide FFN value scaled down in width): bands halved to 16 channels (GEMV_SPLITS),
     # 32 rows of words per thread; a short one beside them keeps its 32-channel band
-    "u4-long": (2, [(32, 16384, U4(128), ACT_NONE, EPI_NONE, True),
-                    (64, 2048, U4(64), ACT_NONE, EPI_RELU_SQUARE, False),
-                    (40, 1024, U4(32), ACT_TANH, EPI_NONE, False)]),
-    "u4-long-plain": (1, [(48, 8192, U4(64), ACT_NONE, EPI_NONE, True), (8, 4096, F16, ACT_NONE, EPI_NONE, False)]),
+    "u4-long": (2, [(32, 16384, U4(128), EPI_NONE, True),
+                    (64, 2048, U4(64), EPI_RELU_SQUARE, False),
+                    (40, 1024, U4(32), EPI_NONE, False)]),
+    "u4-long-batch1": (1, [(48, 8192, U4(64), EPI_NONE, True), (8, 4096, F16, EPI_NONE, False)]),
     # the LoRA first halves' activations as epilogues (fp16, int8, 4-bit)
-    "epilogue-activations": (2, [(24, 256, F16, ACT_NONE, EPI_TANH, False), (40, 512, I8, ACT_NONE, EPI_SIGMOID, False),
-                                 (20, 128, U4(64), ACT_NONE, EPI_TANH, False),
-                                 (96, 4096, F16, ACT_NONE, EPI_SIGMOID, False)]),
+    "epilogue-activations": (2, [(24, 256, F16, EPI_TANH, False), (40, 512, I8, EPI_SIGMOID, False),
+                                 (20, 128, U4(64), EPI_TANH, False),
+                                 (96, 4096, F16, EPI_SIGMOID, False)]),
     # the LoRA second halves of a 7.2B layer scaled down in height: short rows packed 4-16 to a warp, heights
     # that leave the last warp part-filled
-    "lora-up": (2, [(300, 128, F16, ACT_TANH, EPI_NONE, False), (260, 96, F16, ACT_NONE, EPI_NONE, False),
-                    (100, 480, F16, ACT_SIGMOID, EPI_NONE, False), (130, 64, I8, ACT_NONE, EPI_NONE, True)]),
+    "lora-up": (2, [(300, 128, F16, EPI_NONE, False), (260, 96, F16, EPI_NONE, False),
+                    (100, 480, F16, EPI_NONE, False), (130, 64, I8, EPI_NONE, True)]),
 }
 # the planner halves the longest slices (vectors of 16 bytes per warp) while each keeps >= 256 of them; a
 # 4-bit task halves its band (at most once) while each thread keeps >= 4 rows of words
-GEMV_SPLITS = {"split-rows": [8, 2, 4], "split-rows-plain": [2, 2], "long-rows": [1, 1, 2], "one-row": [1],
-               "u4-long": [2, 2, 1], "u4-long-plain": [2, 2], "u4-mixed": [1, 1, 2, 1]}
+GEMV_SPLITS = {"split-rows": [8, 2, 4], "split-rows-batch1": [2, 2], "long-rows": [1, 1, 2], "one-row": [1],
+               "u4-long": [2, 2, 1], "u4-long-batch1": [2, 2], "u4-mixed": [1, 1, 2, 1]}
 # rows of fewer than 256 vectors take the fewest lanes (a power of two) with at most 8 loads each: 32 / lanes
 # rows per warp (one vector: 32 rows; 4-bit tasks and split rows: 1)
 GEMV_ROWS_PER_WARP = {"one-row": [8], "lora-and-ffn": [16, 16, 16, 8, 4], "eight-rows": [32, 32, 8, 1, 32, 32, 32, 32],
@@ -688,7 +707,7 @@ GEMV_ROWS_PER_WARP = {"one-row": [8], "lora-and-ffn": [16, 16, 16, 8, 4], "eight
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", GEMV_CASES)
 def test_gemv(variant, case, libs):
-    """Grouped GEMV: fp16, int8 (+ scale) and GemLite 4-bit weights, tanh/sigmoid inputs, relu^2, residual
+    """Grouped GEMV: fp16, int8 (+ scale) and GemLite 4-bit weights, relu^2, tanh and sigmoid epilogues, residual
     add (in place), 1-8 rows, up to 8 tasks per launch, widths that leave warps of the last block without
     a row (or lanes without a band's channels), short rows several to a warp, long rows split."""
     M, specs = GEMV_CASES[case]
@@ -771,7 +790,7 @@ def test_sparse_gemv(variant, case, libs):
     plan = sparse_plan(so, n, k, min_blocks)
     assert plan["ballots"] == (2 if case == "two-ballots" else 1)
     y, workspace = run_sparse_gemv(so, x, w_t, residual, min_blocks)
-    check_gemv(dict(w=w, dense=None, scale=None, type=WEIGHT_TYPE[F16], x=x, residual=residual, act=ACT_NONE,
+    check_gemv(dict(w=w, dense=None, scale=None, type=WEIGHT_TYPE[F16], x=x, residual=residual,
                     epi=EPI_NONE), y, case)
     assert not workspace[1].any(), "the arrival counters must be left at zero"
     again, _ = run_sparse_gemv(so, x, w_t, residual, min_blocks, seed=7, workspace=workspace)
@@ -820,7 +839,7 @@ def test_gemv_uint4_rebuilds_gemlite_weights_exactly(variant, libs):
         x = torch.zeros(8, k, dtype=torch.float16)
         x[torch.arange(8), first + torch.arange(8)] = 1.0
         task = dict(w=words, scale=scale, zero=zero, dense=dense, n=n, k=k, group=group, type=WEIGHT_TYPE["u4"],
-                    x=x, residual=None, act=ACT_NONE, epi=EPI_NONE)
+                    x=x, residual=None, epi=EPI_NONE)
         (y,) = run_gemv(so, [task], 8)
         want = dense[:, first:first + 8].t().half()
         assert torch.equal(y.view(torch.int16), want.view(torch.int16)), \

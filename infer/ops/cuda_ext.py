@@ -21,6 +21,23 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def env_int(name: str, default: int) -> int:
+    """An environment knob for measurements: decimal digits only, else ``default`` (a value that is set but
+    not such a number is logged and ignored; the kernels' own env_int in cuda/rwkv7_fused.cu reads the same)."""
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    if value.isascii() and value.isdigit():
+        return int(value)
+    log.warning("%s=%r is not a whole number >= 0: using %d", name, value, default)
+    return default
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A switch among the knobs: off at 0, on at any other whole number, else ``default``."""
+    return env_int(name, int(default)) != 0
+
+
 def build_directory() -> Path:
     """Where the compiled extension is cached: one folder per torch and CUDA/HIP version."""
     base = os.environ.get("RWKV_SERVER_HOME")

@@ -24,7 +24,6 @@ activations; otherwise ``RWKV7.forward``'s readable code (with the CUDA WKV kern
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.batch import PackedBatch
-from infer.ops.cuda_ext import BuildOnce, compile_kernels
+from infer.ops.cuda_ext import BuildOnce, compile_kernels, env_flag, env_int
 from infer.ops.linear import DenseLinear
 from infer.ops.linear_w8a16 import W8A16Linear
 from infer.state import StatePool
@@ -49,7 +48,6 @@ CUDA_SOURCES = [ROOT / "cuda" / "rwkv7_fused_op.cpp", ROOT / "cuda" / "rwkv7_fus
 HIP_SOURCES = [ROOT / "cuda" / "rwkv7_fused_op.cpp", ROOT / "hip" / "rwkv7_fused.hip"]
 EXTENSION_NAME = "rwkv7_fused"
 PREFERENCES = ("auto", "on", "off")
-ACT_NONE, ACT_TANH, ACT_SIGMOID = 0, 1, 2
 EPI_NONE, EPI_RELU_SQUARE, EPI_TANH, EPI_SIGMOID = 0, 1, 2, 3
 DEFAULT_GEMV_ROWS = 2
 _EMPTY: dict[torch.device, torch.Tensor] = {}
@@ -168,11 +166,10 @@ class FusedKernels:
         self._m = module
         # Batches of at most this many tokens take the grouped GEMV (weights read once, CUDA cores),
         # larger ones the model's linears (tensor cores); set from the decode grid in BENCHMARKS.md.
-        self.gemv_rows: int = min(int(os.environ.get("RWKV_GEMV_ROWS", DEFAULT_GEMV_ROWS)), module.gemv_max_rows())
+        self.gemv_rows: int = min(env_int("RWKV_GEMV_ROWS", DEFAULT_GEMV_ROWS), module.gemv_max_rows())
         # The same for models of 4-bit GemLite matrices, whose other kernels are GemLite's own: the 4-bit
         # GEMV took 4.4 ms for the matrices of a 7.2B step at 8 rows on an H200, GemLite's whole step 7.9.
-        self.uint4_gemv_rows: int = min(int(os.environ.get("RWKV_GEMV_ROWS", module.gemv_max_rows())),
-                                        module.gemv_max_rows())
+        self.uint4_gemv_rows: int = min(env_int("RWKV_GEMV_ROWS", module.gemv_max_rows()), module.gemv_max_rows())
         # Whether 4-bit tasks are taken: switched off alone (those layers then use GemLite's kernels) if
         # they fail their self-test, so the fp16 and int8 paths do not depend on them.
         self.uint4: bool = True
@@ -180,7 +177,7 @@ class FusedKernels:
         # whether select_fused stores fp16 FFN value matrices K-major at all: RWKV_SPARSE_FFN=0 or a failed
         # self-test keep them dense (for A/B timing, and so that the other paths do not depend on it).
         self.sparse_rows: int = module.sparse_gemv_max_rows()
-        self.sparse_ffn: bool = os.environ.get("RWKV_SPARSE_FFN", "1") != "0"
+        self.sparse_ffn: bool = env_flag("RWKV_SPARSE_FFN", True)
 
     # -------------------------------------------------------------- ops
     @staticmethod
@@ -193,9 +190,9 @@ class FusedKernels:
                              self._stream(x))
 
     def gemv(self, tasks: list[tuple]) -> None:
-        """tasks: (linear, x, y, activation, epilogue, residual or None); every x has the same rows."""
-        ws, scales, zeros, xs, ys, res, groups, acts, epis = [], [], [], [], [], [], [], [], []
-        for linear, x, y, act, epi, residual in tasks:
+        """tasks: (linear, x, y, epilogue, residual or None); every x has the same rows."""
+        ws, scales, zeros, xs, ys, res, groups, epis = [], [], [], [], [], [], [], []
+        for linear, x, y, epi, residual in tasks:
             w, scale, zero, group, k_major = self.operands(linear)
             if k_major:
                 raise ValueError("a K-major linear takes the sparse-input GEMV (sparse_gemv), not the grouped one")
@@ -207,9 +204,8 @@ class FusedKernels:
             ys.append(y)
             res.append(residual if residual is not None else empty)
             groups.append(group)
-            acts.append(act)
             epis.append(epi)
-        self._m.gemv(ws, scales, zeros, xs, ys, res, groups, acts, epis, self._stream(xs[0]))
+        self._m.gemv(ws, scales, zeros, xs, ys, res, groups, epis, self._stream(xs[0]))
 
     def sparse_gemv(self, linear: KMajorLinear, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += x W^T for a :class:`KMajorLinear`, reading only the weight rows of x's nonzero columns; more
@@ -270,11 +266,11 @@ class FusedKernels:
                 if not first:
                     tasks.append((blk.v1, xv, hv, EPI_NONE))
                 tasks += [(blk.receptance, xr, r, EPI_NONE), (blk.key, xk, k, EPI_NONE), (blk.value, xv, v, EPI_NONE)]
-                self.gemv([(lin, a, b, ACT_NONE, epi, None) for lin, a, b, epi in tasks])
-                second = [(blk.w2, hw, dw, ACT_NONE, EPI_NONE, None), (blk.a2, ha, da, ACT_NONE, EPI_NONE, None),
-                          (blk.g2, hg, g, ACT_NONE, EPI_NONE, None)]
+                self.gemv([(lin, a, b, epi, None) for lin, a, b, epi in tasks])
+                second = [(blk.w2, hw, dw, EPI_NONE, None), (blk.a2, ha, da, EPI_NONE, None),
+                          (blk.g2, hg, g, EPI_NONE, None)]
                 if not first:
-                    second.append((blk.v2, hv, dv, ACT_NONE, EPI_NONE, None))
+                    second.append((blk.v2, hv, dv, EPI_NONE, None))
                 self.gemv(second)
             elif isinstance(blk.batched, BatchedWeights):
                 r, k, v, dw, da, dv = batched_projections(blk.batched, mixed, first)
@@ -289,13 +285,13 @@ class FusedKernels:
             self.time_mix(state.wkv[i], batch, blk, first, [r, k, v, dw, da, dv, g, v_first, y])
             kf = xr  # the mix buffers are free again: reuse one for the channel-mix input
             if small:
-                self.gemv([(blk.output, y, x, ACT_NONE, EPI_NONE, x)])
+                self.gemv([(blk.output, y, x, EPI_NONE, x)])
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
-                self.gemv([(blk.ffn_key, kf, hidden, ACT_NONE, EPI_RELU_SQUARE, None)])
+                self.gemv([(blk.ffn_key, kf, hidden, EPI_RELU_SQUARE, None)])
                 if isinstance(blk.ffn_value, KMajorLinear):
                     self.sparse_gemv(blk.ffn_value, hidden, x)
                 else:
-                    self.gemv([(blk.ffn_value, hidden, x, ACT_NONE, EPI_NONE, x)])
+                    self.gemv([(blk.ffn_value, hidden, x, EPI_NONE, x)])
             else:
                 add_product(x, blk.output, y)
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
@@ -306,7 +302,7 @@ class FusedKernels:
         rows = x.shape[0]
         if rows <= self.rows_for(model) and self.operands(model.head) is not None:
             logits = x.new_empty(rows, model.head.out_features)
-            self.gemv([(model.head, x.contiguous(), logits, ACT_NONE, EPI_NONE, None)])
+            self.gemv([(model.head, x.contiguous(), logits, EPI_NONE, None)])
             return logits.float()
         return model.head(x).float()
 
@@ -407,7 +403,7 @@ def _self_test_int8(kernels: FusedKernels, device: torch.device) -> str | None:
     scale = (torch.rand(40, generator=gen, device=device) * 0.01 + 0.001).half()
     x = torch.randn(2, 96, generator=gen, device=device).half()
     y = torch.empty(2, 40, device=device, dtype=torch.float16)
-    kernels.gemv([(W8A16Linear(q, scale), x, y, ACT_NONE, EPI_NONE, None)])
+    kernels.gemv([(W8A16Linear(q, scale), x, y, EPI_NONE, None)])
     expect = dequantize_matmul(x, q, scale)
     err = float((y.float() - expect.float()).abs().max()) / (float(expect.abs().max()) + 1e-6)
     if not err <= 1e-2:
@@ -427,7 +423,7 @@ def _self_test_uint4(kernels: FusedKernels, device: torch.device) -> str | None:
         x = torch.randn(rows, k, generator=gen, device=device).half()
         y = torch.empty(rows, n, device=device, dtype=torch.float16)
         layer = SimpleNamespace(uint4_groups=(words, scale, zero, group), in_features=k, out_features=n)  # as GemLiteLinear
-        kernels.gemv([(layer, x, y, ACT_NONE, EPI_NONE, None)])
+        kernels.gemv([(layer, x, y, EPI_NONE, None)])
         q = (words[:, :, None] >> (4 * torch.arange(8, device=device, dtype=torch.int32))) & 15  # nibble j: k = 8c + j
         q = q.permute(1, 0, 2).reshape(n, k).float()
         w = q * scale.float().t().repeat_interleave(group, 1) + zero.float().t().repeat_interleave(group, 1)

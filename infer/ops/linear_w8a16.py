@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from infer.ops.cuda_ext import BuildOnce, compile_extension
+from infer.ops.cuda_ext import BuildOnce, compile_extension, env_int
 from infer.ops.linear import cpu_row_blocks
 
 log = logging.getLogger(__name__)
@@ -145,7 +144,7 @@ class W8A16Kernels:
         # Rows up to this many take the GEMV, more the GEMM (when built): the GEMV's cost grows with each
         # row, the Hopper GEMM's barely changes below its tile.
         default = SM90_GEMV_ROWS if self.sm90_tiles else self.gemv_max_rows
-        self.gemv_rows: int = min(int(os.environ.get("RWKV_W8A16_GEMV_ROWS", default)), self.gemv_max_rows)
+        self.gemv_rows: int = min(env_int("RWKV_W8A16_GEMV_ROWS", default), self.gemv_max_rows)
 
     @property
     def hopper_gemm(self) -> bool:

@@ -59,6 +59,10 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
     return -1;
 }
 
+// The launchers' environment knobs (env_int, env_flag), read here without caching.
+EMU_EXPORT long long emu_env_int(const char* name, long long fallback) { return fused::env_int(name, fallback); }
+EMU_EXPORT int emu_env_flag(const char* name, int fallback) { return fused::env_flag(name, fallback != 0) ? 1 : 0; }
+
 EMU_EXPORT int emu_time_mix_kernel_for(const void* const* tensors, int first_layer, unsigned grid, int prefill) {
     const void* params[8] = {};
     return fused::time_mix_kernel_for(fused::make_time_mix_args(tensors, params, first_layer), grid, prefill);
@@ -66,21 +70,19 @@ EMU_EXPORT int emu_time_mix_kernel_for(const void* const* tensors, int first_lay
 
 template <int M>
 int run_gemv(const fused::GemvArgs& args, int blocks) {
-    auto kernel = fused::gemv_activates(args) ? fused::gemv_kernel<M, true> : fused::gemv_kernel<M, false>;
-    return emu::run_grid(static_cast<unsigned>(blocks), fused::kGemvWarps * 32, [&] { kernel(args); });
+    return emu::run_grid(static_cast<unsigned>(blocks), fused::kGemvWarps * 32, [&] { fused::gemv_kernel<M>(args); });
 }
 
 EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const void* const* scale,
                               const void* const* zero, const void* const* x, void* const* y,
                               const void* const* residual, const int64_t* n, const int64_t* k, const int64_t* group,
-                              const int* weight_type, const int* activation, const int* epilogue) {
+                              const int* weight_type, const int* epilogue) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return -1;
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return -1;
     GemvArgs args{};
-    const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, activation,
-                                 epilogue);
+    const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, epilogue);
     switch (M) {
         case 1: return run_gemv<1>(args, blocks);
         case 2: return run_gemv<2>(args, blocks);
