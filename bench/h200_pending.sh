@@ -55,6 +55,19 @@ build_fused() {
     step 240 "build the fused kernels" python -c "from infer.ops.fused import load_fused_kernels; assert load_fused_kernels()"
 }
 
+# The fused GPU tests of the prefill and decode paths (without the 4-bit and GemLite ones).
+fused_tests() {
+    step 200 "fused GPU tests (prefill, decode, oracle, greedy, invariance)" python -m pytest -q -rs -p no:cacheprovider \
+        test/test_fused_cuda.py -k "(prefill or decode_matches or cpu_fp32 or greedy or invariance or relu_square) and not uint4 and not gemlite"
+}
+
+# prefill_bench ROWS OUT: 7.2B and 1.5B prompts of 1,024 and 4,096 tokens, ROWS of them per forward, into OUT.
+prefill_bench() {
+    step 200 "prefill" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
+        --prefill-rows "$1" --wkv cuda --no-checks --out "bench/results/$2"
+    copy "bench/results/$2"
+}
+
 case $PART in
 tests)
     step 300 "GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py \
@@ -222,11 +235,8 @@ decode-b1)  # after a small-batch GEMV change: builds (outside the test limit), 
     ;;
 chunked)  # the chunked time mix for prefills of many rows: GPU tests, prefill, A/B against the per-token kernel
     build_fused
-    step 200 "fused GPU tests (prefill, decode, oracle, greedy, invariance)" python -m pytest -q -rs -p no:cacheprovider \
-        test/test_fused_cuda.py -k "(prefill or decode_matches or cpu_fp32 or greedy or invariance or relu_square) and not uint4 and not gemlite"
-    step 150 "prefill" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
-        --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill_chunked.json
-    copy bench/results/decode_h200_prefill_chunked.json
+    fused_tests
+    prefill_bench 1,16 decode_h200_prefill_chunked.json
     step 90 "A/B: per-token time mix for many rows (RWKV_TIME_MIX_CHUNKED=0)" env RWKV_TIME_MIX_CHUNKED=0 \
         python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 --prefill-rows 16 --wkv cuda --no-checks \
         --out bench/results/experiment_prefill_per_token_h200.json
@@ -238,11 +248,8 @@ chunked)  # the chunked time mix for prefills of many rows: GPU tests, prefill, 
     ;;
 prefill-split)  # a head's state rows over four blocks for prompts alone: GPU tests, prefill and TTFT
     build_fused
-    step 200 "fused GPU tests (prefill, decode, oracle, greedy, invariance)" python -m pytest -q -rs -p no:cacheprovider \
-        test/test_fused_cuda.py -k "(prefill or decode_matches or cpu_fp32 or greedy or invariance or relu_square) and not uint4 and not gemlite"
-    step 200 "prefill" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
-        --prefill-rows 1,2,4,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill_split.json
-    copy bench/results/decode_h200_prefill_split.json
+    fused_tests
+    prefill_bench 1,2,4,16 decode_h200_prefill_split.json
     ;;
 prefill-gaps)  # A/B of the split time mix against the 256-thread kernel; where the batched prefill's idle time is
     build_fused
@@ -259,11 +266,8 @@ prefill-split2)  # the split time mix (the FULL-chunk recurrence): phases, GPU t
     step 120 "time-mix phases, 7.2B prompt shape" python bench/experiment_time_mix_phases.py \
         --out bench/results/experiment_time_mix_phases_final_h200.json
     copy bench/results/experiment_time_mix_phases_final_h200.json
-    step 200 "fused GPU tests (prefill, decode, oracle, greedy, invariance)" python -m pytest -q -rs -p no:cacheprovider \
-        test/test_fused_cuda.py -k "(prefill or decode_matches or cpu_fp32 or greedy or invariance or relu_square) and not uint4 and not gemlite"
-    step 150 "prefill" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
-        --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill_split2.json
-    copy bench/results/decode_h200_prefill_split2.json
+    fused_tests
+    prefill_bench 1,16 decode_h200_prefill_split2.json
     step 120 "A/B: the split kernel for more rows (RWKV_SPLIT_MAX_BLOCKS=4096)" env RWKV_SPLIT_MAX_BLOCKS=4096 \
         python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024 --prefill-rows 2,4,8 --wkv cuda \
         --no-checks --out bench/results/experiment_prefill_split2_rows_h200.json
