@@ -301,17 +301,23 @@ __device__ __forceinline__ ChannelParams load_channel_params(const TimeMixArgs& 
             h2f(p.a0[col]),   h2f(p.k_k[col]),  h2f(p.k_a[col]),   p.first_layer ? 0.0f : h2f(p.v0[col])};
 }
 
+// Whether a row's tokens lie in the launch (a nonempty range below num_tokens), and its slot in the pool.
+__device__ __forceinline__ bool row_tokens_valid(int64_t first, int64_t last, int64_t num_tokens) {
+    return !(last < first || first < 0 || last >= num_tokens);
+}
+__device__ __forceinline__ bool slot_valid(int64_t slot, int64_t num_slots) { return !(slot < 0 || slot >= num_slots); }
+
 // Whether a time-mix block's row has work (values the same for the whole block, so the early return is
 // block-uniform). If not, the block waits for its predecessor like any other and, for a row on a bad slot,
 // stores NaN outputs (its tokens first + offset, + stride, ... at channel col), leaving the state alone.
 __device__ __forceinline__ bool row_has_work(const TimeMixArgs& p, int64_t first, int64_t last, int64_t slot,
                                              int64_t num_slots, int64_t num_tokens, int64_t C, int64_t col,
                                              int offset, int stride) {
-    if (last < first || first < 0 || last >= num_tokens) {  // empty row or bad token range
+    if (!row_tokens_valid(first, last, num_tokens)) {  // empty row or bad token range
         dependency_wait();
         return false;
     }
-    if (slot < 0 || slot >= num_slots) {
+    if (!slot_valid(slot, num_slots)) {
         dependency_wait();
         for (int64_t t = first + offset; t <= last; t += stride)
             p.out[t * C + col] = __float2half_rn(__int_as_float(0x7fc00000));
@@ -928,7 +934,8 @@ __device__ __forceinline__ void split_recurrence(float (&s)[4 * kRowVecs], const
         for (int c = 0; c < kRowVecs; ++c) {
             const int j = split_column(q, c);
             wkv7::update4(&s[4 * c], *reinterpret_cast<const float4*>(&buf.w[u][j]),
-                          *reinterpret_cast<const float4*>(&buf.b[u][j]), *reinterpret_cast<const float4*>(&buf.k[u][j]),
+                          *reinterpret_cast<const float4*>(&buf.b[u][j]),
+                          *reinterpret_cast<const float4*>(&buf.k[u][j]),
                           *reinterpret_cast<const float4*>(&buf.r[u][j]), sa, v, out);
             if (more) wkv7::dot4(&s[4 * c], *reinterpret_cast<const float4*>(&buf.a[next][j]), acc);
         }
@@ -1007,7 +1014,7 @@ time_mix_finish_kernel(int H, int64_t rows, int64_t num_slots, int64_t num_token
     const auto [first, last, slot] = time_mix_row(head_block / H, slots, starts, lasts);
     const int64_t t0 = first + kFinishTokens * int64_t(blockIdx.x / (rows * H));
     dependency_wait();
-    if (last < first || first < 0 || last >= num_tokens || slot < 0 || slot >= num_slots || t0 > last) return;
+    if (!row_tokens_valid(first, last, num_tokens) || !slot_valid(slot, num_slots) || t0 > last) return;
     const int count = static_cast<int>(last - t0 + 1 < kFinishTokens ? last - t0 + 1 : kFinishTokens);
 
     __shared__ float bonus_sum[kFinishTokens][2], mean_sum[kFinishTokens][2], var_sum[kFinishTokens][2];
@@ -1714,6 +1721,13 @@ inline TimeMixArgs make_time_mix_args(const void* const* tensors, const void* co
     return p;
 }
 
+// The split kernel's launch: its scratch (y before the group norm, fp32 [T, C]) and time_mix_finish_kernel's
+// grid (every row's (row, head) blocks for up to max_len tokens).
+inline int64_t split_scratch_floats(int64_t num_tokens, int64_t H) { return num_tokens * H * N; }
+inline int64_t finish_blocks(int64_t B, int64_t H, int64_t max_len) {
+    return B * H * ((max_len + kFinishTokens - 1) / kFinishTokens);
+}
+
 // Which time-mix kernel a launch takes: a step of single tokens time_mix_kernel; rows of several tokens
 // time_mix_split_kernel (+ time_mix_finish_kernel) on a grid of fewer than kSplitMaxBlocks (row, head) blocks,
 // time_mix_prefill_kernel on one of fewer than kPrefillMaxBlocks, else time_mix_chunked_kernel. The split and
@@ -1728,7 +1742,8 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
     static const bool chunked = env_flag("RWKV_TIME_MIX_CHUNKED", true);
     if (!prefill) return kTimeMixDecode;
     bool aligned = true;
-    for (int j = 0; j < chunk_inputs(p); ++j) aligned = aligned && reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16 == 0;
+    for (int j = 0; j < chunk_inputs(p); ++j)
+        aligned = aligned && reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16 == 0;
     if (grid < split_max_blocks && aligned) return kTimeMixSplit;
     if (grid < prefill_max_blocks) return kTimeMixPrefill;
     return chunked && aligned ? kTimeMixChunked : kTimeMixDecode;
@@ -1917,7 +1932,7 @@ extern "C" int64_t fused_time_mix_scratch_floats(int64_t B, int64_t H, int64_t n
     const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     if (B <= 0 || H <= 0 || B * H > INT_MAX) return 0;
     const bool split = time_mix_kernel_for(p, static_cast<unsigned>(B * H), max_len > 1) == kTimeMixSplit;
-    return split ? num_tokens * H * N : 0;
+    return split ? split_scratch_floats(num_tokens, H) : 0;
 }
 
 extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
@@ -1934,10 +1949,11 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     const unsigned grid = static_cast<unsigned>(B * H);
     const int kernel = time_mix_kernel_for(p, grid, max_len > 1);
-    const int64_t finish_grid = B * H * ((max_len + kFinishTokens - 1) / kFinishTokens);
+    const int64_t finish_grid = finish_blocks(B, H, max_len);
     if (kernel == kTimeMixSplit && (B * H > INT_MAX / kSplitParts || finish_grid > INT_MAX))
         return cudaErrorInvalidConfiguration;
-    if (kernel == kTimeMixSplit && (scratch == nullptr || scratch_floats < num_tokens * H * N)) return cudaErrorInvalidValue;
+    if (kernel == kTimeMixSplit && (scratch == nullptr || scratch_floats < split_scratch_floats(num_tokens, H)))
+        return cudaErrorInvalidValue;
     auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto split_kernel) {
         return on_device(device, [&] {
             if (kernel == kTimeMixSplit) {

@@ -411,7 +411,7 @@ def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kernel", ["chunked", "split"])
 @pytest.mark.parametrize("layer,state_dtype", [(0, torch.float32), (2, torch.float32), (1, torch.float16)])
-def test_time_mix_chunked_matches_decode_kernel(variant, kernel, layer, state_dtype, libs):
+def test_time_mix_chunk_kernels_match_decode_kernel(variant, kernel, layer, state_dtype, libs):
     """The chunked and split prefill kernels against time_mix_kernel on rows of whole chunks, partial ones and
     single tokens: the same math, only the dot products over the state rows summed in another order."""
     lens, slots = [8, 3, 16, 1, 9, 13], [4, 0, 2, 5, 1, 3]

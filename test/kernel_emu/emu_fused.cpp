@@ -33,14 +33,14 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
     const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const unsigned grid = static_cast<unsigned>(B * H);
-    std::vector<float> scratch(static_cast<size_t>(num_tokens * H * N), __int_as_float(0x7fc00000));
+    std::vector<float> scratch(static_cast<size_t>(split_scratch_floats(num_tokens, H)), __int_as_float(0x7fc00000));
     auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto split_kernel) {
         if (kernel == kTimeMixSplit) {
             const int rc = emu::run_grid(grid * kSplitParts, N, [&] {
                 split_kernel(h, num_slots, num_tokens, pool, slots, starts, lasts, p, scratch.data());
             });
             if (rc) return rc;
-            const auto finish_grid = static_cast<unsigned>(B * H * ((max_len + kFinishTokens - 1) / kFinishTokens));
+            const auto finish_grid = static_cast<unsigned>(finish_blocks(B, H, max_len));
             return emu::run_grid(finish_grid, N, [&] {
                 time_mix_finish_kernel(h, B, num_slots, num_tokens, slots, starts, lasts, p, scratch.data());
             });
