@@ -1,5 +1,5 @@
 """Where time_mix_split_kernel's time goes: the kernel as it is, and variants with one of its parts taken out
-(phase A, phase B, the next chunk's loads), each timed alone on one prompt of a 7.2B layer's shape (1 row x
+(A, B, the loads of the chunk after next), each timed alone on one prompt of a 7.2B layer's shape (1 row x
 1,024 tokens, 64 heads, fp32 state), with time_mix_finish_kernel and time_mix_prefill_kernel beside them.
 
 The variants are textual edits of cuda/rwkv7_fused.cu (cut before its C launchers), each compiled into a
@@ -21,20 +21,19 @@ from torch.utils.cpp_extension import load_inline
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = "constexpr int kSplitParts = 4;"
-SPLIT_A = "chunk_prepare(p, inputs, buf, params, t0, count, C, col, part == 0);"
-SPLIT_B = ("        if (count == kChunkTokens)  // (block-uniform)\n"
-           "            split_recurrence<true>(s, buf, q, row, count, y_out, C);\n"
-           "        else\n"
-           "            split_recurrence<false>(s, buf, q, row, count, y_out, C);\n")
-SPLIT_LOAD = "if (t0 + kChunkTokens <= last) load_chunk(p, t0 + kChunkTokens, last, C, h, next);  // in flight over A, B"
+SPLIT_A = "split_prepare(p, in, buf[cur ^ 1], cp, warp_a, t1, chunk_count(t1, last), C, col0, part == 0);"
+SPLIT_B = ("            if (count == kChunkTokens)  // (block-uniform)\n"
+           "                split_recurrence<true>(s, buf[cur], q, row, count, y_out, C);\n"
+           "            else\n"
+           "                split_recurrence<false>(s, buf[cur], q, row, count, y_out, C);\n")
+SPLIT_LOAD = "if (t1 + kChunkTokens <= last) split_load(p, t1 + kChunkTokens, last, C, col0, warp_a, in);"
 VARIANTS = {  # name: (what is taken out, [(old, new)])
     "full": ("nothing", []),
-    "no_phase_a": ("chunk_prepare (phase A, 2 barriers)", [(SPLIT_A, "__syncthreads();")]),
-    "no_phase_b": ("the recurrence (phase B)", [(SPLIT_B, "")]),
+    "no_phase_a": ("A (the next chunk's vectors, by warps 2-5)", [(SPLIT_A, "")]),
+    "no_phase_b": ("B (the recurrence, by warps 0-1)", [(SPLIT_B, "")]),
     "no_loads": ("the next chunk's global loads", [(SPLIT_LOAD, "")]),
-    "only_loads": ("phases A and B", [(SPLIT_A, "__syncthreads();"), (SPLIT_B, "")]),
+    "only_loads": ("A and B", [(SPLIT_A, ""), (SPLIT_B, "")]),
     "parts8": ("nothing; 8 blocks per head (8 rows each, 8 threads per row)", [(PARTS, PARTS.replace("4", "8"))]),
-    "parts8_no_a": ("phase A; 8 blocks per head", [(PARTS, PARTS.replace("4", "8")), (SPLIT_A, "__syncthreads();")]),
 }
 
 LAUNCHERS = r"""
@@ -52,7 +51,7 @@ extern "C" int VARIANT_run(int which, int64_t H, int64_t num_tokens, float* stat
     for (int rep = -2; rep < reps; ++rep) {
         if (rep == 0) cudaEventRecord(start);
         if (which == 0)
-            time_mix_split_kernel<float><<<grid * kSplitParts, N>>>(int(H), rows, num_tokens, state, slots, starts,
+            time_mix_split_kernel<float><<<grid * kSplitParts, kSplitThreads>>>(int(H), rows, num_tokens, state, slots, starts,
                                                                     lasts, p, scratch);
         else if (which == 1)
             time_mix_finish_kernel<<<finish, N>>>(int(H), rows, rows, num_tokens, slots, starts, lasts, p, scratch);

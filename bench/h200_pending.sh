@@ -261,17 +261,17 @@ prefill-gaps)  # A/B of the split time mix against the 256-thread kernel; where 
         --prompts 1x1024,16x1024 --out bench/results/profile_prefill_split_h200.json
     copy bench/results/profile_prefill_split_h200.json
     ;;
-prefill-split2)  # the split time mix (the FULL-chunk recurrence): phases, GPU tests, prefill, the bound's A/B
+prefill-split2)  # the split time mix with A on warps of its own: phases, GPU tests, prefill, the bound's A/B
     build_fused
     step 120 "time-mix phases, 7.2B prompt shape" python bench/experiment_time_mix_phases.py \
-        --out bench/results/experiment_time_mix_phases_final_h200.json
-    copy bench/results/experiment_time_mix_phases_final_h200.json
+        --out bench/results/experiment_time_mix_phases_ws_h200.json
+    copy bench/results/experiment_time_mix_phases_ws_h200.json
     fused_tests
-    prefill_bench 1,16 decode_h200_prefill_split2.json
+    prefill_bench 1,16 decode_h200_prefill_split_ws.json
     step 120 "A/B: the split kernel for more rows (RWKV_SPLIT_MAX_BLOCKS=4096)" env RWKV_SPLIT_MAX_BLOCKS=4096 \
         python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024 --prefill-rows 2,4,8 --wkv cuda \
-        --no-checks --out bench/results/experiment_prefill_split2_rows_h200.json
-    copy bench/results/experiment_prefill_split2_rows_h200.json
+        --no-checks --out bench/results/experiment_prefill_split_ws_rows_h200.json
+    copy bench/results/experiment_prefill_split_ws_rows_h200.json
     ;;
 gemv-order)  # batch-1 GEMV launches (LoRA tasks first, split to 32,768 units): GPU tests, decode, A/B at 16,384
     build_fused

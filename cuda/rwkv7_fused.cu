@@ -668,13 +668,13 @@ __device__ __forceinline__ ChannelToken channel_token(const ChannelParams& cp, f
     return o;
 }
 
-// A of a chunk (time_mix_chunked_kernel, time_mix_split_kernel): per token at channel col = h * 64 + threadIdx.x
-// of a 64-thread block, from the chunk's inputs in shared memory: decay, gates, k', v' and g into buf, and the
-// head's sums for kk's norm and the bonus, the chunk's tokens side by side; then -kk and kk * a. Two barriers.
-// Tokens past the row's end compute on zeros and store nothing; in layer 0 v_first := v where store_v_first.
+// A of a chunk (time_mix_chunked_kernel): per token at channel col = h * 64 + threadIdx.x of a 64-thread block,
+// from the chunk's inputs in shared memory: decay, gates, k', v' and g into buf, and the head's sums for kk's
+// norm and the bonus, the chunk's tokens side by side; then -kk and kk * a. Two barriers. Tokens past the row's
+// end compute on zeros and store nothing; in layer 0 v_first := v.
 __device__ __forceinline__ void chunk_prepare(const TimeMixArgs& p, const __half (*inputs)[kChunkTokens][N],
                                               ChunkBuffers& buf, const ChannelParams& cp, int64_t t0, int count,
-                                              int64_t C, int64_t col, bool store_v_first) {
+                                              int64_t C, int64_t col) {
     const int i = threadIdx.x, warp = threadIdx.x >> 5;
     // (k * k_k and a wait for the norm in buf.a and buf.b at this thread's own channel)
 #pragma unroll 2
@@ -682,7 +682,7 @@ __device__ __forceinline__ void chunk_prepare(const TimeMixArgs& p, const __half
         const float r = h2f(inputs[0][u][i]), v = h2f(inputs[2][u][i]);
         const ChannelToken ch = channel_token(cp, h2f(inputs[1][u][i]), v, h2f(inputs[3][u][i]), h2f(inputs[4][u][i]),
                                               h2f(inputs[6][u][i]), h2f(inputs[7][u][i]), p.first_layer);
-        if (p.first_layer && store_v_first && u < count) p.v_first[(t0 + u) * C + col] = __float2half_rn(v);
+        if (p.first_layer && u < count) p.v_first[(t0 + u) * C + col] = __float2half_rn(v);
         buf.r[u][i] = r;
         buf.w[u][i] = ch.w;
         buf.k[u][i] = ch.kn;
@@ -759,7 +759,7 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 
     for (int64_t t0 = first; t0 <= last; t0 += kChunkTokens) {
         const int count = static_cast<int>(last - t0 + 1 < kChunkTokens ? last - t0 + 1 : kChunkTokens);
-        chunk_prepare(p, inputs, buf, params, t0, count, C, col, true);
+        chunk_prepare(p, inputs, buf, params, t0, count, C, col);
         const bool more = t0 + kChunkTokens <= last;
 
         // B: the recurrence (see the comment above the kernel); v', g and y are kept in shared memory to leave
@@ -857,28 +857,42 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 // A prompt alone, or a few: one (row, head) block per head leaves most of the multiprocessors idle and each
 // block walks 1,024 tokens of a 1k prompt one after another (the 256-thread kernel: 0.78 us per token and layer,
 // 25 ms of a 7.2B prompt's 46; bench/results/profile_prefill_h200.json). The state's rows are independent of
-// each other until the group norm, so this kernel splits a head's 64 rows over kSplitParts blocks of 64 threads.
-// Per chunk of 8 tokens:
-//   load: as time_mix_chunked_kernel, but the next chunk's inputs are loaded into registers at the start of a
-//         chunk and stored to shared memory at the start of the next (few blocks share a multiprocessor here,
-//         so nothing else would hide the round trip; with a quarter row per thread the registers are free);
-//   A: chunk_prepare, the whole head's key-axis vectors (every block of the head computes them);
-//   B: the recurrence on the block's 16 rows, a quad of threads per row (16 columns each, as in
-//      time_mix_prefill_kernel), with the next token's S . a summed in the same pass as this token's S . r;
-//   out: y before the group norm, fp32, into `y_raw` [T, C]; time_mix_finish_kernel does the rest (group norm,
-//        bonus, gate) over all of the tokens at once.
-// Three barriers per chunk. Same math and rounding points as time_mix_kernel (dot products summed in another
-// order, as in the other prefill kernels). 7.2B, 1 x 1,024 tokens, per layer: 425 us, of which A (with its two
-// barriers) is 159 and B 197 (bench/results/experiment_time_mix_phases_h200.json); the 256-thread kernel 792.
+// each other until the group norm, so this kernel splits a head's 64 rows over kSplitParts blocks, and splits
+// each block's work per chunk of 8 tokens between its warps:
+//   B (warps 0-1): the recurrence on the block's 16 rows, a quad of threads per row (16 columns each, as in
+//      time_mix_prefill_kernel), the next token's S . a summed in the same pass as this token's S . r, y before
+//      the group norm into `y_raw` [T, C] (fp32);
+//   A (warps 2-5): meanwhile the next chunk's key-axis vectors and v' (two tokens per warp; lane l at channels l
+//      and l + 32, so the head's sums are one warp's), into the other of two buffers, with the inputs of the chunk
+//      after that loaded into registers on the way.
+// One barrier per chunk: a chunk takes the longer of A and B instead of their sum (7.2B, 1 x 1,024 tokens: A took
+// 0.16 and B 0.26 us per token and layer when the block's 64 threads did one after the other;
+// bench/results/experiment_time_mix_phases_h200.json). time_mix_finish_kernel then does the group norm, bonus
+// and gate over all of the tokens at once. Same math and rounding points as time_mix_kernel (dot products over
+// the state rows summed in another order, as in the other prefill kernels).
 constexpr int kSplitParts = 4;                    // blocks per (row, head)
 constexpr int kSplitRows = N / kSplitParts;       // state rows per block
-constexpr int kRowThreads = N / kSplitRows;       // threads per state row (a block has 64)
+constexpr int kRowThreads = N / kSplitRows;       // threads per state row (B has 64)
 constexpr int kRowVecs = N / kRowThreads / 4;     // float4s of a state row per thread
-// (row, head) grids below this take the split kernel: a 7.2B prompt alone (64) and 1.5B's of up to three (32 each);
-// from 128 on it is no faster than time_mix_prefill_kernel (bench/results/decode_h200_prefill_split.json against
-// experiment_prefill_split_off_h200.json: 7.2B 2 x 1024 66.3 ms against 65.4, 1.5B 4 x 1024 36.0 against 36.4)
+constexpr int kSplitAWarps = 4;                   // A's warps (B has two)
+constexpr int kSplitThreads = N + 32 * kSplitAWarps;
+constexpr int kSplitWarpTokens = kChunkTokens / kSplitAWarps;  // tokens of a chunk per A warp
+// (row, head) grids of up to this many blocks take the split kernel: a 7.2B prompt alone or two (64 each), 1.5B's
+// of up to four (32 each). At 256 time_mix_prefill_kernel is faster (experiment_prefill_split_ws_rows_h200.json
+// against experiment_prefill_split_ws_off_rows_h200.json, 1,024-token rows: 7.2B x2 61.4 ms against 65.9, x4 125.0
+// against 118.8; 1.5B x4 31.2 against 36.3, x8 61.7 against 60.6)
 constexpr unsigned kSplitMaxBlocks = 128;
 constexpr int kFinishTokens = 8;                  // tokens per block of time_mix_finish_kernel
+
+struct SplitBuffers {  // shared, per token of a chunk: the key-axis vectors (r, w, k', -kk, kk*a) and v', by channel
+    float r[kChunkTokens][N], w[kChunkTokens][N], k[kChunkTokens][N], a[kChunkTokens][N], b[kChunkTokens][N];
+    float v[kChunkTokens][N];
+};
+
+// An A lane's inputs (chunk_input's order; g is not read) of its warp's tokens at its two channels.
+struct SplitInputs {
+    __half x[kSplitWarpTokens][2][kChunkInputs];
+};
 
 // Sum over the kRowThreads threads of a state row (adjacent lanes)
 __device__ __forceinline__ float row_sum(float v) {
@@ -908,12 +922,62 @@ __device__ __forceinline__ void store_state4(__half* dst, const float* v) {
 // Thread q of a state row holds columns split_column(q, c) + e of it (c < kRowVecs, e < 4): conflict-free float4s.
 __device__ __forceinline__ int split_column(int q, int c) { return 4 * q + 4 * kRowThreads * c; }
 
+// A's loads: the chunk from token t0 (row ending at token `last`), A warp `warp_a`'s tokens, channels col0 and
+// col0 + 32; zeros past the row's end.
+__device__ __forceinline__ void split_load(const TimeMixArgs& p, int64_t t0, int64_t last, int64_t C, int64_t col0,
+                                           int warp_a, SplitInputs& in) {
+    const int inputs = chunk_inputs(p);
+    const __half zero = __float2half_rn(0.0f);
+#pragma unroll
+    for (int u = 0; u < kSplitWarpTokens; ++u) {
+        const int64_t t = t0 + warp_a * kSplitWarpTokens + u;
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int j = 0; j < kChunkInputs; ++j)
+                in.x[u][e][j] = t <= last && j != 5 && j < inputs ? chunk_input(p, j)[t * C + col0 + 32 * e] : zero;
+    }
+}
+
+// A: the key-axis vectors and v' of A warp `warp_a`'s tokens of the chunk from token t0 (`count` tokens in the
+// row) into buf; in layer 0 v_first := v where store_v_first. No barrier: the head's sums are the warp's.
+__device__ __forceinline__ void split_prepare(const TimeMixArgs& p, const SplitInputs& in, SplitBuffers& buf,
+                                              const ChannelParams (&cp)[2], int warp_a, int64_t t0, int count,
+                                              int64_t C, int64_t col0, bool store_v_first) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < kSplitWarpTokens; ++u) {
+        const int tu = warp_a * kSplitWarpTokens + u;  // the token within the chunk
+        ChannelToken ch[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const __half(&x)[kChunkInputs] = in.x[u][e];
+            ch[e] = channel_token(cp[e], h2f(x[1]), h2f(x[2]), h2f(x[3]), h2f(x[4]), h2f(x[6]), h2f(x[7]),
+                                  p.first_layer);
+            if (p.first_layer && store_v_first && tu < count) p.v_first[(t0 + tu) * C + col0 + 32 * e] = x[2];
+        }
+        // time_mix_kernel's order: the sum over channels 0-31 plus the sum over 32-63
+        const float norm = sqrtf(warp_sum(ch[0].kkr * ch[0].kkr) + warp_sum(ch[1].kkr * ch[1].kkr));
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int c = lane + 32 * e;
+            const float kk = ch[e].kkr / fmaxf(norm, 1e-12f);
+            buf.r[tu][c] = h2f(in.x[u][e][0]);
+            buf.w[tu][c] = ch[e].w;
+            buf.k[tu][c] = ch[e].kn;
+            buf.v[tu][c] = ch[e].vn;
+            buf.a[tu][c] = -kk;
+            buf.b[tu][c] = kk * ch[e].a;
+        }
+    }
+}
+
 // B for one chunk: the recurrence on this thread's part s of state row `row`, writing y of token u to y_out[u * C]
 // (thread q == 0). FULL: the chunk has all its tokens, so no token is guarded by a branch and the compiler may
-// issue one token's shared-memory loads during the previous token's shuffles (7.2B prompt, the whole kernel: 425
-// against 496 us per layer with the guards; experiment_time_mix_phases_h200.json against its _run2).
+// issue one token's shared-memory loads during the previous token's shuffles (7.2B prompt: 0.19 against 0.26 us
+// per token and layer).
 template <bool FULL>
-__device__ __forceinline__ void split_recurrence(float (&s)[4 * kRowVecs], const ChunkBuffers& buf, int q, int row,
+__device__ __forceinline__ void split_recurrence(float (&s)[4 * kRowVecs], const SplitBuffers& buf, int q, int row,
                                                  int count, float* y_out, int64_t C) {
     float sa;
     {
@@ -945,57 +1009,77 @@ __device__ __forceinline__ void split_recurrence(float (&s)[4 * kRowVecs], const
     }
 }
 
+__device__ __forceinline__ int chunk_count(int64_t t0, int64_t last) {
+    return static_cast<int>(last - t0 + 1 < kChunkTokens ? last - t0 + 1 : kChunkTokens);
+}
+
 template <typename S>
-__global__ void __launch_bounds__(N)
+__global__ void __launch_bounds__(kSplitThreads)
 time_mix_split_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
                       const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
                       const int64_t* __restrict__ lasts, TimeMixArgs p, float* __restrict__ y_raw) {
-    static_assert(kChunkTokens * 8 == N, "load_chunk: 8 threads per token");
     static_assert(kRowThreads * kSplitRows == N && kRowVecs >= 1, "B: whole float4s of a row per thread");
+    static_assert(kSplitWarpTokens * kSplitAWarps == kChunkTokens, "A: the warps share a chunk's tokens");
     const int part = blockIdx.x % kSplitParts;
     const int64_t head_block = blockIdx.x / kSplitParts;  // row * H + head
     const int h = static_cast<int>(head_block % H);
-    const int i = threadIdx.x;
+    const bool recurrence = threadIdx.x < N;              // B's warps (warp-uniform)
+    const int i = threadIdx.x % N;
     const int row = part * kSplitRows + i / kRowThreads, q = i % kRowThreads;  // B: state row, its columns
+    const int warp_a = static_cast<int>(threadIdx.x / 32) - N / 32;           // A's warps: 0 .. kSplitAWarps-1
     const int64_t C = int64_t(H) * N;
-    const int64_t col = int64_t(h) * N + i;
+    const int64_t col0 = int64_t(h) * N + (threadIdx.x & 31);                  // A: channels col0, col0 + 32
 
     const auto [first, last, slot] = time_mix_row(head_block / H, slots, starts, lasts);
-    if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
+    if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, int64_t(h) * N + i, 0, 1)) return;
 
-    __shared__ __align__(16) __half inputs[kChunkInputs][kChunkTokens][N];
-    __shared__ __align__(16) ChunkBuffers buf;
-
+    __shared__ __align__(16) SplitBuffers buf[2];
     S* state_row = state + ((slot * H + h) * N + row) * N;
-    float s[4 * kRowVecs];  // s[4c + e] = S[row][split_column(q, c) + e]
+    float s[4 * kRowVecs];  // B: s[4c + e] = S[row][split_column(q, c) + e]
+    ChannelParams cp[2];    // A: at channels col0, col0 + 32
+    SplitInputs in;         // A: the next chunk's inputs
+    if (recurrence) {
 #pragma unroll
-    for (int c = 0; c < kRowVecs; ++c) {  // only this block touches these rows: safe before the wait
-        const float4 f = load_state4(state_row + split_column(q, c));
-        s[4 * c + 0] = f.x;
-        s[4 * c + 1] = f.y;
-        s[4 * c + 2] = f.z;
-        s[4 * c + 3] = f.w;
+        for (int c = 0; c < kRowVecs; ++c) {  // only this block touches these rows: safe before the wait
+            const float4 f = load_state4(state_row + split_column(q, c));
+            s[4 * c + 0] = f.x;
+            s[4 * c + 1] = f.y;
+            s[4 * c + 2] = f.z;
+            s[4 * c + 3] = f.w;
+        }
+    } else {
+        cp[0] = load_channel_params(p, col0);
+        cp[1] = load_channel_params(p, col0 + 32);
     }
-    const ChannelParams params = load_channel_params(p, col);
 
     dependency_wait();
-    ChunkLoads<0, kChunkInputs> next;
-    load_chunk(p, first, last, C, h, next);
-    for (int64_t t0 = first; t0 <= last; t0 += kChunkTokens) {
-        const int count = static_cast<int>(last - t0 + 1 < kChunkTokens ? last - t0 + 1 : kChunkTokens);
-        store_chunk(next, inputs);
-        __syncthreads();  // the inputs are in; the previous chunk's B is done with buf
-        if (t0 + kChunkTokens <= last) load_chunk(p, t0 + kChunkTokens, last, C, h, next);  // in flight over A, B
-        chunk_prepare(p, inputs, buf, params, t0, count, C, col, part == 0);
-        float* y_out = y_raw + t0 * C + int64_t(h) * N + row;
-        if (count == kChunkTokens)  // (block-uniform)
-            split_recurrence<true>(s, buf, q, row, count, y_out, C);
-        else
-            split_recurrence<false>(s, buf, q, row, count, y_out, C);
+    if (!recurrence) {  // the first chunk's A, then the second chunk's loads
+        split_load(p, first, last, C, col0, warp_a, in);
+        split_prepare(p, in, buf[0], cp, warp_a, first, chunk_count(first, last), C, col0, part == 0);
+        if (first + kChunkTokens <= last) split_load(p, first + kChunkTokens, last, C, col0, warp_a, in);
+    }
+    __syncthreads();
+    int cur = 0;
+    for (int64_t t0 = first; t0 <= last; t0 += kChunkTokens, cur ^= 1) {
+        if (recurrence) {
+            const int count = chunk_count(t0, last);
+            float* y_out = y_raw + t0 * C + int64_t(h) * N + row;
+            if (count == kChunkTokens)  // (block-uniform)
+                split_recurrence<true>(s, buf[cur], q, row, count, y_out, C);
+            else
+                split_recurrence<false>(s, buf[cur], q, row, count, y_out, C);
+        } else if (t0 + kChunkTokens <= last) {
+            const int64_t t1 = t0 + kChunkTokens;
+            split_prepare(p, in, buf[cur ^ 1], cp, warp_a, t1, chunk_count(t1, last), C, col0, part == 0);
+            if (t1 + kChunkTokens <= last) split_load(p, t1 + kChunkTokens, last, C, col0, warp_a, in);
+        }
+        __syncthreads();  // buf[cur ^ 1] is ready for B, buf[cur] free for A
     }
 
+    if (recurrence) {
 #pragma unroll
-    for (int c = 0; c < kRowVecs; ++c) store_state4(state_row + split_column(q, c), &s[4 * c]);
+        for (int c = 0; c < kRowVecs; ++c) store_state4(state_row + split_column(q, c), &s[4 * c]);
+    }
 }
 
 // The rest of the time mix after time_mix_split_kernel, for kFinishTokens tokens of one (row, head) per block
@@ -1729,7 +1813,7 @@ inline int64_t finish_blocks(int64_t B, int64_t H, int64_t max_len) {
 }
 
 // Which time-mix kernel a launch takes: a step of single tokens time_mix_kernel; rows of several tokens
-// time_mix_split_kernel (+ time_mix_finish_kernel) on a grid of fewer than kSplitMaxBlocks (row, head) blocks,
+// time_mix_split_kernel (+ time_mix_finish_kernel) on a grid of at most kSplitMaxBlocks (row, head) blocks,
 // time_mix_prefill_kernel on one of fewer than kPrefillMaxBlocks, else time_mix_chunked_kernel. The split and
 // chunked kernels' 16-byte loads need 16-byte aligned inputs (else the prefill and decode kernels).
 // RWKV_SPLIT_MAX_BLOCKS and RWKV_PREFILL_MAX_BLOCKS override the two bounds, RWKV_TIME_MIX_CHUNKED=0 takes
@@ -1744,7 +1828,7 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
     bool aligned = true;
     for (int j = 0; j < chunk_inputs(p); ++j)
         aligned = aligned && reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16 == 0;
-    if (grid < split_max_blocks && aligned) return kTimeMixSplit;
+    if (grid <= split_max_blocks && aligned) return kTimeMixSplit;
     if (grid < prefill_max_blocks) return kTimeMixPrefill;
     return chunked && aligned ? kTimeMixChunked : kTimeMixDecode;
 }
@@ -1957,8 +2041,8 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
     auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto split_kernel) {
         return on_device(device, [&] {
             if (kernel == kTimeMixSplit) {
-                const cudaError_t err = launch(split_kernel, grid * kSplitParts, N, s, h, num_slots, num_tokens, pool,
-                                               slots, starts, lasts, p, scratch);
+                const cudaError_t err = launch(split_kernel, grid * kSplitParts, kSplitThreads, s, h, num_slots,
+                                               num_tokens, pool, slots, starts, lasts, p, scratch);
                 if (err != cudaSuccess) return err;
                 return launch(time_mix_finish_kernel, static_cast<unsigned>(finish_grid), N, s, h, B, num_slots,
                               num_tokens, slots, starts, lasts, p, static_cast<const float*>(scratch));

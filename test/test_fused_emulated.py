@@ -453,8 +453,8 @@ def test_time_mix_kernel_choice(variant, libs):
     assert choice(aligned, False, 4096, False) == TIME_MIX_KERNELS["decode"]
     assert choice(aligned, False, 32, False) == TIME_MIX_KERNELS["decode"]
     assert choice(aligned, False, 64, True) == TIME_MIX_KERNELS["split"]
-    assert choice(aligned, False, 127, True) == TIME_MIX_KERNELS["split"]
-    assert choice(aligned, False, 128, True) == TIME_MIX_KERNELS["prefill"]
+    assert choice(aligned, False, 128, True) == TIME_MIX_KERNELS["split"]
+    assert choice(aligned, False, 129, True) == TIME_MIX_KERNELS["prefill"]
     assert choice(aligned, False, 511, True) == TIME_MIX_KERNELS["prefill"]
     assert choice(aligned, False, 512, True) == TIME_MIX_KERNELS["chunked"]
     for j in range(8):  # r, k, v, dw, da, dv, g, v_first

@@ -36,7 +36,7 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
     std::vector<float> scratch(static_cast<size_t>(split_scratch_floats(num_tokens, H)), __int_as_float(0x7fc00000));
     auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto split_kernel) {
         if (kernel == kTimeMixSplit) {
-            const int rc = emu::run_grid(grid * kSplitParts, N, [&] {
+            const int rc = emu::run_grid(grid * kSplitParts, kSplitThreads, [&] {
                 split_kernel(h, num_slots, num_tokens, pool, slots, starts, lasts, p, scratch.data());
             });
             if (rc) return rc;
