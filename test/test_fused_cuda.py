@@ -444,5 +444,9 @@ def test_gemlite_uint4_decode_runs_on_the_fused_gemv(uint4_model, batch, monkeyp
     on_gemv = model.decode(tokens, slots, pools[0])
     monkeypatch.setattr(fused, "uint4_gemv_rows", 0)  # the same step through GemLite's kernels
     on_gemlite = model.decode(tokens, slots, pools[1])
+    # H200, 2026-12-01: intermittently NaN at batch 2 or 8 (not yet diagnosed): say which side it is
+    for name, logits in (("fused GEMV", on_gemv), ("GemLite", on_gemlite)):
+        assert torch.isfinite(logits).all(), f"{name}: non-finite logits in rows {(~torch.isfinite(logits)).any(1)}"
+        assert logits.abs().max() > 0, f"{name}: all-zero logits"
     relative = ((on_gemv - on_gemlite).abs().max() / on_gemlite.abs().max()).item()
     assert 0 < relative <= 1e-2, relative
