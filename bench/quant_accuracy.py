@@ -13,6 +13,14 @@ symmetric / with zero points: ``export_quant_gemlite --gptq``).
 
     python bench/quant_accuracy.py --n-layer 12 --n-embd 768 --tokens 128
 
+With ``--checkpoint`` the model is a trained one instead (``bench/train_tiny.py``: byte-level, trained on the
+Python standard library); the text is then the held-out modules' bytes, and besides teacher-forced top-1
+agreement it reports greedy agreement: the reference model continues prompts greedily, and each format's model,
+fed the same tokens, is scored on how many of those greedy tokens it also picks:
+
+    python bench/quant_accuracy.py --checkpoint test/data/tiny_trained_l4c128.pth --tokens 1024 \
+        --out bench/results/quant_accuracy_trained_cpu.json
+
 With ``--engines`` (a GPU) it compares the inference engines themselves instead: the same random fp16
 model loaded as each engine's checkpoint (W8A16 for cutlass, GemLite's packed formats), run through the
 real kernels with fp16 activations, against the fp16 engine:
@@ -33,6 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from infer.checkpoint import DictSource, infer_config  # noqa: E402
 from infer.model import RWKV7  # noqa: E402
 from infer.quant.gptq import calibrated_quantizer  # noqa: E402
 from infer.quant.quantize import dequantize_uint4_groups, quantize_fp8, quantize_int8, quantize_uint4_groups  # noqa: E402
@@ -63,17 +72,40 @@ def dequantized(weight: torch.Tensor, fmt: str, group_size: int) -> torch.Tensor
 
 
 def gptq_dequantized(model: RWKV7, base: dict[str, torch.Tensor], keys: list[str], fmt: str, group_size: int,
-                     seed: int) -> dict[str, torch.Tensor]:
-    """GPTQ (``uint4_g_gptq`` symmetric, ``uint4_g_gptq_zp`` with zero points) calibrated on 32 rows of 128
-    random tokens: a random model's layer inputs are its tokens' embeddings, so no text is closer to
-    its "training distribution" than any other."""
-    rows = torch.randint(0, model.config.vocab_size, (32, 128), generator=torch.Generator().manual_seed(seed)).tolist()
+                     rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """GPTQ (``uint4_g_gptq`` symmetric, ``uint4_g_gptq_zp`` with zero points) calibrated on ``rows``."""
     quantize = calibrated_quantizer(model, keys, rows, group_size, symmetric=fmt == "uint4_g_gptq")
     return {key: dequantize_uint4_groups(*quantize(key, base[key])) for key in keys}
 
 
 def run(model: RWKV7, tokens: list[int]) -> torch.Tensor:
     return model.prefill([tokens], [0], model.new_state_pool(1), all_logits=True)
+
+
+def greedy_continuations(model: RWKV7, prompts: list[list[int]], length: int) -> list[list[int]]:
+    """Each prompt followed by ``length`` tokens that ``model`` picks greedily."""
+    pool = model.new_state_pool(len(prompts))
+    slots = list(range(len(prompts)))
+    logits = model.prefill(prompts, slots, pool)
+    rows = [list(p) for p in prompts]
+    for _ in range(length):
+        picks = logits.argmax(dim=-1).tolist()
+        for row, token in zip(rows, picks):
+            row.append(token)
+        logits = model.decode(picks, slots, pool)
+    return rows
+
+
+def greedy_agreement(model: RWKV7, rows: list[list[int]], prompt_len: int) -> float:
+    """Percentage of the greedy tokens of ``rows`` (after the first ``prompt_len``) that ``model`` also
+    picks when fed the same preceding tokens."""
+    same = total = 0
+    for row in rows:
+        picks = run(model, row[:-1]).argmax(dim=-1)[prompt_len - 1:]
+        target = torch.tensor(row[prompt_len:])
+        same += int((picks == target).sum())
+        total += len(target)
+    return 100.0 * same / total
 
 
 def compare(name: str, logits: torch.Tensor, reference: torch.Tensor) -> dict:
@@ -131,11 +163,35 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--formats", default="int8,fp8_e4m3,uint4_g_rtn,uint4_g_hqq,uint4_g_sym,uint4_g_gptq,uint4_g_gptq_zp")
     ap.add_argument("--engines", default="", help="GPU: compare these engines (cutlass, gemlite:FORMAT) with fp16")
+    ap.add_argument("--checkpoint", default="", help="a trained byte-level checkpoint (bench/train_tiny.py) "
+                                                     "instead of a random model")
+    ap.add_argument("--greedy-prompts", type=int, default=8, help="with --checkpoint: prompts continued greedily")
+    ap.add_argument("--greedy-tokens", type=int, default=128, help="with --checkpoint: greedy tokens per prompt")
     ap.add_argument("--out", default="bench/results/quant_accuracy_cpu.json")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    config = make_config(args.n_layer, args.n_embd, args.vocab)
-    tokens = load_world_tokenizer().encode(TEXT)[: args.tokens]
+    if args.checkpoint:
+        base = {k: v.float() for k, v in torch.load(args.checkpoint, map_location="cpu", weights_only=True).items()}
+        config = infer_config(DictSource(dict(base)))
+        if config.vocab_size != 256:
+            raise SystemExit("--checkpoint takes a byte-level model (vocabulary 256; bench/train_tiny.py)")
+        from bench.train_tiny import corpus_bytes
+        text = list(corpus_bytes(held_out=True))
+        tokens = text[: args.tokens]
+        # greedy prompts: 64 bytes each, spread over the held-out text
+        step = len(text) // (args.greedy_prompts + 1)
+        prompts = [text[(i + 1) * step:(i + 1) * step + 64] for i in range(args.greedy_prompts)]
+        train = corpus_bytes(held_out=False)  # GPTQ calibration: 32 rows of 128 training bytes
+        calibration = [list(train[i * len(train) // 32:][:128]) for i in range(32)]
+    else:
+        config = make_config(args.n_layer, args.n_embd, args.vocab)
+        tokens = load_world_tokenizer().encode(TEXT)[: args.tokens]
+        base = random_state_dict(config, seed=args.seed, dtype=torch.float32)
+        prompts = []
+        # GPTQ calibration: a random model's layer inputs are its tokens' embeddings, so no text is closer
+        # to its "training distribution" than 32 rows of 128 random tokens
+        gen = torch.Generator().manual_seed(args.seed + 1)
+        calibration = torch.randint(0, config.vocab_size, (32, 128), generator=gen).tolist()
     if args.engines:
         result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": "cuda",
                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": config.describe(),
@@ -144,29 +200,37 @@ def main() -> None:
                   "formats": engine_rows(config, tokens, args.engines.split(","))}
         write(result, args.out)
         return
-    base = random_state_dict(config, seed=args.seed, dtype=torch.float32)
     keys = config.linear_keys()
 
     def model_with(fmt: str) -> RWKV7:
         if fmt.startswith("uint4_g_gptq"):
             float_model = RWKV7.from_state_dict({k: v.clone() for k, v in base.items()}, device="cpu", dtype="fp32")
-            sd = {**base, **gptq_dequantized(float_model, base, keys, fmt, args.group_size, args.seed + 1)}
+            sd = {**base, **gptq_dequantized(float_model, base, keys, fmt, args.group_size, calibration)}
         else:
             sd = {k: (dequantized(v, fmt, args.group_size) if k in keys else v.clone()) for k, v in base.items()}
         return RWKV7.from_state_dict(sd, device="cpu", dtype="fp32")
 
-    reference = run(model_with("fp16"), tokens)
+    reference_model = model_with("fp16")
+    reference = run(reference_model, tokens)
+    greedy_rows = greedy_continuations(reference_model, prompts, args.greedy_tokens) if prompts else []
     rows = []
     for fmt in args.formats.split(","):
         started = time.perf_counter()
-        row = compare(fmt, run(model_with(fmt), tokens), reference)
+        model = model_with(fmt)
+        row = compare(fmt, run(model, tokens), reference)
+        if greedy_rows:
+            row["greedy_agreement_pct"] = round(greedy_agreement(model, greedy_rows, 64), 2)
         row["seconds"] = round(time.perf_counter() - started, 1)
         rows.append(row)
         print(row, flush=True)
     write({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": "cpu",
            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
            "shape": config.describe(), "prompt_tokens": len(tokens), "group_size": args.group_size,
-           "reference": "same random model, matrices rounded to fp16, fp32 activations", "formats": rows}, args.out)
+           "model": args.checkpoint or "random",
+           **({"greedy": f"{len(prompts)} prompts of 64 held-out bytes, {args.greedy_tokens} greedy tokens each"}
+              if prompts else {}),
+           "reference": f"same {'trained' if args.checkpoint else 'random'} model, matrices rounded to fp16, fp32 "
+                        "activations", "formats": rows}, args.out)
 
 
 def write(result: dict, out: str) -> None:
@@ -178,7 +242,8 @@ def write(result: dict, out: str) -> None:
         if "max_abs_logit_err" in r:
             print(f"{r['format']:<22} {r['max_abs_logit_err']:>12} {r['mean_abs_logit_err']:>13} "
                   f"{r['max_err_rel_to_max_logit']:>9} {r['top1_agreement_pct']:>11}% "
-                  f"{r['top1_agreement_confident_pct']:>15}% ({r['confident_positions']} pos.) {r.get('weights_gb', '-'):>6}")
+                  f"{r['top1_agreement_confident_pct']:>15}% ({r['confident_positions']} pos.) {r.get('weights_gb', '-'):>6}"
+                  + (f"  greedy {r['greedy_agreement_pct']}%" if "greedy_agreement_pct" in r else ""))
 
 
 if __name__ == "__main__":
