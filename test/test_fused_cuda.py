@@ -440,6 +440,8 @@ def test_gemlite_uint4_decode_runs_on_the_fused_gemv(uint4_model, batch, monkeyp
     pools = [model.new_state_pool(batch) for _ in range(2)]
     for pool in pools:
         model.prefill(prompts, slots, pool)
+        # (H200, 2026-12-01: this test failed intermittently with NaN; say whether the prefill already had it)
+        assert all(torch.isfinite(t).all() for t in (pool.wkv, pool.att_shift, pool.ffn_shift)), "prefill: non-finite"
     tokens = [(7 * i + 9) % 1024 for i in range(batch)]
     on_gemv = model.decode(tokens, slots, pools[0])
     monkeypatch.setattr(fused, "uint4_gemv_rows", 0)  # the same step through GemLite's kernels
