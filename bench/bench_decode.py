@@ -112,7 +112,12 @@ def time_steps(fn, steps: int) -> float:
 def random_weights(config, engine: str) -> dict[str, torch.Tensor]:
     """Random weights for ``engine``: fp16, cutlass (W8A16) or gemlite:FORMAT, quantized in memory as the
     export tools would (GemLite without HQQ's zero-point refinement: speed does not depend on it)."""
-    sd = random_state_dict(config, seed=0, dtype=torch.float16, device="cuda")
+    return engine_weights(random_state_dict(config, seed=0, dtype=torch.float16, device="cuda"), config, engine)
+
+
+def engine_weights(sd: dict[str, torch.Tensor], config, engine: str, hqq: bool = False) -> dict[str, torch.Tensor]:
+    """The fp16 checkpoint dict ``sd`` (on the GPU) converted in place for ``engine`` as its export tool
+    converts a file (``hqq``: refine 4-bit zero points, the GemLite exporter's default)."""
     if engine == "cutlass":
         from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
         from infer.quant.export_quant import quantize_matrix
@@ -122,7 +127,7 @@ def random_weights(config, engine: str) -> dict[str, torch.Tensor]:
     elif engine.startswith("gemlite:"):
         from infer.quant.export_quant_gemlite import markers, packer
         fmt = engine.split(":", 1)[1]
-        convert = packer(fmt, 64, False, torch.device("cuda"))
+        convert = packer(fmt, 64, hqq, torch.device("cuda"))
         for key in config.linear_keys():
             sd.update({k: v.cuda() for k, v in convert(key, sd.pop(key)).items()})
         sd.update(markers(fmt, 64))

@@ -24,6 +24,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh decode-b1   # builds first, then GPU tests, decode, A/B of the GEMV plans
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh chunked   # the chunked prefill time mix: GPU tests, prefill, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-order  # batch-1 GEMV launches: GPU tests, decode, split A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh trained-accuracy  # engines on the trained tiny model; 4-bit test x3
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -33,7 +34,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -286,6 +287,20 @@ gemv-order)  # batch-1 GEMV launches (LoRA tasks first, split to 32,768 units): 
     copy bench/results/experiment_lora_first_split16k_h200.json
     step 40 "GEMV launches alone" python bench/bench_gemv.py --size 7.2b --out bench/results/gemv_h200_split_rows_32k.json
     copy bench/results/gemv_h200_split_rows_32k.json
+    ;;
+trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
+    export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home
+    mkdir -p "$TRITON_CACHE_DIR" "$RWKV_SERVER_HOME"
+    build
+    step 240 "engine accuracy on the trained model" python bench/quant_accuracy.py --checkpoint \
+        test/data/tiny_trained_l4c128.pth --tokens 2048 --greedy-prompts 16 --greedy-tokens 128 \
+        --engines cutlass,gemlite:A16W8_INT8,gemlite:A16W8_FP8,gemlite:A16W4_HQQ_INT \
+        --out bench/results/quant_accuracy_trained_h200.json
+    copy bench/results/quant_accuracy_trained_h200.json
+    for run in 1 2 3; do
+        step 100 "4-bit decode on the fused GEMV against GemLite, run $run" python -m pytest -q -rf --tb=short \
+            -p no:cacheprovider test/test_fused_cuda.py -k gemlite_uint4_decode_runs_on_the_fused_gemv
+    done
     ;;
 w4-gemv)  # GemLite A16W4 on the fused GEMV's 4-bit tasks: GPU tests, then decode at batch 1-8
     export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home

@@ -21,8 +21,8 @@ fed the same tokens, is scored on how many of those greedy tokens it also picks:
     python bench/quant_accuracy.py --checkpoint test/data/tiny_trained_l4c128.pth --tokens 1024 \
         --out bench/results/quant_accuracy_trained_cpu.json
 
-With ``--engines`` (a GPU) it compares the inference engines themselves instead: the same random fp16
-model loaded as each engine's checkpoint (W8A16 for cutlass, GemLite's packed formats), run through the
+With ``--engines`` (a GPU) it compares the inference engines themselves instead: the same fp16 model
+(random, or ``--checkpoint``'s with the exporters' defaults) loaded as each engine's checkpoint (W8A16 for cutlass, GemLite's packed formats), run through the
 real kernels with fp16 activations, against the fp16 engine:
 
     python bench/quant_accuracy.py --engines cutlass,gemlite:A16W8_INT8,gemlite:A16W4_HQQ_INT \
@@ -124,33 +124,71 @@ def compare(name: str, logits: torch.Tensor, reference: torch.Tensor) -> dict:
             "top1_agreement_confident_pct": round(100 * agree_confident, 1), "confident_positions": int(confident.sum())}
 
 
-def engine_rows(config, tokens: list[int], engines: list[str]) -> list[dict]:
-    """Each engine's model (the same random fp16 weights, converted as its export tool would) against the
-    fp16 engine, on the GPU through the kernels each engine serves with."""
-    from bench.bench_decode import random_weights
+def engine_rows(config, tokens: list[int], engines: list[str], trained: dict[str, torch.Tensor] | None = None,
+                greedy_prompts: list[list[int]] = (), greedy_tokens: int = 0) -> list[dict]:
+    """Each engine's model (the same fp16 weights, random or ``trained``, converted as its export tool would)
+    against the fp16 engine, on the GPU through the kernels each engine serves with; with ``greedy_prompts``
+    also greedy agreement (the fp16 engine's continuations)."""
+    from bench.bench_decode import engine_weights, random_weights
     from infer.ops.fused import select_fused
     from infer.ops.wkv_cuda import select_wkv
 
-    def logits_of(engine: str) -> tuple[torch.Tensor, float]:
+    def load(engine: str) -> tuple[RWKV7, float]:
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated()
-        model = RWKV7.from_state_dict(random_weights(config, engine), device="cuda", dtype="fp16",
-                                      engine=engine.split(":")[0])
+        if trained is None:
+            weights = random_weights(config, engine)
+        else:
+            weights = engine_weights({k: v.half().cuda() for k, v in trained.items()}, config, engine, hqq=True)
+        model = RWKV7.from_state_dict(weights, device="cuda", dtype="fp16", engine=engine.split(":")[0])
         weights_gb = (torch.cuda.memory_allocated() - before) / 1e9
         model.wkv = select_wkv(model.device, "auto", heads=model.config.n_head)
         select_fused(model, "auto")
-        return run(model, tokens).float(), weights_gb
+        return model, weights_gb
 
-    reference, reference_gb = logits_of("fp16")
+    reference_model, reference_gb = load("fp16")
+    reference = run(reference_model, tokens).float()
+    greedy_rows = greedy_continuations(reference_model, list(greedy_prompts), greedy_tokens) if greedy_prompts else []
+    del reference_model
     rows = [{"format": "fp16", "weights_gb": round(reference_gb, 2)}]
     for engine in engines:
         started = time.perf_counter()
-        logits, weights_gb = logits_of(engine)
-        row = compare(engine, logits, reference)
+        model, weights_gb = load(engine)
+        row = compare(engine, run(model, tokens).float(), reference)
+        if greedy_rows:
+            row["greedy_agreement_pct"] = round(greedy_agreement(model, greedy_rows, len(greedy_prompts[0])), 2)
+        del model
         row.update(weights_gb=round(weights_gb, 2), seconds=round(time.perf_counter() - started, 1))
         rows.append(row)
         print(row, flush=True)
     return rows
+
+
+def trained_inputs(args) -> tuple:
+    """--checkpoint: its config and fp32 weights, held-out text, greedy prompts (64 bytes each, spread over
+    the held-out text) and GPTQ calibration rows (32 rows of 128 training bytes)."""
+    from bench.train_tiny import corpus_bytes
+    base = {k: v.float() for k, v in torch.load(args.checkpoint, map_location="cpu", weights_only=True).items()}
+    config = infer_config(DictSource(dict(base)))
+    if config.vocab_size != 256:
+        raise SystemExit("--checkpoint takes a byte-level model (vocabulary 256; bench/train_tiny.py)")
+    text = list(corpus_bytes(held_out=True))
+    step = len(text) // (args.greedy_prompts + 1)
+    prompts = [text[(i + 1) * step:(i + 1) * step + 64] for i in range(args.greedy_prompts)]
+    train = corpus_bytes(held_out=False)
+    calibration = [list(train[i * len(train) // 32:][:128]) for i in range(32)]
+    return config, base, text[: args.tokens], prompts, calibration
+
+
+def random_inputs(args) -> tuple:
+    """A random model of the asked shape (its weights only on the CPU path), the text's tokens, no greedy
+    prompts, and GPTQ calibration rows: a random model's layer inputs are its tokens' embeddings, so no text
+    is closer to its "training distribution" than 32 rows of 128 random tokens."""
+    config = make_config(args.n_layer, args.n_embd, args.vocab)
+    base = {} if args.engines else random_state_dict(config, seed=args.seed, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    calibration = torch.randint(0, config.vocab_size, (32, 128), generator=gen).tolist()
+    return config, base, load_world_tokenizer().encode(TEXT)[: args.tokens], [], calibration
 
 
 def main() -> None:
@@ -170,34 +208,15 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/quant_accuracy_cpu.json")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    if args.checkpoint:
-        base = {k: v.float() for k, v in torch.load(args.checkpoint, map_location="cpu", weights_only=True).items()}
-        config = infer_config(DictSource(dict(base)))
-        if config.vocab_size != 256:
-            raise SystemExit("--checkpoint takes a byte-level model (vocabulary 256; bench/train_tiny.py)")
-        from bench.train_tiny import corpus_bytes
-        text = list(corpus_bytes(held_out=True))
-        tokens = text[: args.tokens]
-        # greedy prompts: 64 bytes each, spread over the held-out text
-        step = len(text) // (args.greedy_prompts + 1)
-        prompts = [text[(i + 1) * step:(i + 1) * step + 64] for i in range(args.greedy_prompts)]
-        train = corpus_bytes(held_out=False)  # GPTQ calibration: 32 rows of 128 training bytes
-        calibration = [list(train[i * len(train) // 32:][:128]) for i in range(32)]
-    else:
-        config = make_config(args.n_layer, args.n_embd, args.vocab)
-        tokens = load_world_tokenizer().encode(TEXT)[: args.tokens]
-        base = random_state_dict(config, seed=args.seed, dtype=torch.float32)
-        prompts = []
-        # GPTQ calibration: a random model's layer inputs are its tokens' embeddings, so no text is closer
-        # to its "training distribution" than 32 rows of 128 random tokens
-        gen = torch.Generator().manual_seed(args.seed + 1)
-        calibration = torch.randint(0, config.vocab_size, (32, 128), generator=gen).tolist()
+    config, base, tokens, prompts, calibration = (trained_inputs if args.checkpoint else random_inputs)(args)
     if args.engines:
+        kind = "trained" if args.checkpoint else "random"
         result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": "cuda",
                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": config.describe(),
-                  "prompt_tokens": len(tokens), "group_size": 64,
-                  "reference": "the fp16 engine on the same random weights, fp16 activations, same kernels",
-                  "formats": engine_rows(config, tokens, args.engines.split(","))}
+                  "model": args.checkpoint or "random", "prompt_tokens": len(tokens), "group_size": 64,
+                  "reference": f"the fp16 engine on the same {kind} weights, fp16 activations, same kernels",
+                  "formats": engine_rows(config, tokens, args.engines.split(","), base if args.checkpoint else None,
+                                         prompts, args.greedy_tokens)}
         write(result, args.out)
         return
     keys = config.linear_keys()
