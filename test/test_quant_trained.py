@@ -19,7 +19,10 @@ from infer.quant import export_quant
 
 sys.path.insert(0, str(ROOT))
 from bench.quant_accuracy import greedy_agreement, greedy_continuations  # noqa: E402
-from bench.train_tiny import corpus_bytes  # noqa: E402
+from bench.train_tiny import TrainingWKV, corpus_bytes, logits_of  # noqa: E402
+from infer.batch import PackedBatch  # noqa: E402
+from infer.ops.wkv import TorchWKV  # noqa: E402
+from infer.random_model import make_config, random_state_dict  # noqa: E402
 
 CHECKPOINT = ROOT / "test" / "data" / "tiny_trained_l4c128.pth"
 PROMPTS, PROMPT_BYTES, GREEDY_TOKENS = 16, 64, 128  # as bench/quant_accuracy.py --checkpoint
@@ -63,3 +66,37 @@ def test_w8a16_greedy_agreement_on_the_trained_model(models, held_out):
     agreement = greedy_agreement(w8, rows, PROMPT_BYTES)
     print(f"\nW8A16 greedy agreement on the trained model: {agreement:.2f} % of {PROMPTS * GREEDY_TOKENS} tokens")
     assert agreement >= 99.0
+
+
+# --------------------------------------------------------------------------- the training tool
+def test_training_wkv_is_the_inference_recurrence():
+    """bench/train_tiny.py's differentiable step loop gives the portable WKV's y and final states."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, N = 3, 7, 2, 64
+    r, k, v = (torch.randn(B * T, H * N, generator=gen) for _ in range(3))
+    w = torch.rand(B * T, H * N, generator=gen) * 0.5 + 0.45
+    kk = torch.nn.functional.normalize(torch.randn(B * T, H, N, generator=gen), dim=-1).view(B * T, H * N)
+    a, b = -kk, kk * torch.rand(B * T, H * N, generator=gen)
+    batch = PackedBatch.from_rows([[0] * T] * B, [2, 0, 3], "cpu")
+    start = torch.randn(4, H, N, N, generator=gen) * 0.1
+    want_state, got_state = start.clone(), start.clone()
+    want = TorchWKV()(want_state, batch, r, w, k, v, a, b)
+    got = TrainingWKV()(got_state, batch, r, w, k, v, a, b)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_training_forward_has_gradients_for_every_tensor():
+    """The model assembled from the checkpoint tensors is differentiable end to end: after one backward
+    pass every tensor the checkpoint holds has a nonzero gradient (none is cut off by an in-place or
+    inference-mode step), and the logits are the inference forward's."""
+    config = make_config(2, 128, vocab_size=256)
+    params = {key: t.float().requires_grad_(True) for key, t in random_state_dict(config, 0).items()}
+    rows = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    logits = logits_of(params, rows[:, :-1])
+    torch.nn.functional.cross_entropy(logits, rows[:, 1:].reshape(-1)).backward()
+    missing = [key for key, t in params.items() if t.grad is None or not t.grad.abs().sum() > 0]
+    assert not missing, missing
+    model = RWKV7.from_state_dict({k: v.detach() for k, v in params.items()}, device="cpu", dtype="fp32")
+    want = model.prefill(rows[:, :-1].tolist(), [0, 1], model.new_state_pool(2), all_logits=True)
+    torch.testing.assert_close(logits.detach(), want, rtol=1e-4, atol=1e-4)
