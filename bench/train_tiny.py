@@ -57,9 +57,10 @@ class TrainingWKV:
     name = "torch, differentiable (training)"
 
     def __call__(self, state, batch, r, w, k, v, a, b):
-        num_slots, H, N, _ = state.shape
-        B = batch.num_rows
-        T = r.shape[0] // B
+        _, H, N, _ = state.shape
+        B, T = batch.num_rows, batch.lens[0]
+        if any(n != T for n in batch.lens):
+            raise ValueError("TrainingWKV takes rows of one length")
         r, w, k, v, a, b = (t.float().view(B, T, H, N) for t in (r, w, k, v, a, b))
         s = state[batch.slots].float()  # [B, H, N(value), N(key)]
         ys = []
