@@ -44,15 +44,15 @@ extern "C" int VARIANT_run(int which, int64_t H, int64_t num_tokens, float* stat
     using namespace fused;
     const TimeMixArgs p = make_time_mix_args(tensors, params, 0);
     const unsigned grid = static_cast<unsigned>(rows * H);
-    const unsigned finish = static_cast<unsigned>(rows * H * ((max_len + kFinishTokens - 1) / kFinishTokens));
+    const unsigned finish = static_cast<unsigned>(finish_blocks(rows, H, max_len));
     cudaEvent_t start, end;
     cudaEventCreate(&start);
     cudaEventCreate(&end);
     for (int rep = -2; rep < reps; ++rep) {
         if (rep == 0) cudaEventRecord(start);
         if (which == 0)
-            time_mix_split_kernel<float><<<grid * kSplitParts, kSplitThreads>>>(int(H), rows, num_tokens, state, slots, starts,
-                                                                    lasts, p, scratch);
+            time_mix_split_kernel<float><<<grid * kSplitParts, kSplitThreads>>>(int(H), rows, num_tokens, state, slots,
+                                                                                starts, lasts, p, scratch);
         else if (which == 1)
             time_mix_finish_kernel<<<finish, N>>>(int(H), rows, rows, num_tokens, slots, starts, lasts, p, scratch);
         else

@@ -22,8 +22,8 @@ fed the same tokens, is scored on how many of those greedy tokens it also picks:
         --out bench/results/quant_accuracy_trained_cpu.json
 
 With ``--engines`` (a GPU) it compares the inference engines themselves instead: the same fp16 model
-(random, or ``--checkpoint``'s with the exporters' defaults) loaded as each engine's checkpoint (W8A16 for cutlass, GemLite's packed formats), run through the
-real kernels with fp16 activations, against the fp16 engine:
+(random, or ``--checkpoint``'s with the exporters' defaults) loaded as each engine's checkpoint (W8A16 for
+cutlass, GemLite's packed formats), run through the real kernels with fp16 activations, against the fp16 engine:
 
     python bench/quant_accuracy.py --engines cutlass,gemlite:A16W8_INT8,gemlite:A16W4_HQQ_INT \
         --n-layer 24 --n-embd 2048 --out bench/results/quant_accuracy_h200.json
@@ -80,6 +80,15 @@ def gptq_dequantized(model: RWKV7, base: dict[str, torch.Tensor], keys: list[str
 
 def run(model: RWKV7, tokens: list[int]) -> torch.Tensor:
     return model.prefill([tokens], [0], model.new_state_pool(1), all_logits=True)
+
+
+GREEDY_PROMPT_BYTES = 64
+
+
+def held_out_prompts(text: list[int], count: int) -> list[list[int]]:
+    """``count`` prompts of GREEDY_PROMPT_BYTES tokens spread evenly over ``text``."""
+    step = len(text) // (count + 1)
+    return [text[(i + 1) * step:(i + 1) * step + GREEDY_PROMPT_BYTES] for i in range(count)]
 
 
 def greedy_continuations(model: RWKV7, prompts: list[list[int]], length: int) -> list[list[int]]:
@@ -156,7 +165,7 @@ def engine_rows(config, tokens: list[int], engines: list[str], trained: dict[str
         model, weights_gb = load(engine)
         row = compare(engine, run(model, tokens).float(), reference)
         if greedy_rows:
-            row["greedy_agreement_pct"] = round(greedy_agreement(model, greedy_rows, len(greedy_prompts[0])), 2)
+            row["greedy_agreement_pct"] = round(greedy_agreement(model, greedy_rows, GREEDY_PROMPT_BYTES), 2)
         del model
         row.update(weights_gb=round(weights_gb, 2), seconds=round(time.perf_counter() - started, 1))
         rows.append(row)
@@ -165,16 +174,15 @@ def engine_rows(config, tokens: list[int], engines: list[str], trained: dict[str
 
 
 def trained_inputs(args) -> tuple:
-    """--checkpoint: its config and fp32 weights, held-out text, greedy prompts (64 bytes each, spread over
-    the held-out text) and GPTQ calibration rows (32 rows of 128 training bytes)."""
+    """--checkpoint: its config and fp32 weights, held-out text, greedy prompts (held_out_prompts) and GPTQ
+    calibration rows (32 rows of 128 training bytes)."""
     from bench.train_tiny import corpus_bytes
     base = {k: v.float() for k, v in torch.load(args.checkpoint, map_location="cpu", weights_only=True).items()}
     config = infer_config(DictSource(dict(base)))
     if config.vocab_size != 256:
         raise SystemExit("--checkpoint takes a byte-level model (vocabulary 256; bench/train_tiny.py)")
     text = list(corpus_bytes(held_out=True))
-    step = len(text) // (args.greedy_prompts + 1)
-    prompts = [text[(i + 1) * step:(i + 1) * step + 64] for i in range(args.greedy_prompts)]
+    prompts = held_out_prompts(text, args.greedy_prompts)
     train = corpus_bytes(held_out=False)
     calibration = [list(train[i * len(train) // 32:][:128]) for i in range(32)]
     return config, base, text[: args.tokens], prompts, calibration
@@ -238,7 +246,7 @@ def main() -> None:
         model = model_with(fmt)
         row = compare(fmt, run(model, tokens), reference)
         if greedy_rows:
-            row["greedy_agreement_pct"] = round(greedy_agreement(model, greedy_rows, 64), 2)
+            row["greedy_agreement_pct"] = round(greedy_agreement(model, greedy_rows, GREEDY_PROMPT_BYTES), 2)
         row["seconds"] = round(time.perf_counter() - started, 1)
         rows.append(row)
         print(row, flush=True)
@@ -246,8 +254,8 @@ def main() -> None:
            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
            "shape": config.describe(), "prompt_tokens": len(tokens), "group_size": args.group_size,
            "model": args.checkpoint or "random",
-           **({"greedy": f"{len(prompts)} prompts of 64 held-out bytes, {args.greedy_tokens} greedy tokens each"}
-              if prompts else {}),
+           **({"greedy": f"{len(prompts)} prompts of {GREEDY_PROMPT_BYTES} held-out bytes, "
+                         f"{args.greedy_tokens} greedy tokens each"} if prompts else {}),
            "reference": f"same {'trained' if args.checkpoint else 'random'} model, matrices rounded to fp16, fp32 "
                         "activations", "formats": rows}, args.out)
 

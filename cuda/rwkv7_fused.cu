@@ -668,6 +668,11 @@ __device__ __forceinline__ ChannelToken channel_token(const ChannelParams& cp, f
     return o;
 }
 
+// The tokens of the chunk from token t0 of a row ending at token `last` (at most kChunkTokens)
+__device__ __forceinline__ int chunk_count(int64_t t0, int64_t last) {
+    return static_cast<int>(last - t0 + 1 < kChunkTokens ? last - t0 + 1 : kChunkTokens);
+}
+
 // A of a chunk (time_mix_chunked_kernel): per token at channel col = h * 64 + threadIdx.x of a 64-thread block,
 // from the chunk's inputs in shared memory: decay, gates, k', v' and g into buf, and the head's sums for kk's
 // norm and the bonus, the chunk's tokens side by side; then -kk and kk * a. Two barriers. Tokens past the row's
@@ -758,7 +763,7 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     __syncthreads();  // the tile's memory now holds the chunk buffers
 
     for (int64_t t0 = first; t0 <= last; t0 += kChunkTokens) {
-        const int count = static_cast<int>(last - t0 + 1 < kChunkTokens ? last - t0 + 1 : kChunkTokens);
+        const int count = chunk_count(t0, last);
         chunk_prepare(p, inputs, buf, params, t0, count, C, col);
         const bool more = t0 + kChunkTokens <= last;
 
@@ -1007,10 +1012,6 @@ __device__ __forceinline__ void split_recurrence(float (&s)[4 * kRowVecs], const
         sa = row_sum(wkv7::hsum4(acc));
         if (q == 0) y_out[u * C] = y;
     }
-}
-
-__device__ __forceinline__ int chunk_count(int64_t t0, int64_t last) {
-    return static_cast<int>(last - t0 + 1 < kChunkTokens ? last - t0 + 1 : kChunkTokens);
 }
 
 template <typename S>

@@ -18,14 +18,15 @@ from infer.model import RWKV7
 from infer.quant import export_quant
 
 sys.path.insert(0, str(ROOT))
-from bench.quant_accuracy import greedy_agreement, greedy_continuations  # noqa: E402
+from bench.quant_accuracy import (GREEDY_PROMPT_BYTES, greedy_agreement, greedy_continuations,  # noqa: E402
+                                  held_out_prompts)
 from bench.train_tiny import TrainingWKV, corpus_bytes, logits_of  # noqa: E402
 from infer.batch import PackedBatch  # noqa: E402
 from infer.ops.wkv import TorchWKV  # noqa: E402
 from infer.random_model import make_config, random_state_dict  # noqa: E402
 
 CHECKPOINT = ROOT / "test" / "data" / "tiny_trained_l4c128.pth"
-PROMPTS, PROMPT_BYTES, GREEDY_TOKENS = 16, 64, 128  # as bench/quant_accuracy.py --checkpoint
+PROMPTS, GREEDY_TOKENS = 16, 128  # as bench/quant_accuracy.py --checkpoint --greedy-prompts 16
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +59,11 @@ def test_w8a16_greedy_agreement_on_the_trained_model(models, held_out):
     """The float model continues held-out prompts greedily; the W8A16 model, fed the same bytes, picks the
     same next byte at >= 99 % of those positions."""
     model, w8 = models
-    step = len(held_out) // (PROMPTS + 1)
-    prompts = [held_out[(i + 1) * step:(i + 1) * step + PROMPT_BYTES] for i in range(PROMPTS)]
+    prompts = held_out_prompts(held_out, PROMPTS)
     rows = greedy_continuations(model, prompts, GREEDY_TOKENS)
     # code's indentation makes some continuations runs of spaces; together they must still be varied text
-    assert len({byte for row in rows for byte in row[PROMPT_BYTES:]}) >= 20, "degenerate continuations"
-    agreement = greedy_agreement(w8, rows, PROMPT_BYTES)
+    assert len({byte for row in rows for byte in row[GREEDY_PROMPT_BYTES:]}) >= 20, "degenerate continuations"
+    agreement = greedy_agreement(w8, rows, GREEDY_PROMPT_BYTES)
     print(f"\nW8A16 greedy agreement on the trained model: {agreement:.2f} % of {PROMPTS * GREEDY_TOKENS} tokens")
     assert agreement >= 99.0
 
