@@ -1,5 +1,6 @@
 """Where time_mix_split_kernel's time goes: the kernel as it is, and variants with one of its parts taken out
-(A, B, the loads of the chunk after next), each timed alone on one prompt of a 7.2B layer's shape (1 row x
+(A, B, the loads of the chunk after next) or its layout changed (blocks per head, threads per state row, A's
+warps), each timed alone on one prompt of a 7.2B layer's shape (1 row x
 1,024 tokens, 64 heads, fp32 state), with time_mix_finish_kernel and time_mix_prefill_kernel beside them.
 
 The variants are textual edits of cuda/rwkv7_fused.cu (cut before its C launchers), each compiled into a
@@ -21,19 +22,37 @@ from torch.utils.cpp_extension import load_inline
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = "constexpr int kSplitParts = 4;"
+ROW_THREADS = "constexpr int kRowThreads = 8;"
+A_WARPS = "constexpr int kSplitAWarps = 4;"
 SPLIT_A = "split_prepare(p, in, buf[cur ^ 1], cp, warp_a, t1, chunk_count(t1, last), C, col0, part == 0);"
 SPLIT_B = ("            if (count == kChunkTokens)  // (block-uniform)\n"
            "                split_recurrence<true>(s, buf[cur], q, row, count, y_out, C);\n"
            "            else\n"
            "                split_recurrence<false>(s, buf[cur], q, row, count, y_out, C);\n")
+BOUNDS = "__global__ void __launch_bounds__(kSplitThreads)\ntime_mix_split_kernel"
 SPLIT_LOAD = "if (t1 + kChunkTokens <= last) split_load(p, t1 + kChunkTokens, last, C, col0, warp_a, in);"
-VARIANTS = {  # name: (what is taken out, [(old, new)])
+
+
+def layout(parts: int, row_threads: int, a_warps: int) -> list[tuple[str, str]]:
+    """Edits giving the split kernel ``parts`` blocks per head, ``row_threads`` B threads per state row and
+    ``a_warps`` A warps (the file's values are 4, 8, 4)."""
+    return [(PARTS, PARTS.replace("4", str(parts))), (ROW_THREADS, ROW_THREADS.replace("8", str(row_threads))),
+            (A_WARPS, A_WARPS.replace("4", str(a_warps)))]
+
+
+VARIANTS = {  # name: (what is taken out or changed, [(old, new)])
     "full": ("nothing", []),
-    "no_phase_a": ("A (the next chunk's vectors, by warps 2-5)", [(SPLIT_A, "")]),
-    "no_phase_b": ("B (the recurrence, by warps 0-1)", [(SPLIT_B, "")]),
+    "no_phase_a": ("A (the next chunk's vectors)", [(SPLIT_A, "")]),
+    "no_phase_b": ("B (the recurrence)", [(SPLIT_B, "")]),
     "no_loads": ("the next chunk's global loads", [(SPLIT_LOAD, "")]),
-    "only_loads": ("A and B", [(SPLIT_A, ""), (SPLIT_B, "")]),
-    "parts8": ("nothing; 8 blocks per head (8 rows each, 8 threads per row)", [(PARTS, PARTS.replace("4", "8"))]),
+    "rows4": ("nothing; 4 threads per state row (2 B warps)", layout(4, 4, 4)),
+    "rows16": ("nothing; 16 threads per state row (8 B warps)", layout(4, 16, 4)),
+    "rows16_2": ("nothing; 16 threads per state row, registers for 2 blocks per multiprocessor",
+                 layout(4, 16, 4) + [(BOUNDS, BOUNDS.replace("kSplitThreads)", "kSplitThreads, 2)"))]),
+    "a_warps8": ("nothing; 8 A warps (a token each)", layout(4, 8, 8)),
+    "parts2": ("nothing; 2 blocks per head (32 rows, 8 B warps)", layout(2, 8, 4)),
+    "parts2_a8": ("nothing; 2 blocks per head, 8 A warps", layout(2, 8, 8)),
+    "parts2_rows4": ("nothing; 2 blocks per head, 4 threads per row", layout(2, 4, 4)),
 }
 
 LAUNCHERS = r"""
@@ -67,13 +86,26 @@ extern "C" int VARIANT_run(int which, int64_t H, int64_t num_tokens, float* stat
     cudaEventDestroy(end);
     return static_cast<int>(cudaGetLastError());
 }
+
+// The split kernel's registers per thread, threads per block and resident blocks per multiprocessor
+extern "C" void VARIANT_info(int* out) {
+    using namespace fused;
+    cudaFuncAttributes attr;
+    cudaFuncGetAttributes(&attr, time_mix_split_kernel<float>);
+    int blocks = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, time_mix_split_kernel<float>, kSplitThreads, 0);
+    out[0] = attr.numRegs;
+    out[1] = kSplitThreads;
+    out[2] = blocks;
+}
 """
 
 BINDING = r"""
 #include <torch/extension.h>
 #include <vector>
 #define DECLARE(V) extern "C" int V##_run(int, int64_t, int64_t, float*, const int64_t*, const int64_t*, \
-    const int64_t*, const void* const*, const void* const*, float*, int64_t, int64_t, int, float*);
+    const int64_t*, const void* const*, const void* const*, float*, int64_t, int64_t, int, float*); \
+    extern "C" void V##_info(int*);
 VARIANT_DECLS
 double run(std::string variant, int64_t which, torch::Tensor state, torch::Tensor slots, torch::Tensor starts,
            torch::Tensor lasts, std::vector<torch::Tensor> tensors, std::vector<torch::Tensor> params,
@@ -86,6 +118,12 @@ double run(std::string variant, int64_t which, torch::Tensor state, torch::Tenso
 VARIANT_CALLS
     TORCH_CHECK(err == 0, "launch failed: ", err);
     return ms;
+}
+
+std::vector<int64_t> info(std::string variant) {
+    int out[3] = {0, 0, 0};
+VARIANT_INFOS
+    return {out[0], out[1], out[2]};
 }
 """
 
@@ -102,7 +140,7 @@ def kernel_body(edits: list[tuple[str, str]]) -> tuple[str, str]:
 
 
 def build():
-    includes, parts, decls, calls = None, [], [], []
+    includes, parts, decls, calls, infos = None, [], [], [], []
     for name, (_, edits) in VARIANTS.items():
         head, body = kernel_body(edits)
         includes = includes or head
@@ -112,9 +150,11 @@ def build():
                      "state.data_ptr<float>(), slots.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), "
                      "lasts.data_ptr<int64_t>(), t.data(), q.data(), scratch.data_ptr<float>(), slots.numel(), "
                      "max_len, int(reps), &ms);")
+        infos.append(f'    if (variant == "{name}") {name}_info(out);')
     cuda = includes.replace('#include "', f'#include "{ROOT / "cuda"}/') + "\n".join(parts)
     cpp = BINDING.replace("VARIANT_DECLS", "\n".join(decls)).replace("VARIANT_CALLS", "\n".join(calls))
-    return load_inline("time_mix_phases", cpp_sources=[cpp], cuda_sources=[cuda], functions=["run"],
+    cpp = cpp.replace("VARIANT_INFOS", "\n".join(infos))
+    return load_inline("time_mix_phases", cpp_sources=[cpp], cuda_sources=[cuda], functions=["run", "info"],
                        extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"], verbose=False)
 
 
@@ -139,15 +179,19 @@ def main() -> None:
     rows = []
     for name, (what, _) in VARIANTS.items():
         ms = ext.run(name, 0, state, slots, starts, lasts, tensors, params, scratch, T, args.reps)
+        regs, threads, per_sm = ext.info(name)
         rows.append({"kernel": "time_mix_split_kernel", "variant": name, "taken_out": what, "us": round(ms * 1e3, 1),
-                     "us_per_token": round(ms * 1e3 / T, 3)})
+                     "us_per_token": round(ms * 1e3 / T, 3), "registers": regs, "threads": threads,
+                     "blocks_per_sm": per_sm})
     for which, kernel in ((1, "time_mix_finish_kernel"), (2, "time_mix_prefill_kernel")):
         ms = ext.run("full", which, state, slots, starts, lasts, tensors, params, scratch, T, args.reps)
         rows.append({"kernel": kernel, "variant": "full", "taken_out": "nothing", "us": round(ms * 1e3, 1),
                      "us_per_token": round(ms * 1e3 / T, 3)})
-    print(f"{'kernel':<26} {'variant':<12} {'us':>9} {'us/token':>9}  taken out")
+    print(f"{'kernel':<26} {'variant':<13} {'us':>9} {'us/token':>9} {'regs':>5} {'thr':>4} {'/SM':>4}  taken out")
     for r in rows:
-        print(f"{r['kernel']:<26} {r['variant']:<12} {r['us']:>9.1f} {r['us_per_token']:>9.3f}  {r['taken_out']}")
+        occupancy = f"{r['registers']:>5} {r['threads']:>4} {r['blocks_per_sm']:>4}" if "registers" in r else " " * 15
+        print(f"{r['kernel']:<26} {r['variant']:<13} {r['us']:>9.1f} {r['us_per_token']:>9.3f} {occupancy}  "
+              f"{r['taken_out']}")
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "shape": {"tokens": T, "heads": H, "rows": 1, "state": "fp32"}, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

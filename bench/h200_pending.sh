@@ -25,6 +25,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh chunked   # the chunked prefill time mix: GPU tests, prefill, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-order  # batch-1 GEMV launches: GPU tests, decode, split A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh trained-accuracy  # engines on the trained tiny model; 4-bit test x3
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh split-layout  # split time-mix layouts, finishing kernel, accuracy
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -34,7 +35,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-layout}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -287,6 +288,28 @@ gemv-order)  # batch-1 GEMV launches (LoRA tasks first, split to 32,768 units): 
     copy bench/results/experiment_lora_first_split16k_h200.json
     step 40 "GEMV launches alone" python bench/bench_gemv.py --size 7.2b --out bench/results/gemv_h200_split_rows_32k.json
     copy bench/results/gemv_h200_split_rows_32k.json
+    ;;
+split-layout)  # 8 threads per state row in the split time mix, the 16-byte finishing kernel: layouts, tests, prefill
+    export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home
+    mkdir -p "$TRITON_CACHE_DIR" "$RWKV_SERVER_HOME"
+    build_fused
+    step 150 "time-mix layouts, 7.2B prompt shape" python bench/experiment_time_mix_phases.py \
+        --out bench/results/experiment_time_mix_layout_h200.json
+    copy bench/results/experiment_time_mix_layout_h200.json
+    step 60 "time-mix layouts, 1.5B prompt shape" python bench/experiment_time_mix_phases.py --heads 32 \
+        --out bench/results/experiment_time_mix_layout_1.5b_h200.json
+    copy bench/results/experiment_time_mix_layout_1.5b_h200.json
+    fused_tests
+    prefill_bench 1,16 decode_h200_prefill_split_layout.json
+    step 100 "A/B: the split kernel for more rows (RWKV_SPLIT_MAX_BLOCKS=4096)" env RWKV_SPLIT_MAX_BLOCKS=4096 \
+        python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024 --prefill-rows 2,4 --wkv cuda \
+        --no-checks --out bench/results/experiment_prefill_split_layout_rows_h200.json
+    copy bench/results/experiment_prefill_split_layout_rows_h200.json
+    step 240 "engine accuracy on the trained model" python bench/quant_accuracy.py --checkpoint \
+        test/data/tiny_trained_l4c128.pth --tokens 2048 --greedy-prompts 16 --greedy-tokens 128 \
+        --engines cutlass,gemlite:A16W8_INT8,gemlite:A16W8_FP8,gemlite:A16W4_HQQ_INT \
+        --out bench/results/quant_accuracy_trained_h200.json
+    copy bench/results/quant_accuracy_trained_h200.json
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home

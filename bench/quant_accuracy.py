@@ -110,7 +110,7 @@ def greedy_agreement(model: RWKV7, rows: list[list[int]], prompt_len: int) -> fl
     picks when fed the same preceding tokens."""
     same = total = 0
     for row in rows:
-        picks = run(model, row[:-1]).argmax(dim=-1)[prompt_len - 1:]
+        picks = run(model, row[:-1]).argmax(dim=-1)[prompt_len - 1:].cpu()
         target = torch.tensor(row[prompt_len:])
         same += int((picks == target).sum())
         total += len(target)

@@ -1034,10 +1034,11 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 // the state rows summed in another order, as in the other prefill kernels).
 constexpr int kSplitParts = 4;                    // blocks per (row, head)
 constexpr int kSplitRows = N / kSplitParts;       // state rows per block
-constexpr int kRowThreads = N / kSplitRows;       // threads per state row (B has 64)
+constexpr int kRowThreads = 8;                    // B's threads per state row
+constexpr int kSplitBThreads = kSplitRows * kRowThreads;
 constexpr int kRowVecs = N / kRowThreads / 4;     // float4s of a state row per thread
-constexpr int kSplitAWarps = 4;                   // A's warps (B has two)
-constexpr int kSplitThreads = N + kTeam * kSplitAWarps;
+constexpr int kSplitAWarps = 4;                   // A's warps
+constexpr int kSplitThreads = kSplitBThreads + kTeam * kSplitAWarps;
 constexpr int kSplitWarpTokens = kChunkTokens / kSplitAWarps;  // tokens of a chunk per A warp
 // (row, head) grids of up to this many blocks take the split kernel: a 7.2B prompt alone or two (64 each), 1.5B's
 // of up to four (32 each). At 256 time_mix_prefill_kernel is faster (experiment_prefill_split_ws_rows_h200.json
@@ -1178,15 +1179,15 @@ __global__ void __launch_bounds__(kSplitThreads)
 time_mix_split_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
                       const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
                       const int64_t* __restrict__ lasts, TimeMixArgs p, float* __restrict__ y_raw) {
-    static_assert(kRowThreads * kSplitRows == N && kRowVecs >= 1, "B: whole float4s of a row per thread");
+    static_assert(kRowVecs * 4 * kRowThreads == N && kSplitBThreads % 64 == 0, "B: whole float4s, whole waves");
     static_assert(kSplitWarpTokens * kSplitAWarps == kChunkTokens, "A: the warps share a chunk's tokens");
     const int part = blockIdx.x % kSplitParts;
     const int64_t head_block = blockIdx.x / kSplitParts;  // row * H + head
     const int h = static_cast<int>(head_block % H);
-    const bool recurrence = threadIdx.x < N;              // B's warps (warp-uniform)
+    const bool recurrence = threadIdx.x < kSplitBThreads;  // B's warps (wave-uniform)
     const int i = threadIdx.x % N;
-    const int row = part * kSplitRows + i / kRowThreads, q = i % kRowThreads;  // B: state row, its columns
-    const int warp_a = static_cast<int>(threadIdx.x / kTeam) - N / kTeam;     // A's teams: 0 .. kSplitAWarps-1
+    const int row = part * kSplitRows + threadIdx.x / kRowThreads, q = threadIdx.x % kRowThreads;  // B: row, columns
+    const int warp_a = static_cast<int>(threadIdx.x / kTeam) - kSplitBThreads / kTeam;  // A's teams: 0 .. kSplitAWarps-1
     const int64_t C = int64_t(H) * N;
     const int64_t col0 = int64_t(h) * N + (threadIdx.x & (kTeam - 1));                  // A: channels col0, col0 + 32
 
@@ -1242,53 +1243,76 @@ time_mix_split_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restric
     }
 }
 
+// The rest of the time mix after time_mix_split_kernel, for kFinishTokens tokens of one (row, head) per block
+// (block b: (row, head) b % (rows * H), tokens from the row's first + kFinishTokens * (b / (rows * H))): group
+// norm of y_raw over the head, the bonus sum_j r_j k'_j r_k_j (k' and v' computed again from the inputs, as in
+// chunk_prepare), gate. Thread i takes token i / kFinishLanes of the block's and the 8 channels from
+// 8 * (i % kFinishLanes) of the head, with 16-byte loads; a head's sums are over kFinishLanes adjacent lanes, so
+// the block needs no barrier. Rows the split kernel left alone (row_has_work) are skipped.
+constexpr int kFinishLanes = N / 8;
+
+__device__ __forceinline__ float finish_lanes_sum(float v) {
+#pragma unroll
+    for (int o = 1; o < kFinishLanes; o <<= 1) v += __shfl_xor(v, o, kTeam);
+    return v;
+}
+
 __global__ void __launch_bounds__(N)
 time_mix_finish_kernel(int H, int64_t rows, int64_t num_slots, int64_t num_tokens, const int64_t* __restrict__ slots,
                        const int64_t* __restrict__ starts, const int64_t* __restrict__ lasts, TimeMixArgs p,
                        const float* __restrict__ y_raw) {
+    static_assert(kFinishTokens * kFinishLanes == N, "a block: kFinishTokens tokens of kFinishLanes lanes");
     const int64_t head_block = blockIdx.x % (rows * H);
     const int h = static_cast<int>(head_block % H);
-    const int i = threadIdx.x, team = threadIdx.x / kTeam;
     const int64_t C = int64_t(H) * N;
-    const int64_t col = int64_t(h) * N + i;
+    const int64_t col = int64_t(h) * N + 8 * (threadIdx.x % kFinishLanes);
     const auto [first, last, slot] = time_mix_row(head_block / H, slots, starts, lasts);
-    const int64_t t0 = first + kFinishTokens * int64_t(blockIdx.x / (rows * H));
+    const int64_t t0 = first + kFinishTokens * int64_t(blockIdx.x / (rows * H)), t = t0 + threadIdx.x / kFinishLanes;
+    ChannelParams cp[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) cp[e] = load_channel_params(p, col + e);
     dependency_wait();
     if (!row_tokens_valid(first, last, num_tokens) || !slot_valid(slot, num_slots) || t0 > last) return;
-    const int count = static_cast<int>(last - t0 + 1 < kFinishTokens ? last - t0 + 1 : kFinishTokens);
+    const bool live = t <= last;  // tokens past the row's end compute on zeros and store nothing
 
-    __shared__ float bonus_sum[kFinishTokens][2], mean_sum[kFinishTokens][2], var_sum[kFinishTokens][2];
-    const ChannelParams cp = load_channel_params(p, col);
-    float y[kFinishTokens], vn[kFinishTokens], g[kFinishTokens], mean[kFinishTokens];
+    const int64_t o = t * C + col;
+    float x[kChunkInputs][8], y[8];  // x: chunk_input's order (dv and v_first only past layer 0)
 #pragma unroll
-    for (int u = 0; u < kFinishTokens; ++u) {
-        const TokenInputs in = u < count ? load_token_inputs(p, (t0 + u) * C + col) : TokenInputs{};
-        y[u] = u < count ? y_raw[(t0 + u) * C + col] : 0.0f;
-        g[u] = in.g;
-        const ChannelToken ch = channel_token(cp, in.k, in.v, in.dw, in.da, in.dv, in.v_first, p.first_layer);
-        vn[u] = ch.vn;
-        const float bonus_part = warp_sum(in.r * ch.kn * cp.r_k), mean_part = warp_sum(y[u]);
-        if ((threadIdx.x & (kTeam - 1)) == 0) {
-            bonus_sum[u][team] = bonus_part;
-            mean_sum[u][team] = mean_part;
+    for (int j = 0; j < kChunkInputs; ++j) {
+        if (live && j < chunk_inputs(p)) {
+            load8(chunk_input(p, j) + o, x[j]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) x[j][e] = 0.0f;
         }
     }
-    __syncthreads();
 #pragma unroll
-    for (int u = 0; u < kFinishTokens; ++u) {
-        mean[u] = (mean_sum[u][0] + mean_sum[u][1]) * (1.0f / N);
-        const float part = warp_sum((y[u] - mean[u]) * (y[u] - mean[u]));
-        if ((threadIdx.x & (kTeam - 1)) == 0) var_sum[u][team] = part;
+    for (int e = 0; e < 8; e += 4) {
+        const float4 f = live ? *reinterpret_cast<const float4*>(y_raw + o + e) : make_float4(0.f, 0.f, 0.f, 0.f);
+        y[e] = f.x, y[e + 1] = f.y, y[e + 2] = f.z, y[e + 3] = f.w;
     }
-    __syncthreads();
+    float vn[8], bonus = 0.0f, mean = 0.0f;
 #pragma unroll
-    for (int u = 0; u < kFinishTokens; ++u) {
-        if (u >= count) break;
-        const float var = (var_sum[u][0] + var_sum[u][1]) * (1.0f / N);
-        const float bonus = bonus_sum[u][0] + bonus_sum[u][1];
-        const float yn = (y[u] - mean[u]) * rsqrtf(var + kGroupNormEps) * cp.lnx_w + cp.lnx_b;
-        p.out[(t0 + u) * C + col] = __float2half_rn(round_half(yn + bonus * vn[u]) * g[u]);
+    for (int e = 0; e < 8; ++e) {
+        const ChannelToken ch = channel_token(cp[e], x[1][e], x[2][e], x[3][e], x[4][e], x[6][e], x[7][e],
+                                              p.first_layer);
+        vn[e] = ch.vn;
+        bonus += x[0][e] * ch.kn * cp[e].r_k;
+        mean += y[e];
     }
+    bonus = finish_lanes_sum(bonus);
+    mean = finish_lanes_sum(mean) * (1.0f / N);
+    float var = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) var += (y[e] - mean) * (y[e] - mean);
+    const float rstd = rsqrtf(finish_lanes_sum(var) * (1.0f / N) + kGroupNormEps);
+    float out[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float yn = (y[e] - mean) * rstd * cp[e].lnx_w + cp[e].lnx_b;
+        out[e] = round_half(yn + bonus * vn[e]) * x[5][e];
+    }
+    if (live) store8(p.out + o, out);
 }
 
 // ------------------------------------------------------------------------------------ relu_square
@@ -1815,7 +1839,7 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
     bool aligned = true;
     for (int j = 0; j < chunk_inputs(p); ++j)
         aligned = aligned && reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16 == 0;
-    if (grid <= split_max_blocks && aligned) return kTimeMixSplit;
+    if (grid <= split_max_blocks && aligned && reinterpret_cast<uintptr_t>(p.out) % 16 == 0) return kTimeMixSplit;
     if (grid < prefill_max_blocks) return kTimeMixPrefill;
     return chunked && aligned ? kTimeMixChunked : kTimeMixDecode;
 }
