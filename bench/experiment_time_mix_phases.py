@@ -21,38 +21,31 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = "constexpr int kSplitParts = 4;"
-ROW_THREADS = "constexpr int kRowThreads = 8;"
+ROW_THREADS = "constexpr int kRowThreads = 4;"
 A_WARPS = "constexpr int kSplitAWarps = 4;"
 SPLIT_A = "split_prepare(p, in, buf[cur ^ 1], cp, warp_a, t1, chunk_count(t1, last), C, col0, part == 0);"
 SPLIT_B = ("            if (count == kChunkTokens)  // (block-uniform)\n"
            "                split_recurrence<true>(s, buf[cur], q, row, count, y_out, C);\n"
            "            else\n"
            "                split_recurrence<false>(s, buf[cur], q, row, count, y_out, C);\n")
-BOUNDS = "__global__ void __launch_bounds__(kSplitThreads)\ntime_mix_split_kernel"
 SPLIT_LOAD = "if (t1 + kChunkTokens <= last) split_load(p, t1 + kChunkTokens, last, C, col0, warp_a, in);"
 
 
-def layout(parts: int, row_threads: int, a_warps: int) -> list[tuple[str, str]]:
-    """Edits giving the split kernel ``parts`` blocks per head, ``row_threads`` B threads per state row and
-    ``a_warps`` A warps (the file's values are 4, 8, 4)."""
-    return [(PARTS, PARTS.replace("4", str(parts))), (ROW_THREADS, ROW_THREADS.replace("8", str(row_threads))),
-            (A_WARPS, A_WARPS.replace("4", str(a_warps)))]
+def layout(row_threads: int, a_warps: int) -> list[tuple[str, str]]:
+    """Edits giving the split kernel ``row_threads`` B threads per state row and ``a_warps`` A warps (the file's
+    values are 4 and 4)."""
+    return [(ROW_THREADS, ROW_THREADS.replace("4", str(row_threads))), (A_WARPS, A_WARPS.replace("4", str(a_warps)))]
 
 
-VARIANTS = {  # name: (what is taken out or changed, [(old, new)])
-    "full": ("nothing", []),
-    "no_phase_a": ("A (the next chunk's vectors)", [(SPLIT_A, "")]),
-    "no_phase_b": ("B (the recurrence)", [(SPLIT_B, "")]),
-    "no_loads": ("the next chunk's global loads", [(SPLIT_LOAD, "")]),
-    "rows4": ("nothing; 4 threads per state row (2 B warps)", layout(4, 4, 4)),
-    "rows16": ("nothing; 16 threads per state row (8 B warps)", layout(4, 16, 4)),
-    "rows16_2": ("nothing; 16 threads per state row, registers for 2 blocks per multiprocessor",
-                 layout(4, 16, 4) + [(BOUNDS, BOUNDS.replace("kSplitThreads)", "kSplitThreads, 2)"))]),
-    "a_warps8": ("nothing; 8 A warps (a token each)", layout(4, 8, 8)),
-    "parts2": ("nothing; 2 blocks per head (32 rows, 8 B warps)", layout(2, 8, 4)),
-    "parts2_a8": ("nothing; 2 blocks per head, 8 A warps", layout(2, 8, 8)),
-    "parts2_rows4": ("nothing; 2 blocks per head, 4 threads per row", layout(2, 4, 4)),
+VARIANTS = {  # name: (what is taken out or changed, blocks per (row, head), [(old, new)])
+    "parts4": ("nothing; 4 blocks per head", 4, []),
+    "parts2": ("nothing; 2 blocks per head", 2, []),
+    "no_phase_a": ("A (the next chunk's vectors); 2 blocks per head", 2, [(SPLIT_A, "")]),
+    "no_phase_b": ("B (the recurrence); 2 blocks per head", 2, [(SPLIT_B, "")]),
+    "no_loads": ("the next chunk's global loads; 2 blocks per head", 2, [(SPLIT_LOAD, "")]),
+    "parts2_rows8": ("nothing; 2 blocks per head, 8 threads per state row", 2, layout(8, 4)),
+    "parts2_a8": ("nothing; 2 blocks per head, 8 A warps (a token each)", 2, layout(4, 8)),
+    "parts4_a8": ("nothing; 4 blocks per head, 8 A warps (a token each)", 4, layout(4, 8)),
 }
 
 LAUNCHERS = r"""
@@ -70,8 +63,9 @@ extern "C" int VARIANT_run(int which, int64_t H, int64_t num_tokens, float* stat
     for (int rep = -2; rep < reps; ++rep) {
         if (rep == 0) cudaEventRecord(start);
         if (which == 0)
-            time_mix_split_kernel<float><<<grid * kSplitParts, kSplitThreads>>>(int(H), rows, num_tokens, state, slots,
-                                                                                starts, lasts, p, scratch);
+            time_mix_split_kernel<float, PARTS><<<grid * PARTS, split_threads(PARTS)>>>(int(H), rows, num_tokens,
+                                                                                       state, slots, starts, lasts, p,
+                                                                                       scratch);
         else if (which == 1)
             time_mix_finish_kernel<<<finish, N>>>(int(H), rows, rows, num_tokens, slots, starts, lasts, p, scratch);
         else
@@ -91,11 +85,11 @@ extern "C" int VARIANT_run(int which, int64_t H, int64_t num_tokens, float* stat
 extern "C" void VARIANT_info(int* out) {
     using namespace fused;
     cudaFuncAttributes attr;
-    cudaFuncGetAttributes(&attr, time_mix_split_kernel<float>);
+    cudaFuncGetAttributes(&attr, time_mix_split_kernel<float, PARTS>);
     int blocks = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, time_mix_split_kernel<float>, kSplitThreads, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, time_mix_split_kernel<float, PARTS>, split_threads(PARTS), 0);
     out[0] = attr.numRegs;
-    out[1] = kSplitThreads;
+    out[1] = split_threads(PARTS);
     out[2] = blocks;
 }
 """
@@ -141,10 +135,11 @@ def kernel_body(edits: list[tuple[str, str]]) -> tuple[str, str]:
 
 def build():
     includes, parts, decls, calls, infos = None, [], [], [], []
-    for name, (_, edits) in VARIANTS.items():
+    for name, (_, blocks, edits) in VARIANTS.items():
         head, body = kernel_body(edits)
         includes = includes or head
-        parts.append(f"namespace {name} {{\n{body}\n{LAUNCHERS.replace('VARIANT', name)}\n}}  // namespace {name}\n")
+        launchers = LAUNCHERS.replace("VARIANT", name).replace("PARTS", str(blocks))
+        parts.append(f"namespace {name} {{\n{body}\n{launchers}\n}}  // namespace {name}\n")
         decls.append(f"DECLARE({name})")
         calls.append(f'    if (variant == "{name}") err = {name}_run(int(which), state.size(1), tensors[0].size(0), '
                      "state.data_ptr<float>(), slots.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), "
@@ -177,14 +172,14 @@ def main() -> None:
     slots, starts, lasts = ints([0]), ints([0]), ints([T - 1])
     scratch = torch.zeros(T * C, device="cuda")
     rows = []
-    for name, (what, _) in VARIANTS.items():
+    for name, (what, _, _) in VARIANTS.items():
         ms = ext.run(name, 0, state, slots, starts, lasts, tensors, params, scratch, T, args.reps)
         regs, threads, per_sm = ext.info(name)
         rows.append({"kernel": "time_mix_split_kernel", "variant": name, "taken_out": what, "us": round(ms * 1e3, 1),
                      "us_per_token": round(ms * 1e3 / T, 3), "registers": regs, "threads": threads,
                      "blocks_per_sm": per_sm})
     for which, kernel in ((1, "time_mix_finish_kernel"), (2, "time_mix_prefill_kernel")):
-        ms = ext.run("full", which, state, slots, starts, lasts, tensors, params, scratch, T, args.reps)
+        ms = ext.run("parts4", which, state, slots, starts, lasts, tensors, params, scratch, T, args.reps)
         rows.append({"kernel": kernel, "variant": "full", "taken_out": "nothing", "us": round(ms * 1e3, 1),
                      "us_per_token": round(ms * 1e3 / T, 3)})
     print(f"{'kernel':<26} {'variant':<13} {'us':>9} {'us/token':>9} {'regs':>5} {'thr':>4} {'/SM':>4}  taken out")

@@ -26,6 +26,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-order  # batch-1 GEMV launches: GPU tests, decode, split A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh trained-accuracy  # engines on the trained tiny model; 4-bit test x3
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh split-layout  # split time-mix layouts, finishing kernel, accuracy
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh split-parts   # split time mix on 2 or 4 blocks per head
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -35,7 +36,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-layout}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-layout|split-parts}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -288,6 +289,20 @@ gemv-order)  # batch-1 GEMV launches (LoRA tasks first, split to 32,768 units): 
     copy bench/results/experiment_lora_first_split16k_h200.json
     step 40 "GEMV launches alone" python bench/bench_gemv.py --size 7.2b --out bench/results/gemv_h200_split_rows_32k.json
     copy bench/results/gemv_h200_split_rows_32k.json
+    ;;
+split-parts)  # the split time mix on 2 blocks per head where that fills the multiprocessors once: layouts, tests, prefill
+    build_fused
+    step 150 "time-mix layouts, 7.2B prompt shape" python bench/experiment_time_mix_phases.py \
+        --out bench/results/experiment_time_mix_parts_h200.json
+    copy bench/results/experiment_time_mix_parts_h200.json
+    step 60 "time-mix layouts, 1.5B prompt shape" python bench/experiment_time_mix_phases.py --heads 32 \
+        --out bench/results/experiment_time_mix_parts_1.5b_h200.json
+    copy bench/results/experiment_time_mix_parts_1.5b_h200.json
+    fused_tests
+    prefill_bench 1,2,4,16 decode_h200_prefill_split_parts.json
+    step 120 "prefill profile, 7.2B, one 1k prompt" python bench/profile_decode.py --sizes 7.2b --batches "" \
+        --prompts 1x1024 --out bench/results/profile_prefill_split_parts_h200.json
+    copy bench/results/profile_prefill_split_parts_h200.json
     ;;
 split-layout)  # 8 threads per state row in the split time mix, the 16-byte finishing kernel: layouts, tests, prefill
     export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home

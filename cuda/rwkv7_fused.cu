@@ -875,13 +875,13 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 // bench/results/experiment_time_mix_phases_h200.json). time_mix_finish_kernel then does the group norm, bonus
 // and gate over all of the tokens at once. Same math and rounding points as time_mix_kernel (dot products over
 // the state rows summed in another order, as in the other prefill kernels).
-constexpr int kSplitParts = 4;                    // blocks per (row, head)
-constexpr int kSplitRows = N / kSplitParts;       // state rows per block
-constexpr int kRowThreads = 8;                    // B's threads per state row
-constexpr int kSplitBThreads = kSplitRows * kRowThreads;
+constexpr int kRowThreads = 4;                    // B's threads per state row
 constexpr int kRowVecs = N / kRowThreads / 4;     // float4s of a state row per thread
 constexpr int kSplitAWarps = 4;                   // A's warps
-constexpr int kSplitThreads = kSplitBThreads + 32 * kSplitAWarps;
+constexpr int kMaxSplitParts = 4;
+// A (row, head)'s state rows go to `parts` blocks (split_parts: 2 or 4), each with B threads for N / parts rows.
+__host__ __device__ constexpr int split_b_threads(int parts) { return N / parts * kRowThreads; }
+__host__ __device__ constexpr int split_threads(int parts) { return split_b_threads(parts) + 32 * kSplitAWarps; }
 constexpr int kSplitWarpTokens = kChunkTokens / kSplitAWarps;  // tokens of a chunk per A warp
 // (row, head) grids of up to this many blocks take the split kernel: a 7.2B prompt alone or two (64 each), 1.5B's
 // of up to four (32 each). At 256 time_mix_prefill_kernel is faster (experiment_prefill_split_ws_rows_h200.json
@@ -1015,20 +1015,21 @@ __device__ __forceinline__ void split_recurrence(float (&s)[4 * kRowVecs], const
     }
 }
 
-template <typename S>
-__global__ void __launch_bounds__(kSplitThreads)
+template <typename S, int PARTS>
+__global__ void __launch_bounds__(split_threads(PARTS))
 time_mix_split_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
                       const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
                       const int64_t* __restrict__ lasts, TimeMixArgs p, float* __restrict__ y_raw) {
-    static_assert(kRowVecs * 4 * kRowThreads == N && kSplitBThreads % 32 == 0, "B: whole float4s, whole warps");
+    constexpr int kBThreads = split_b_threads(PARTS);
+    static_assert(kRowVecs * 4 * kRowThreads == N && kBThreads % 32 == 0, "B: whole float4s, whole warps");
     static_assert(kSplitWarpTokens * kSplitAWarps == kChunkTokens, "A: the warps share a chunk's tokens");
-    const int part = blockIdx.x % kSplitParts;
-    const int64_t head_block = blockIdx.x / kSplitParts;  // row * H + head
+    const int part = blockIdx.x % PARTS;
+    const int64_t head_block = blockIdx.x / PARTS;  // row * H + head
     const int h = static_cast<int>(head_block % H);
-    const bool recurrence = threadIdx.x < kSplitBThreads;  // B's warps (warp-uniform)
+    const bool recurrence = threadIdx.x < kBThreads;  // B's warps (warp-uniform)
     const int i = threadIdx.x % N;
-    const int row = part * kSplitRows + threadIdx.x / kRowThreads, q = threadIdx.x % kRowThreads;  // B: row, columns
-    const int warp_a = static_cast<int>(threadIdx.x / 32) - kSplitBThreads / 32;  // A's warps: 0 .. kSplitAWarps-1
+    const int row = part * (N / PARTS) + threadIdx.x / kRowThreads, q = threadIdx.x % kRowThreads;  // B: row, columns
+    const int warp_a = static_cast<int>(threadIdx.x / 32) - kBThreads / 32;  // A's warps: 0 .. kSplitAWarps-1
     const int64_t C = int64_t(H) * N;
     const int64_t col0 = int64_t(h) * N + (threadIdx.x & 31);                  // A: channels col0, col0 + 32
 
@@ -1758,6 +1759,18 @@ inline bool use_pdl(int device) {
     return cached[device] == 2;
 }
 
+// The device's multiprocessor count (0 when it cannot be read).
+inline int multiprocessors(int device) {
+    static int cached[64] = {0};  // 0 unknown, else count + 1
+    if (device < 0 || device >= 64) return 0;
+    if (cached[device] == 0) {
+        int count = 0;
+        if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) count = 0;
+        cached[device] = count + 1;
+    }
+    return cached[device] - 1;
+}
+
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch(void (*kernel)(KernelArgs...), unsigned grid, unsigned block, cudaStream_t stream, Args&&... args) {
     int device = 0;
@@ -1842,6 +1855,14 @@ inline int64_t finish_blocks(int64_t B, int64_t H, int64_t max_len) {
 // RWKV_SPLIT_MAX_BLOCKS and RWKV_PREFILL_MAX_BLOCKS override the two bounds, RWKV_TIME_MIX_CHUNKED=0 takes
 // time_mix_kernel instead of the chunked one (all read once; for A/B timing).
 enum TimeMixKernel : int { kTimeMixDecode = 0, kTimeMixPrefill = 1, kTimeMixChunked = 2, kTimeMixSplit = 3 };
+
+// Blocks per (row, head) of the split kernel on a (row, head) grid of `grid` blocks: 2 when that puts one block on
+// each multiprocessor where 4 would put two (a 7.2B prompt alone, 64 heads on 132: 241.4 us per layer against
+// 256.0, as the A warps' work per multiprocessor halves), else 4 (1.5B's prompt alone, 32 heads: 183.5 against
+// 237.9 us with 2; bench/results/experiment_time_mix_layout_h200.json and _1.5b_h200.json).
+inline int split_parts(unsigned grid, int multiprocessors) {
+    return grid * 2 <= unsigned(multiprocessors) && grid * 4 > unsigned(multiprocessors) ? 2 : 4;
+}
 
 inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill) {
     static const int64_t split_max_blocks = env_int("RWKV_SPLIT_MAX_BLOCKS", kSplitMaxBlocks);
@@ -2057,15 +2078,20 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
     const unsigned grid = static_cast<unsigned>(B * H);
     const int kernel = time_mix_kernel_for(p, grid, max_len > 1);
     const int64_t finish_grid = finish_blocks(B, H, max_len);
-    if (kernel == kTimeMixSplit && (B * H > INT_MAX / kSplitParts || finish_grid > INT_MAX))
+    if (kernel == kTimeMixSplit && (B * H > INT_MAX / kMaxSplitParts || finish_grid > INT_MAX))
         return cudaErrorInvalidConfiguration;
     if (kernel == kTimeMixSplit && (scratch == nullptr || scratch_floats < split_scratch_floats(num_tokens, H)))
         return cudaErrorInvalidValue;
-    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto split_kernel) {
+    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto split2_kernel,
+                   auto split4_kernel) {
         return on_device(device, [&] {
             if (kernel == kTimeMixSplit) {
-                const cudaError_t err = launch(split_kernel, grid * kSplitParts, kSplitThreads, s, h, num_slots,
-                                               num_tokens, pool, slots, starts, lasts, p, scratch);
+                const int parts = split_parts(grid, multiprocessors(device));
+                const cudaError_t err =
+                    parts == 2 ? launch(split2_kernel, grid * 2, split_threads(2), s, h, num_slots, num_tokens, pool,
+                                        slots, starts, lasts, p, scratch)
+                               : launch(split4_kernel, grid * 4, split_threads(4), s, h, num_slots, num_tokens, pool,
+                                        slots, starts, lasts, p, scratch);
                 if (err != cudaSuccess) return err;
                 return launch(time_mix_finish_kernel, static_cast<unsigned>(finish_grid), N, s, h, B, num_slots,
                               num_tokens, slots, starts, lasts, p, static_cast<const float*>(scratch));
@@ -2079,9 +2105,9 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
     };
     if (state_dtype == wkv7::kFloat32)
         return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_prefill_kernel<float>,
-                   time_mix_chunked_kernel<float>, time_mix_split_kernel<float>);
+                   time_mix_chunked_kernel<float>, time_mix_split_kernel<float, 2>, time_mix_split_kernel<float, 4>);
     return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_prefill_kernel<__half>,
-               time_mix_chunked_kernel<__half>, time_mix_split_kernel<__half>);
+               time_mix_chunked_kernel<__half>, time_mix_split_kernel<__half, 2>, time_mix_split_kernel<__half, 4>);
 }
 
 extern "C" int fused_gemv_max_rows() { return fused::kGemvMaxRows; }

@@ -1032,13 +1032,13 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 // bench/results/experiment_time_mix_phases_h200.json). time_mix_finish_kernel then does the group norm, bonus
 // and gate over all of the tokens at once. Same math and rounding points as time_mix_kernel (dot products over
 // the state rows summed in another order, as in the other prefill kernels).
-constexpr int kSplitParts = 4;                    // blocks per (row, head)
-constexpr int kSplitRows = N / kSplitParts;       // state rows per block
-constexpr int kRowThreads = 8;                    // B's threads per state row
-constexpr int kSplitBThreads = kSplitRows * kRowThreads;
+constexpr int kRowThreads = 4;                    // B's threads per state row
 constexpr int kRowVecs = N / kRowThreads / 4;     // float4s of a state row per thread
 constexpr int kSplitAWarps = 4;                   // A's warps
-constexpr int kSplitThreads = kSplitBThreads + kTeam * kSplitAWarps;
+constexpr int kMaxSplitParts = 4;
+// A (row, head)'s state rows go to `parts` blocks (split_parts: 2 or 4), each with B threads for N / parts rows.
+__host__ __device__ constexpr int split_b_threads(int parts) { return N / parts * kRowThreads; }
+__host__ __device__ constexpr int split_threads(int parts) { return split_b_threads(parts) + kTeam * kSplitAWarps; }
 constexpr int kSplitWarpTokens = kChunkTokens / kSplitAWarps;  // tokens of a chunk per A warp
 // (row, head) grids of up to this many blocks take the split kernel: a 7.2B prompt alone or two (64 each), 1.5B's
 // of up to four (32 each). At 256 time_mix_prefill_kernel is faster (experiment_prefill_split_ws_rows_h200.json
@@ -1174,20 +1174,21 @@ __device__ __forceinline__ void split_recurrence(float (&s)[4 * kRowVecs], const
     }
 }
 
-template <typename S>
-__global__ void __launch_bounds__(kSplitThreads)
+template <typename S, int PARTS>
+__global__ void __launch_bounds__(split_threads(PARTS))
 time_mix_split_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
                       const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
                       const int64_t* __restrict__ lasts, TimeMixArgs p, float* __restrict__ y_raw) {
-    static_assert(kRowVecs * 4 * kRowThreads == N && kSplitBThreads % 64 == 0, "B: whole float4s, whole waves");
+    constexpr int kBThreads = split_b_threads(PARTS);
+    static_assert(kRowVecs * 4 * kRowThreads == N && kBThreads % 64 == 0, "B: whole float4s, whole waves");
     static_assert(kSplitWarpTokens * kSplitAWarps == kChunkTokens, "A: the warps share a chunk's tokens");
-    const int part = blockIdx.x % kSplitParts;
-    const int64_t head_block = blockIdx.x / kSplitParts;  // row * H + head
+    const int part = blockIdx.x % PARTS;
+    const int64_t head_block = blockIdx.x / PARTS;  // row * H + head
     const int h = static_cast<int>(head_block % H);
-    const bool recurrence = threadIdx.x < kSplitBThreads;  // B's warps (wave-uniform)
+    const bool recurrence = threadIdx.x < kBThreads;  // B's warps (wave-uniform)
     const int i = threadIdx.x % N;
-    const int row = part * kSplitRows + threadIdx.x / kRowThreads, q = threadIdx.x % kRowThreads;  // B: row, columns
-    const int warp_a = static_cast<int>(threadIdx.x / kTeam) - kSplitBThreads / kTeam;  // A's teams: 0 .. kSplitAWarps-1
+    const int row = part * (N / PARTS) + threadIdx.x / kRowThreads, q = threadIdx.x % kRowThreads;  // B: row, columns
+    const int warp_a = static_cast<int>(threadIdx.x / kTeam) - kBThreads / kTeam;  // A's teams: 0 .. kSplitAWarps-1
     const int64_t C = int64_t(H) * N;
     const int64_t col0 = int64_t(h) * N + (threadIdx.x & (kTeam - 1));                  // A: channels col0, col0 + 32
 
@@ -1831,6 +1832,12 @@ inline int64_t finish_blocks(int64_t B, int64_t H, int64_t max_len) {
 // Which time-mix kernel a launch takes (see the CUDA source).
 enum TimeMixKernel : int { kTimeMixDecode = 0, kTimeMixPrefill = 1, kTimeMixChunked = 2, kTimeMixSplit = 3 };
 
+// Blocks per (row, head) of the split kernel on a (row, head) grid of `grid` blocks: 2 when that puts one block on
+// each multiprocessor where 4 would put two, else 4 (measured on the H200, see the CUDA file).
+inline int split_parts(unsigned grid, int multiprocessors) {
+    return grid * 2 <= unsigned(multiprocessors) && grid * 4 > unsigned(multiprocessors) ? 2 : 4;
+}
+
 inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill) {
     static const int64_t split_max_blocks = env_int("RWKV_SPLIT_MAX_BLOCKS", kSplitMaxBlocks);
     static const int64_t prefill_max_blocks = env_int("RWKV_PREFILL_MAX_BLOCKS", kPrefillMaxBlocks);
@@ -1845,6 +1852,18 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
 }
 
 // ------------------------------------------------------------------------------------ launches
+// The device's multiprocessor (compute unit) count (0 when it cannot be read).
+inline int multiprocessors(int device) {
+    static int cached[64] = {0};  // 0 unknown, else count + 1
+    if (device < 0 || device >= 64) return 0;
+    if (cached[device] == 0) {
+        int count = 0;
+        if (hipDeviceGetAttribute(&count, hipDeviceAttributeMultiprocessorCount, device) != hipSuccess) count = 0;
+        cached[device] = count + 1;
+    }
+    return cached[device] - 1;
+}
+
 // Plain launches (no PDL), each kernel named directly; the error of the launch is returned.
 hipError_t launch_ln_shift_mix(unsigned grid, hipStream_t stream, int C, int64_t num_slots, const __half* x,
                                const __half* ln_w, const __half* ln_b, __half* shift, const int32_t* prev,
@@ -1858,10 +1877,14 @@ hipError_t launch_ln_shift_mix(unsigned grid, hipStream_t stream, int C, int64_t
 template <typename S>
 hipError_t launch_time_mix(unsigned grid, hipStream_t stream, int H, int64_t num_slots, int64_t num_tokens, S* state,
                            const int64_t* slots, const int64_t* starts, const int64_t* lasts, const TimeMixArgs& p,
-                           int kernel, int64_t rows, int64_t finish_grid, float* scratch) {
+                           int kernel, int64_t rows, int64_t finish_grid, float* scratch, int parts) {
     if (kernel == kTimeMixSplit) {
-        time_mix_split_kernel<S><<<dim3(grid * kSplitParts), dim3(kSplitThreads), 0, stream>>>(H, num_slots, num_tokens, state,
-                                                                                 slots, starts, lasts, p, scratch);
+        if (parts == 2)
+            time_mix_split_kernel<S, 2><<<dim3(grid * 2), dim3(split_threads(2)), 0, stream>>>(
+                H, num_slots, num_tokens, state, slots, starts, lasts, p, scratch);
+        else
+            time_mix_split_kernel<S, 4><<<dim3(grid * 4), dim3(split_threads(4)), 0, stream>>>(
+                H, num_slots, num_tokens, state, slots, starts, lasts, p, scratch);
         const hipError_t err = hipGetLastError();
         if (err != hipSuccess) return err;
         time_mix_finish_kernel<<<dim3(static_cast<unsigned>(finish_grid)), dim3(N), 0, stream>>>(
@@ -2129,17 +2152,18 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
     const unsigned grid = static_cast<unsigned>(B * H);
     const int kernel = time_mix_kernel_for(p, grid, max_len > 1);
     const int64_t finish_grid = finish_blocks(B, H, max_len);
-    if (kernel == kTimeMixSplit && (B * H > INT_MAX / kSplitParts || finish_grid > INT_MAX))
+    if (kernel == kTimeMixSplit && (B * H > INT_MAX / kMaxSplitParts || finish_grid > INT_MAX))
         return hipErrorInvalidConfiguration;
     if (kernel == kTimeMixSplit && (scratch == nullptr || scratch_floats < split_scratch_floats(num_tokens, H)))
         return hipErrorInvalidValue;
     return on_device(device, [&] {
+        const int parts = split_parts(grid, multiprocessors(device));
         if (state_dtype == wkv7::kFloat32)
             return launch_time_mix<float>(grid, s, h, num_slots, num_tokens, static_cast<float*>(state), slots,
-                                          starts, lasts, p, kernel, B, finish_grid, scratch);
+                                          starts, lasts, p, kernel, B, finish_grid, scratch, parts);
         if (state_dtype == wkv7::kFloat16)
             return launch_time_mix<__half>(grid, s, h, num_slots, num_tokens, static_cast<__half*>(state), slots,
-                                           starts, lasts, p, kernel, B, finish_grid, scratch);
+                                           starts, lasts, p, kernel, B, finish_grid, scratch, parts);
         return hipErrorInvalidValue;
     });
 }

@@ -122,6 +122,22 @@ def test_prefill_of_many_rows_matches_readable(pair, wkv_dtype):
     assert_close_pools(*pools, wkv_tol=0.05)
 
 
+@pytest.mark.parametrize("wkv_dtype", [torch.float32, torch.float16])
+def test_prefill_on_two_blocks_per_head_matches_readable(pair, wkv_dtype):
+    """multiprocessors // 8 rows x 4 heads: at most half as many (row, head) blocks as multiprocessors and more
+    than a quarter, so time_mix_split_kernel runs with 2 blocks per (row, head) (split_parts; 16 rows on an
+    H200's 132); rows of whole chunks, partial ones and single tokens."""
+    count = torch.cuda.get_device_properties(0).multi_processor_count // 8
+    lens = [1 + (7 * i) % 23 for i in range(count)]
+    rows = [[(17 * i + 3 * j) % 1024 for j in range(n)] for i, n in enumerate(lens)]
+    slots = list(range(count))
+    outs, pools = run_both(pair, rows, slots, wkv_dtype, all_logits=True, num_slots=count)
+    ref, got = outs[0]
+    assert got.shape == (sum(lens), 1024)
+    assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
+    assert_close_pools(*pools, wkv_tol=0.05)
+
+
 def test_chunked_prefill_equals_whole(pair):
     _, fused = pair
     prompt = [(31 * j) % 1024 for j in range(37)]

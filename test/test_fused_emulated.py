@@ -83,8 +83,9 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
         i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         if name.startswith("fused"):
             so.emu_fused_ln_shift_mix.argtypes = [i64, i64, i64, p, p, p, p, p, p, p, p, p, i32]
-            so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32, i64]
+            so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32, i64, i32]
             so.emu_time_mix_kernel_for.argtypes = [p, i32, ctypes.c_uint, i32]
+            so.emu_split_parts.argtypes = [ctypes.c_uint, i32]
             so.emu_fused_relu_square.argtypes = [i64, p]
             so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p]
             so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p, p]
@@ -289,6 +290,8 @@ def time_mix_inputs(C: int, T: int, layer: int, gen: torch.Generator) -> dict:
 
 
 TIME_MIX_KERNELS = {"decode": 0, "prefill": 1, "chunked": 2, "split": 3}  # TimeMixKernel
+# the kernels the tests run: the split kernel with 4 blocks per (row, head) ("split") or 2 ("split2")
+TIME_MIX_RUNS = {**TIME_MIX_KERNELS, "split2": TIME_MIX_KERNELS["split"]}
 
 
 def run_time_mix(so, layer, p, pool, slots, starts, lasts, kernel="decode"):
@@ -303,7 +306,7 @@ def run_time_mix(so, layer, p, pool, slots, starts, lasts, kernel="decode"):
     max_len = max(1, max(last - start + 1 for start, last in zip(starts, lasts)))
     _check_rc(so.emu_fused_time_mix(DTYPE_CODE[pool.dtype], B, C // N, pool.shape[0], T, _ptr(pool), _ptr(slots_t),
                                     _ptr(starts_t), _ptr(lasts_t), _ptrs(tensors), _ptrs(params), int(layer == 0),
-                                    TIME_MIX_KERNELS[kernel], max_len))
+                                    TIME_MIX_RUNS[kernel], max_len, 2 if kernel == "split2" else 4))
     return out, v_first
 
 
@@ -362,7 +365,7 @@ def _sub(p: dict, idx: torch.Tensor) -> dict:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("kernel", list(TIME_MIX_KERNELS))
+@pytest.mark.parametrize("kernel", list(TIME_MIX_RUNS))
 @pytest.mark.parametrize("C,layer,state_dtype", [(128, 0, torch.float32), (192, 3, torch.float16),
                                                  (192, 0, torch.float16), (128, 1, torch.float32)])
 def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
@@ -409,7 +412,7 @@ def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("kernel", ["chunked", "split"])
+@pytest.mark.parametrize("kernel", ["chunked", "split", "split2"])
 @pytest.mark.parametrize("layer,state_dtype", [(0, torch.float32), (2, torch.float32), (1, torch.float16)])
 def test_time_mix_chunk_kernels_match_decode_kernel(variant, kernel, layer, state_dtype, libs):
     """The chunked and split prefill kernels against time_mix_kernel on rows of whole chunks, partial ones and
@@ -441,7 +444,8 @@ def test_time_mix_chunk_kernels_match_decode_kernel(variant, kernel, layer, stat
 def test_time_mix_kernel_choice(variant, libs):
     """Single-token steps take the decode kernel; prefills the split kernel on small grids, the 256-thread kernel
     on middling ones and the chunked one on large grids; the split and chunked kernels only when every input is
-    16-byte aligned (their 16-byte loads need it)."""
+    16-byte aligned (their 16-byte loads need it), and the split kernel's output too (its finishing kernel stores
+    16 bytes)."""
     so = libs[f"fused-{variant}"]
     buf = torch.zeros(4096, dtype=torch.float16)
     aligned = [buf[8 * j:] for j in range(9)]
@@ -466,6 +470,19 @@ def test_time_mix_kernel_choice(variant, libs):
         assert choice(shifted, False, 512, True) == TIME_MIX_KERNELS["decode"], j
         assert choice(shifted, True, 64, True) == TIME_MIX_KERNELS["prefill" if reads else "split"]
         assert choice(shifted, False, 64, True) == TIME_MIX_KERNELS["prefill"], j
+    shifted_out = aligned[:8] + [buf[8 * 8 + 1:]]
+    assert choice(shifted_out, False, 64, True) == TIME_MIX_KERNELS["prefill"]
+    assert choice(shifted_out, False, 512, True) == TIME_MIX_KERNELS["chunked"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_split_parts(variant, libs):
+    """Two blocks per (row, head) exactly when that gives each multiprocessor one block where four would give
+    it two (H200: a 7.2B prompt alone, 64 heads on 132 multiprocessors), else four; four when the count is
+    unknown (0)."""
+    parts = libs[f"fused-{variant}"].emu_split_parts
+    assert [parts(grid, 132) for grid in (1, 32, 33, 34, 64, 66, 67, 128)] == [4, 4, 4, 2, 2, 2, 4, 4]
+    assert parts(64, 0) == 4 and parts(16, 40) == 2 and parts(8, 40) == 4
 
 
 KNOB_VALUES = [None, "", "0", "12", "007", "abc", "-3", "+5", " 5", "5 ", "4x", "1.5", "99999999999"]

@@ -22,7 +22,7 @@ enum cudaError_t : int {
     cudaErrorNotSupported = 801,
 };
 typedef struct CUstream_st* cudaStream_t;
-enum cudaDeviceAttr : int { cudaDevAttrComputeCapabilityMajor = 75 };
+enum cudaDeviceAttr : int { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrComputeCapabilityMajor = 75 };
 enum cudaLaunchAttributeID : int { cudaLaunchAttributeProgrammaticStreamSerialization = 5 };
 struct cudaLaunchAttributeValue {
     int programmaticStreamSerializationAllowed;

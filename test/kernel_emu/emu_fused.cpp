@@ -23,21 +23,24 @@ EMU_EXPORT int emu_fused_ln_shift_mix(int64_t T, int64_t C, int64_t num_slots, c
 }
 
 // kernel: the one to run (TimeMixKernel); the launcher picks it with time_mix_kernel_for (exported below).
-// max_len: the longest row (the split kernel's finishing grid covers that many tokens per row).
+// max_len: the longest row (the split kernel's finishing grid covers that many tokens per row). parts: the split
+// kernel's blocks per (row, head), 2 or 4 (the launcher picks it with split_parts, exported below).
 EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t num_slots, int64_t num_tokens,
                                   void* state, const int64_t* slots, const int64_t* starts, const int64_t* lasts,
                                   const void* const* tensors, const void* const* params, int first_layer,
-                                  int kernel, int64_t max_len) {
+                                  int kernel, int64_t max_len, int parts) {
     using namespace fused;
-    if (B <= 0 || H <= 0 || max_len < 1) return -1;
+    if (B <= 0 || H <= 0 || max_len < 1 || (parts != 2 && parts != 4)) return -1;
     const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const unsigned grid = static_cast<unsigned>(B * H);
     std::vector<float> scratch(static_cast<size_t>(split_scratch_floats(num_tokens, H)), __int_as_float(0x7fc00000));
-    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto split_kernel) {
+    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto split2_kernel,
+                   auto split4_kernel) {
         if (kernel == kTimeMixSplit) {
-            const int rc = emu::run_grid(grid * kSplitParts, kSplitThreads, [&] {
-                split_kernel(h, num_slots, num_tokens, pool, slots, starts, lasts, p, scratch.data());
+            const int rc = emu::run_grid(grid * parts, split_threads(parts), [&] {
+                (parts == 2 ? split2_kernel : split4_kernel)(h, num_slots, num_tokens, pool, slots, starts, lasts, p,
+                                                             scratch.data());
             });
             if (rc) return rc;
             const auto finish_grid = static_cast<unsigned>(finish_blocks(B, H, max_len));
@@ -52,16 +55,19 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
     };
     if (state_dtype == wkv7::kFloat32)
         return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_prefill_kernel<float>,
-                   time_mix_chunked_kernel<float>, time_mix_split_kernel<float>);
+                   time_mix_chunked_kernel<float>, time_mix_split_kernel<float, 2>, time_mix_split_kernel<float, 4>);
     if (state_dtype == wkv7::kFloat16)
         return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_prefill_kernel<__half>,
-                   time_mix_chunked_kernel<__half>, time_mix_split_kernel<__half>);
+                   time_mix_chunked_kernel<__half>, time_mix_split_kernel<__half, 2>,
+                   time_mix_split_kernel<__half, 4>);
     return -1;
 }
 
 // The launchers' environment knobs (env_int, env_flag), read here without caching.
 EMU_EXPORT long long emu_env_int(const char* name, long long fallback) { return fused::env_int(name, fallback); }
 EMU_EXPORT int emu_env_flag(const char* name, int fallback) { return fused::env_flag(name, fallback != 0) ? 1 : 0; }
+
+EMU_EXPORT int emu_split_parts(unsigned grid, int multiprocessors) { return fused::split_parts(grid, multiprocessors); }
 
 EMU_EXPORT int emu_time_mix_kernel_for(const void* const* tensors, int first_layer, unsigned grid, int prefill) {
     const void* params[8] = {};

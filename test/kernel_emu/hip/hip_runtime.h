@@ -25,6 +25,11 @@ inline hipError_t hipGetDevice(int* device) {
     return hipSuccess;
 }
 inline hipError_t hipSetDevice(int) { return hipSuccess; }
+enum hipDeviceAttribute_t : int { hipDeviceAttributeMultiprocessorCount = 63 };
+inline hipError_t hipDeviceGetAttribute(int* value, hipDeviceAttribute_t, int) {
+    *value = 0;
+    return hipErrorNotSupported;
+}
 inline hipError_t hipGetLastError() { return hipErrorNotSupported; }
 inline const char* hipGetErrorString(hipError_t) { return "CPU emulation: no HIP runtime"; }
 
