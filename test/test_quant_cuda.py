@@ -151,6 +151,31 @@ def test_gemlite_export_load_and_logits(tmp_path, fmt, tolerance):
 
 
 @needs_gemlite
+@pytest.mark.parametrize("fmt,tolerance", [("A16W8_INT8", 0.02), ("A16W8_FP8", 0.08)])
+def test_gemlite_8bit_layers_stay_finite_for_large_activations(tmp_path, fmt, tolerance):
+    """Activations scaled so each product's largest output is ~2,000 (well inside fp16) while its sum over
+    the quantized codes before the per-channel scale is far past fp16's 65,504: GemLite's post-scaled kernels
+    rounded that sum to fp16 first (inf, then NaN; bench/results/experiment_gemlite_fp8_range_first_h200.json),
+    so GemLiteLinear reads 8-bit layers pre-scaled. Batches of 1 (GEMV), 16 (split-K GEMM) and 64 (GEMM; int8
+    on Hopper: the W8A16 GEMM) against the fp16 weights; tolerances: the format's weight error."""
+    path = make_model_file(tmp_path, "L2-C128-V1024", torch.float16)
+    out = tmp_path / f"{fmt}.pth"
+    export_quant_gemlite.main([str(path), str(out), "--format", fmt])
+    fp16 = RWKV7.load(str(path), device="cuda", dtype="fp16", progress=False)
+    quant = RWKV7.load(str(out), device="cuda", dtype="fp16", engine="gemlite", progress=False)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for dense, lin in zip(fp16.projections(), quant.projections()):
+        weight = dense.weight.float()
+        for rows in (1, 16, 64):
+            x = torch.randn(rows, lin.in_features, generator=gen, device="cuda")
+            x *= 2000.0 / (x @ weight.T).abs().max()
+            want = x @ weight.T
+            got = lin(x.half()).float()
+            assert torch.isfinite(got).all(), f"{fmt}, {rows} rows: non-finite outputs"
+            assert relative_error(got, want) <= tolerance, (fmt, rows, relative_error(got, want))
+
+
+@needs_gemlite
 def test_gemlite_int8_decode_runs_on_the_fused_gemv(tmp_path):
     """A16W8_INT8 layers hand their int8 rows and scales to the fused GEMV (no copy): a batch-1 step takes
     it for every matrix and agrees with the same step through GemLite's own kernels."""

@@ -72,6 +72,18 @@ class GemLiteLinear:
         self._kernels = GEMLITE_TRITON_MAPPING
         self._matmul_type = get_matmul_type
         w_q, scales, zeros, _ = layer.get_tensor_args()
+        post_scaled_8bit = layer.W_nbits == 8 and layer.channel_scale_mode == 1 and layer.W_group_mode == 0
+        if post_scaled_8bit:
+            # GemLite's kernels round a post-scaled layer's sum over the codes, sum_k x_k q_kn, to the scales'
+            # fp16 before applying the scale (gemm_kernels.py: acc.to(meta_dtype) * scales_b): past 65,504 that
+            # is inf, then NaN. H200, a random 1024 x 1024 matrix, activations of |x| ~ 100: 3 % of the outputs
+            # non-finite in int8 and over half in fp8, whose codes reach 448 (bench/results/
+            # experiment_gemlite_fp8_range_first_h200.json); the trained tiny model's logits went NaN on
+            # A16W8_FP8. Read as a pre-scaled layer (GemLite's default for A16W8: the same packed codes and
+            # per-channel scales, one group of in_features columns) every code gets its scale before the fp32
+            # sum. The fused GEMV and the W8A16 GEMM below scale after an fp32 sum and keep reading the
+            # post-scaled layout.
+            layer.W_group_mode, layer.channel_scale_mode = 2, 0
         meta = layer.get_meta_args()
         # Kernel arguments after x: W_q, scales, zeros, activation scales (none: weight-only), then
         # W_nbits .. W_group_mode and data_contiguous (meta[1:], the last slot read correctly), and the
@@ -85,8 +97,8 @@ class GemLiteLinear:
         # scale per output channel applied after the sum: the W8A16 layout. The fused decode GEMV
         # (infer.ops.fused.gemv_operands) reads the same memory, so batch-1 steps skip GemLite's kernels.
         self.int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-        if (w_q.dtype == torch.int8 and layer.channel_scale_mode == 1 and layer.W_group_mode == 0
-                and w_q.t().is_contiguous() and scales.dtype == torch.float16 and scales.numel() == self.out_features):
+        if (w_q.dtype == torch.int8 and post_scaled_8bit and w_q.t().is_contiguous()
+                and scales.dtype == torch.float16 and scales.numel() == self.out_features):
             self.int8_rows = (w_q.t(), scales.reshape(-1))
             self.kind += " (decode: fused int8 GEMV)"
         # The same int8 rows through the W8A16 kernels for batches above W8A16_ABOVE_ROWS where they have the
