@@ -1019,14 +1019,15 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 // A prompt alone, or a few: one (row, head) block per head leaves most of the multiprocessors idle and each
 // block walks 1,024 tokens of a 1k prompt one after another (the 256-thread kernel: 0.78 us per token and layer,
 // 25 ms of a 7.2B prompt's 46; bench/results/profile_prefill_h200.json). The state's rows are independent of
-// each other until the group norm, so this kernel splits a head's 64 rows over kSplitParts blocks, and splits
-// each block's work per chunk of 8 tokens between its warps:
-//   B (warps 0-1): the recurrence on the block's 16 rows, a quad of threads per row (16 columns each, as in
-//      time_mix_prefill_kernel), the next token's S . a summed in the same pass as this token's S . r, y before
-//      the group norm into `y_raw` [T, C] (fp32);
-//   A (warps 2-5): meanwhile the next chunk's key-axis vectors and v' (two tokens per warp; lane l at channels l
-//      and l + 32, so the head's sums are one warp's), into the other of two buffers, with the inputs of the chunk
-//      after that loaded into registers on the way.
+// each other until the group norm, so this kernel splits a head's 64 rows over PARTS blocks (2 or 4, split_parts),
+// and splits each block's work per chunk of 8 tokens between its warps:
+//   B (the first 64 / PARTS * 4 threads): the recurrence on the block's 64 / PARTS rows, a quad of threads per row
+//      (16 columns each, as in time_mix_prefill_kernel), the next token's S . a summed in the same pass as this
+//      token's S . r, y before the group norm into `y_raw` [T, C] (fp32);
+//   A (the last kSplitAWarps warps): meanwhile the next chunk's key-axis vectors and v' (two tokens per warp; lane
+//      l at channels l and l + 32, so the head's sums are one warp's), into the other of two buffers, with the
+//      inputs of the chunk after that loaded into registers on the way.
+// (Measured and not kept, bench/results/experiment_time_mix_layout_h200.json: 8 threads per row, 8 A warps.)
 // One barrier per chunk: a chunk takes the longer of A and B instead of their sum (7.2B, 1 x 1,024 tokens: A took
 // 0.16 and B 0.26 us per token and layer when the block's 64 threads did one after the other;
 // bench/results/experiment_time_mix_phases_h200.json). time_mix_finish_kernel then does the group norm, bonus
