@@ -25,8 +25,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh chunked   # the chunked prefill time mix: GPU tests, prefill, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-order  # batch-1 GEMV launches: GPU tests, decode, split A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh trained-accuracy  # engines on the trained tiny model; 4-bit test x3
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh split-layout  # split time-mix layouts, finishing kernel, accuracy
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh split-parts   # split time mix on 2 or 4 blocks per head
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite-8bit  # GemLite 8-bit layers pre-scaled: overflow, accuracy
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -36,7 +36,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-layout|split-parts}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -69,6 +69,29 @@ prefill_bench() {
     step 200 "prefill" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
         --prefill-rows "$1" --wkv cuda --no-checks --out "bench/results/$2"
     copy "bench/results/$2"
+}
+
+# time_mix_layouts NAME: the split time mix's variants alone on a 7.2B and a 1.5B prompt's shape
+time_mix_layouts() {
+    step 150 "time-mix layouts, 7.2B prompt shape" python bench/experiment_time_mix_phases.py \
+        --out "bench/results/experiment_time_mix_$1_h200.json"
+    step 60 "time-mix layouts, 1.5B prompt shape" python bench/experiment_time_mix_phases.py --heads 32 \
+        --out "bench/results/experiment_time_mix_$1_1.5b_h200.json"
+    copy "bench/results/experiment_time_mix_$1_h200.json" "bench/results/experiment_time_mix_$1_1.5b_h200.json"
+}
+
+# GemLite's Triton tuning and the server's home inside the work tree, kept between the steps of a part
+tuning_cache() {
+    export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home
+    mkdir -p "$TRITON_CACHE_DIR" "$RWKV_SERVER_HOME"
+}
+
+# trained_accuracy OUT: every quantized engine on the trained tiny model against the fp16 engine, into OUT
+trained_accuracy() {
+    step 240 "engine accuracy on the trained model" python bench/quant_accuracy.py --checkpoint \
+        test/data/tiny_trained_l4c128.pth --tokens 2048 --greedy-prompts 16 --greedy-tokens 128 \
+        --engines cutlass,gemlite:A16W8_INT8,gemlite:A16W8_FP8,gemlite:A16W4_HQQ_INT --out "bench/results/$1"
+    copy "bench/results/$1"
 }
 
 case $PART in
@@ -292,57 +315,34 @@ gemv-order)  # batch-1 GEMV launches (LoRA tasks first, split to 32,768 units): 
     ;;
 split-parts)  # the split time mix on 2 blocks per head where that fills the multiprocessors once: layouts, tests, prefill
     build_fused
-    step 150 "time-mix layouts, 7.2B prompt shape" python bench/experiment_time_mix_phases.py \
-        --out bench/results/experiment_time_mix_parts_h200.json
-    copy bench/results/experiment_time_mix_parts_h200.json
-    step 60 "time-mix layouts, 1.5B prompt shape" python bench/experiment_time_mix_phases.py --heads 32 \
-        --out bench/results/experiment_time_mix_parts_1.5b_h200.json
-    copy bench/results/experiment_time_mix_parts_1.5b_h200.json
+    time_mix_layouts parts
     fused_tests
     prefill_bench 1,2,4,16 decode_h200_prefill_split_parts.json
     step 120 "prefill profile, 7.2B, one 1k prompt" python bench/profile_decode.py --sizes 7.2b --batches "" \
         --prompts 1x1024 --out bench/results/profile_prefill_split_parts_h200.json
     copy bench/results/profile_prefill_split_parts_h200.json
     ;;
-split-layout)  # 8 threads per state row in the split time mix, the 16-byte finishing kernel: layouts, tests, prefill
-    export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home
-    mkdir -p "$TRITON_CACHE_DIR" "$RWKV_SERVER_HOME"
-    build_fused
-    step 150 "time-mix layouts, 7.2B prompt shape" python bench/experiment_time_mix_phases.py \
-        --out bench/results/experiment_time_mix_layout_h200.json
-    copy bench/results/experiment_time_mix_layout_h200.json
-    step 60 "time-mix layouts, 1.5B prompt shape" python bench/experiment_time_mix_phases.py --heads 32 \
-        --out bench/results/experiment_time_mix_layout_1.5b_h200.json
-    copy bench/results/experiment_time_mix_layout_1.5b_h200.json
-    fused_tests
-    prefill_bench 1,16 decode_h200_prefill_split_layout.json
-    step 100 "A/B: the split kernel for more rows (RWKV_SPLIT_MAX_BLOCKS=4096)" env RWKV_SPLIT_MAX_BLOCKS=4096 \
-        python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024 --prefill-rows 2,4 --wkv cuda \
-        --no-checks --out bench/results/experiment_prefill_split_layout_rows_h200.json
-    copy bench/results/experiment_prefill_split_layout_rows_h200.json
-    step 240 "engine accuracy on the trained model" python bench/quant_accuracy.py --checkpoint \
-        test/data/tiny_trained_l4c128.pth --tokens 2048 --greedy-prompts 16 --greedy-tokens 128 \
-        --engines cutlass,gemlite:A16W8_INT8,gemlite:A16W8_FP8,gemlite:A16W4_HQQ_INT \
-        --out bench/results/quant_accuracy_trained_h200.json
-    copy bench/results/quant_accuracy_trained_h200.json
+gemlite-8bit)  # GemLite 8-bit layers read pre-scaled: the range experiment, GPU tests, engines on the trained model
+    tuning_cache
+    build
+    step 120 "GemLite 8-bit layers against growing activations" python bench/experiment_gemlite_fp8_range.py \
+        --out bench/results/experiment_gemlite_fp8_range_h200.json
+    copy bench/results/experiment_gemlite_fp8_range_h200.json
+    step 200 "GemLite 8-bit GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_quant_cuda.py \
+        -k "gemlite and (8bit or int8 or export)"
+    trained_accuracy quant_accuracy_trained_prescaled_h200.json
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
-    export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home
-    mkdir -p "$TRITON_CACHE_DIR" "$RWKV_SERVER_HOME"
+    tuning_cache
     build
-    step 240 "engine accuracy on the trained model" python bench/quant_accuracy.py --checkpoint \
-        test/data/tiny_trained_l4c128.pth --tokens 2048 --greedy-prompts 16 --greedy-tokens 128 \
-        --engines cutlass,gemlite:A16W8_INT8,gemlite:A16W8_FP8,gemlite:A16W4_HQQ_INT \
-        --out bench/results/quant_accuracy_trained_h200.json
-    copy bench/results/quant_accuracy_trained_h200.json
+    trained_accuracy quant_accuracy_trained_h200.json
     for run in 1 2 3; do
         step 100 "4-bit decode on the fused GEMV against GemLite, run $run" python -m pytest -q -rf --tb=short \
             -p no:cacheprovider test/test_fused_cuda.py -k gemlite_uint4_decode_runs_on_the_fused_gemv
     done
     ;;
 w4-gemv)  # GemLite A16W4 on the fused GEMV's 4-bit tasks: GPU tests, then decode at batch 1-8
-    export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home
-    mkdir -p "$TRITON_CACHE_DIR" "$RWKV_SERVER_HOME"
+    tuning_cache
     step 300 "fused 4-bit GEMV GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py \
         test/test_quant_cuda.py -k "uint4 or gemlite"
     step 150 "GemLite A16W4_HQQ_INT decode on the fused GEMV" python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT \
@@ -363,8 +363,7 @@ batched)
     copy bench/results/decode_h200_prefill.json
     ;;
 gemlite|gemlite2)  # GemLite tunes its Triton kernels on first use: keep the compiled kernels and the tuning
-    export TRITON_CACHE_DIR=$PWD/.cache/triton RWKV_SERVER_HOME=$PWD/.cache/home
-    mkdir -p "$TRITON_CACHE_DIR" "$RWKV_SERVER_HOME"
+    tuning_cache
     if [ "$PART" = gemlite ]; then
         step 240 "GemLite GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_quant_cuda.py -k gemlite
         step 300 "GemLite A16W8_INT8 decode" python bench/bench_decode.py --engine gemlite:A16W8_INT8 --sizes 7.2b \
