@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -359,6 +360,66 @@ def test_gemlite_layout_validation(tmp_path):
 def test_gemlite_engine_fails_clearly_without_a_gpu(tmp_path):
     msg = load_error(tmp_path, gemlite_dict(), "gemlite", RuntimeError)
     assert "--inference-engine gemlite needs a CUDA GPU" in msg and "--inference-engine cutlass" in msg
+
+
+class FakeGemLiteLayer:
+    """The attributes and methods of gemlite.GemLiteLinearTriton that GemLiteLinear reads (gemlite itself needs
+    a GPU), as GemLite's loader sets them; ``SETTINGS`` is what the next loaded layer gets."""
+    SETTINGS: dict = {}
+
+    def load_state_dict(self, packed: dict) -> None:
+        self.W_q, self.scales, self.zeros = packed["W_q"], packed["scales"], packed.get("zeros")
+        self.__dict__.update(scaled_activations=False, compute_dtype=torch.float16, unpack_mask=255,
+                             elements_per_sample=1, input_dtype=SimpleNamespace(value=0), data_contiguous=True,
+                             **self.SETTINGS)
+
+    def get_tensor_args(self) -> list:
+        return [self.W_q, self.scales, self.zeros, None]
+
+    def get_meta_args(self) -> list:  # GemLite's order
+        return [0, self.W_nbits, self.group_size, self.unpack_mask, self.elements_per_sample, 0, 0, 1, 0,
+                self.channel_scale_mode, self.W_group_mode, 1]
+
+
+@pytest.fixture
+def fake_gemlite(monkeypatch):
+    """gemlite stubbed with FakeGemLiteLayer and a kernel that records its arguments."""
+    from infer.quant import gemlite_linear
+    calls = []
+    kernel = SimpleNamespace(forward=lambda x, *args, meta_scale: calls.append(args) or x.new_zeros(x.shape[0], 8))
+    module = SimpleNamespace(GemLiteLinearTriton=FakeGemLiteLayer,
+                             DType=SimpleNamespace(FP16=SimpleNamespace(value=0), BF16=SimpleNamespace(value=1)))
+    core = SimpleNamespace(GEMLITE_TRITON_MAPPING={"GEMV": kernel}, get_matmul_type=lambda rows, nbits: "GEMV")
+    monkeypatch.setitem(sys.modules, "gemlite", module)
+    monkeypatch.setitem(sys.modules, "gemlite.core", core)
+    monkeypatch.setattr(gemlite_linear, "hopper_gemm_buildable", lambda device: False)
+    return gemlite_linear.GemLiteLinear, calls
+
+
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn])
+def test_gemlite_8bit_layers_run_pre_scaled(fake_gemlite, codes):
+    """A post-scaled 8-bit layer (as exported) reaches GemLite's kernels as pre-scaled (channel_scale_mode 0,
+    W_group_mode 2: GemLite's post-scaled kernels round the unscaled sum to fp16 and overflow), while an int8
+    one still hands its post-scaled rows to the fused GEMV and the W8A16 GEMM."""
+    GemLiteLinear, calls = fake_gemlite
+    rows = torch.zeros(8, 16).to(codes)  # [out, in]; GemLite keeps the [in, out] view
+    FakeGemLiteLayer.SETTINGS = dict(in_features=16, out_features=8, W_nbits=8, group_size=16, channel_scale_mode=1,
+                                     W_group_mode=0)
+    layer = GemLiteLinear({"W_q": rows.t(), "scales": torch.ones(1, 8, dtype=torch.float16)})
+    layer(torch.zeros(1, 16, dtype=torch.float16))
+    assert calls[-1][12:14] == (0, 2)  # (channel_scale_mode, W_group_mode): after W_q, scales, zeros, None and 8 meta values
+    assert (layer.int8_rows is not None) == (codes == torch.int8)
+
+
+def test_gemlite_4bit_and_pre_scaled_layers_keep_their_modes(fake_gemlite):
+    GemLiteLinear, calls = fake_gemlite
+    for settings in (dict(W_nbits=4, group_size=64, channel_scale_mode=0, W_group_mode=4),
+                     dict(W_nbits=8, group_size=16, channel_scale_mode=0, W_group_mode=2)):
+        FakeGemLiteLayer.SETTINGS = dict(in_features=16, out_features=8, **settings)
+        layer = GemLiteLinear({"W_q": torch.zeros(16, 8, dtype=torch.int8), "scales": torch.ones(1, 8).half()})
+        layer(torch.zeros(1, 16, dtype=torch.float16))
+        assert calls[-1][12:14] == (settings["channel_scale_mode"], settings["W_group_mode"])
+        assert layer.int8_rows is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only failure")
