@@ -1091,9 +1091,9 @@ time_mix_split_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restric
 // norm of y_raw over the head, the bonus sum_j r_j k'_j r_k_j (k' and v' computed again from the inputs, as in
 // chunk_prepare), gate. Thread i takes token i / kFinishLanes of the block's and the 8 channels from
 // 8 * (i % kFinishLanes) of the head, with 16-byte loads; a head's sums are over kFinishLanes adjacent lanes, so
-// the block needs no barrier (the 64-thread version with a channel per thread and two barriers per 8 tokens
-// took 41.5 us per 7.2B layer of a 1k prompt, experiment_time_mix_phases_ws_h200.json). Rows the split kernel
-// left alone (row_has_work) are skipped.
+// the block needs no barrier (7.2B layer of a 1k prompt: 25.8 us; 41.5 with a channel per thread and two
+// barriers per 8 tokens; experiment_time_mix_parts_h200.json, experiment_time_mix_phases_ws_h200.json). Rows the
+// split kernel left alone (row_has_work) are skipped.
 constexpr int kFinishLanes = N / 8;
 
 __device__ __forceinline__ float finish_lanes_sum(float v) {
@@ -1858,9 +1858,9 @@ inline int64_t finish_blocks(int64_t B, int64_t H, int64_t max_len) {
 enum TimeMixKernel : int { kTimeMixDecode = 0, kTimeMixPrefill = 1, kTimeMixChunked = 2, kTimeMixSplit = 3 };
 
 // Blocks per (row, head) of the split kernel on a (row, head) grid of `grid` blocks: 2 when that puts one block on
-// each multiprocessor where 4 would put two (a 7.2B prompt alone, 64 heads on 132: 241.4 us per layer against
-// 256.0, as the A warps' work per multiprocessor halves), else 4 (1.5B's prompt alone, 32 heads: 183.5 against
-// 237.9 us with 2; bench/results/experiment_time_mix_layout_h200.json and _1.5b_h200.json).
+// each multiprocessor where 4 would put two (a 7.2B prompt alone, 64 heads on 132: 241.3 us per layer against
+// 256.4, as the A warps' work per multiprocessor halves), else 4 (1.5B's prompt alone, 32 heads: 184.0 against
+// 238.0 us with 2; bench/results/experiment_time_mix_parts_h200.json and _parts_1.5b_h200.json).
 inline int split_parts(unsigned grid, int multiprocessors) {
     return grid * 2 <= unsigned(multiprocessors) && grid * 4 > unsigned(multiprocessors) ? 2 : 4;
 }
