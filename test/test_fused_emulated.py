@@ -441,6 +441,28 @@ def test_time_mix_chunk_kernels_match_decode_kernel(variant, kernel, layer, stat
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layer,state_dtype", [(0, torch.float32), (2, torch.float16)])
+def test_split_kernel_parts_agree_bit_for_bit(variant, layer, state_dtype, libs):
+    """The split kernel's 2 and 4 blocks per (row, head) give the same bits: each state row keeps its threads'
+    columns and sums, so a prompt's result does not depend on which count the batch around it leads to."""
+    lens, slots = [8, 3, 19, 1], [2, 0, 3, 1]
+    C, T = 128, sum(lens)
+    gen = torch.Generator().manual_seed(5 + layer)
+    p = time_mix_inputs(C, T, layer, gen)
+    pool = (torch.randn(len(slots), C // N, N, N, generator=gen) * 0.3).to(state_dtype)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    lasts = [s + n - 1 for s, n in zip(starts, lens)]
+    runs = []
+    for kernel in ("split", "split2"):
+        got = pool.clone()
+        out, v_first = run_time_mix(libs[f"fused-{variant}"], layer, p, got, slots, starts, lasts, kernel=kernel)
+        runs.append((out, v_first, got))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert not torch.equal(runs[0][2], pool)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_time_mix_kernel_choice(variant, libs):
     """Single-token steps take the decode kernel; prefills the split kernel on small grids, the 256-thread kernel
     on middling ones and the chunked one on large grids; the split and chunked kernels only when every input is
