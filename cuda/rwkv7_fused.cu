@@ -432,9 +432,13 @@ struct PrefillChunk {  // shared: the chunk's key-axis vectors (r, w, k', -kk, k
     float norm[kPrefillChunk][2], bonus[kPrefillChunk][2], mean[kPrefillChunk][2], var[kPrefillChunk][2];  // per warp
 };
 
-__device__ __forceinline__ float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+// Sum over LANES adjacent lanes (a power of two, groups aligned to it), in every lane of the group: quads of a
+// state row, a split-kernel row's threads, a head's 8 lanes in time_mix_finish_kernel.
+template <int LANES>
+__device__ __forceinline__ float lanes_sum(float v) {
+#pragma unroll
+    for (int o = 1; o < LANES; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
 }
 
 template <typename S>
@@ -541,13 +545,13 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
             for (int c = 0; c < 4; ++c) wkv7::dot4(&s[4 * c], a4[4 * c + q], acc);
-            const float sa = quad_sum(wkv7::hsum4(acc));
+            const float sa = lanes_sum<4>(wkv7::hsum4(acc));
             const float v = buf.v[u][si];
             float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
             for (int c = 0; c < 4; ++c)
                 wkv7::update4(&s[4 * c], w4[4 * c + q], b4[4 * c + q], k4[4 * c + q], r4[4 * c + q], sa, v, out);
-            const float y = quad_sum(wkv7::hsum4(out));
+            const float y = lanes_sum<4>(wkv7::hsum4(out));
             if (q == 0) buf.y[u][si] = y;
         }
         __syncthreads();
@@ -788,7 +792,7 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
                 }
             }
 #pragma unroll
-            for (int r = 0; r < kChunkRows; ++r) sa[r] = quad_sum(sa[r]);
+            for (int r = 0; r < kChunkRows; ++r) sa[r] = lanes_sum<4>(sa[r]);
             const float4 v4 = *reinterpret_cast<const float4*>(&buf.v[u][kChunkRows * g]);
             const float v[kChunkRows] = {v4.x, v4.y, v4.z, v4.w};
 #pragma unroll
@@ -806,7 +810,7 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
                 }
             }
 #pragma unroll
-            for (int r = 0; r < kChunkRows; ++r) y[r] = quad_sum(y[r]);
+            for (int r = 0; r < kChunkRows; ++r) y[r] = lanes_sum<4>(y[r]);
             if (q == 0) *reinterpret_cast<float4*>(&buf.y[u][kChunkRows * g]) = make_float4(y[0], y[1], y[2], y[3]);
         }
         if (more) {  // the inputs' buffer is free since the first barrier; in two halves: fewer registers
@@ -901,12 +905,6 @@ struct SplitInputs {
     __half x[kSplitWarpTokens][2][kChunkInputs];
 };
 
-// Sum over the kRowThreads threads of a state row (adjacent lanes)
-__device__ __forceinline__ float row_sum(float v) {
-#pragma unroll
-    for (int o = 1; o < kRowThreads; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // Four consecutive state values S[row][j .. j+3] <-> fp32 (16 or 8 bytes, aligned)
 __device__ __forceinline__ float4 load_state4(const float* src) { return *reinterpret_cast<const float4*>(src); }
@@ -992,7 +990,7 @@ __device__ __forceinline__ void split_recurrence(float (&s)[4 * kRowVecs], const
 #pragma unroll
         for (int c = 0; c < kRowVecs; ++c)
             wkv7::dot4(&s[4 * c], *reinterpret_cast<const float4*>(&buf.a[0][split_column(q, c)]), acc);
-        sa = row_sum(wkv7::hsum4(acc));
+        sa = lanes_sum<kRowThreads>(wkv7::hsum4(acc));
     }
 #pragma unroll
     for (int u = 0; u < kChunkTokens; ++u) {
@@ -1010,8 +1008,8 @@ __device__ __forceinline__ void split_recurrence(float (&s)[4 * kRowVecs], const
                           *reinterpret_cast<const float4*>(&buf.r[u][j]), sa, v, out);
             if (more) wkv7::dot4(&s[4 * c], *reinterpret_cast<const float4*>(&buf.a[next][j]), acc);
         }
-        const float y = row_sum(wkv7::hsum4(out));
-        sa = row_sum(wkv7::hsum4(acc));
+        const float y = lanes_sum<kRowThreads>(wkv7::hsum4(out));
+        sa = lanes_sum<kRowThreads>(wkv7::hsum4(acc));
         if (q == 0) y_out[u * C] = y;
     }
 }
@@ -1096,12 +1094,6 @@ time_mix_split_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restric
 // split kernel left alone (row_has_work) are skipped.
 constexpr int kFinishLanes = N / 8;
 
-__device__ __forceinline__ float finish_lanes_sum(float v) {
-#pragma unroll
-    for (int o = 1; o < kFinishLanes; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 __global__ void __launch_bounds__(N)
 time_mix_finish_kernel(int H, int64_t rows, int64_t num_slots, int64_t num_tokens, const int64_t* __restrict__ slots,
                        const int64_t* __restrict__ starts, const int64_t* __restrict__ lasts, TimeMixArgs p,
@@ -1145,12 +1137,12 @@ time_mix_finish_kernel(int H, int64_t rows, int64_t num_slots, int64_t num_token
         bonus += x[0][e] * ch.kn * cp[e].r_k;
         mean += y[e];
     }
-    bonus = finish_lanes_sum(bonus);
-    mean = finish_lanes_sum(mean) * (1.0f / N);
+    bonus = lanes_sum<kFinishLanes>(bonus);
+    mean = lanes_sum<kFinishLanes>(mean) * (1.0f / N);
     float var = 0.0f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) var += (y[e] - mean) * (y[e] - mean);
-    const float rstd = rsqrtf(finish_lanes_sum(var) * (1.0f / N) + kGroupNormEps);
+    const float rstd = rsqrtf(lanes_sum<kFinishLanes>(var) * (1.0f / N) + kGroupNormEps);
     float out[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
