@@ -411,25 +411,33 @@ def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
                     atol=STATE_ATOL)
 
 
+def run_kernels_on_rows(so, layer: int, state_dtype: torch.dtype, lens: list[int], slots: list[int], seed: int,
+                        kernels: tuple[str, ...]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+    """Random time-mix inputs for rows of ``lens`` tokens on ``slots`` (C = 128), run through each of ``kernels``
+    from the same starting state: (that state, [(out, v_first, state after) per kernel])."""
+    C, T = 128, sum(lens)
+    gen = torch.Generator().manual_seed(seed)
+    p = time_mix_inputs(C, T, layer, gen)
+    pool = (torch.randn(len(slots), C // N, N, N, generator=gen) * 0.3).to(state_dtype)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    lasts = [s + n - 1 for s, n in zip(starts, lens)]
+    runs = []
+    for kernel in kernels:
+        got = pool.clone()
+        out, v_first = run_time_mix(so, layer, p, got, slots, starts, lasts, kernel=kernel)
+        runs.append((out, v_first, got))
+    return pool, runs
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kernel", ["chunked", "split", "split2"])
 @pytest.mark.parametrize("layer,state_dtype", [(0, torch.float32), (2, torch.float32), (1, torch.float16)])
 def test_time_mix_chunk_kernels_match_decode_kernel(variant, kernel, layer, state_dtype, libs):
     """The chunked and split prefill kernels against time_mix_kernel on rows of whole chunks, partial ones and
     single tokens: the same math, only the dot products over the state rows summed in another order."""
-    lens, slots = [8, 3, 16, 1, 9, 13], [4, 0, 2, 5, 1, 3]
-    C, T = 128, sum(lens)
-    gen = torch.Generator().manual_seed(99 + layer)
-    p = time_mix_inputs(C, T, layer, gen)
-    pool = (torch.randn(len(slots), C // N, N, N, generator=gen) * 0.3).to(state_dtype)
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    lasts = [s + n - 1 for s, n in zip(starts, lens)]
-    runs = {}
-    for name in ("decode", kernel):
-        got = pool.clone()
-        out, v_first = run_time_mix(libs[f"fused-{variant}"], layer, p, got, slots, starts, lasts, kernel=name)
-        runs[name] = (out, v_first, got)
-    (out_d, vf_d, pool_d), (out_c, vf_c, pool_c) = runs["decode"], runs[kernel]
+    pool, ((out_d, vf_d, pool_d), (out_c, vf_c, pool_c)) = run_kernels_on_rows(
+        libs[f"fused-{variant}"], layer, state_dtype, [8, 3, 16, 1, 9, 13], [4, 0, 2, 5, 1, 3], 99 + layer,
+        ("decode", kernel))
     assert torch.equal(vf_d, vf_c), "v_first"
     assert_ulps(out_c, out_d, 2, f"output, {kernel} vs decode kernel", atol=STATE_ATOL)
     assert (out_c == out_d).float().mean() > 0.98
@@ -445,18 +453,8 @@ def test_time_mix_chunk_kernels_match_decode_kernel(variant, kernel, layer, stat
 def test_split_kernel_parts_agree_bit_for_bit(variant, layer, state_dtype, libs):
     """The split kernel's 2 and 4 blocks per (row, head) give the same bits: each state row keeps its threads'
     columns and sums, so a prompt's result does not depend on which count the batch around it leads to."""
-    lens, slots = [8, 3, 19, 1], [2, 0, 3, 1]
-    C, T = 128, sum(lens)
-    gen = torch.Generator().manual_seed(5 + layer)
-    p = time_mix_inputs(C, T, layer, gen)
-    pool = (torch.randn(len(slots), C // N, N, N, generator=gen) * 0.3).to(state_dtype)
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    lasts = [s + n - 1 for s, n in zip(starts, lens)]
-    runs = []
-    for kernel in ("split", "split2"):
-        got = pool.clone()
-        out, v_first = run_time_mix(libs[f"fused-{variant}"], layer, p, got, slots, starts, lasts, kernel=kernel)
-        runs.append((out, v_first, got))
+    pool, runs = run_kernels_on_rows(libs[f"fused-{variant}"], layer, state_dtype, [8, 3, 19, 1], [2, 0, 3, 1],
+                                     5 + layer, ("split", "split2"))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     assert not torch.equal(runs[0][2], pool)
