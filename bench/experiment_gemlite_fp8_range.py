@@ -23,15 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from infer.quant.gemlite_linear import require_gemlite  # noqa: E402
+from infer.quant.gemlite_linear import read_pre_scaled, require_gemlite  # noqa: E402
 from infer.quant.quantize import quantize_fp8, quantize_int8  # noqa: E402
-
-
-def prescaled(layer):
-    """``layer`` (post-scaled) read as GemLiteLinear reads it: its one scale per output channel applied to every
-    weight before the sum (W_group_mode 2, channel_scale_mode 0)."""
-    layer.W_group_mode, layer.channel_scale_mode = 2, 0
-    return layer
 
 
 def main() -> None:
@@ -51,7 +44,9 @@ def main() -> None:
         dequantized = q.float() * scale.float()[:, None]
         made = lambda: cls(device="cuda:0", dtype=torch.float16, post_scale=True).from_weights(q, scales=scale)  # noqa: E731
         variants[f"{fmt} post-scaled"] = (made(), dequantized)
-        variants[f"{fmt} read pre-scaled"] = (prescaled(made()), dequantized)
+        prescaled = made()
+        assert read_pre_scaled(prescaled)
+        variants[f"{fmt} read pre-scaled"] = (prescaled, dequantized)
     packed = packer("A16W8_FP8", 64, False, torch.device("cuda"))("w", weight)
     variants["A16W8_FP8 GemLiteLinear"] = (GemLiteLinear({k.removeprefix("w.gemlite."): v.cuda()
                                                          for k, v in packed.items()}), variants["A16W8_FP8 post-scaled"][1])

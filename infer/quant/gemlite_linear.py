@@ -55,6 +55,23 @@ def require_gemlite(device: torch.device | str, act: torch.dtype = torch.float16
     return gemlite
 
 
+def read_pre_scaled(layer) -> bool:
+    """Switch a post-scaled 8-bit GemLite layer (as export_quant_gemlite packs A16W8) to pre-scaled reading;
+    returns whether it was post-scaled (other layers are left alone).
+
+    GemLite's kernels round a post-scaled layer's sum over the codes, sum_k x_k q_kn, to the scales' fp16 before
+    applying the scale (gemm_kernels.py: acc.to(meta_dtype) * scales_b): past 65,504 that is inf, then NaN. H200,
+    a random 1024 x 1024 matrix, activations of |x| ~ 100: 3 % of the outputs non-finite in int8 and over half in
+    fp8, whose codes reach 448 (bench/results/experiment_gemlite_fp8_range_first_h200.json); the trained tiny
+    model's logits went NaN on A16W8_FP8. Read as a pre-scaled layer (GemLite's default for A16W8: the same
+    packed codes and per-channel scales, one group of in_features columns) every code gets its scale before the
+    fp32 sum."""
+    post_scaled = layer.W_nbits == 8 and layer.channel_scale_mode == 1 and layer.W_group_mode == 0
+    if post_scaled:
+        layer.W_group_mode, layer.channel_scale_mode = 2, 0
+    return post_scaled
+
+
 class GemLiteLinear:
     """One packed GemLite layer; ``packed`` holds the entries of its ``state_dict()`` (already on the GPU)."""
 
@@ -72,18 +89,8 @@ class GemLiteLinear:
         self._kernels = GEMLITE_TRITON_MAPPING
         self._matmul_type = get_matmul_type
         w_q, scales, zeros, _ = layer.get_tensor_args()
-        post_scaled_8bit = layer.W_nbits == 8 and layer.channel_scale_mode == 1 and layer.W_group_mode == 0
-        if post_scaled_8bit:
-            # GemLite's kernels round a post-scaled layer's sum over the codes, sum_k x_k q_kn, to the scales'
-            # fp16 before applying the scale (gemm_kernels.py: acc.to(meta_dtype) * scales_b): past 65,504 that
-            # is inf, then NaN. H200, a random 1024 x 1024 matrix, activations of |x| ~ 100: 3 % of the outputs
-            # non-finite in int8 and over half in fp8, whose codes reach 448 (bench/results/
-            # experiment_gemlite_fp8_range_first_h200.json); the trained tiny model's logits went NaN on
-            # A16W8_FP8. Read as a pre-scaled layer (GemLite's default for A16W8: the same packed codes and
-            # per-channel scales, one group of in_features columns) every code gets its scale before the fp32
-            # sum. The fused GEMV and the W8A16 GEMM below scale after an fp32 sum and keep reading the
-            # post-scaled layout.
-            layer.W_group_mode, layer.channel_scale_mode = 2, 0
+        # (the fused GEMV and the W8A16 GEMM below scale after an fp32 sum and keep reading the post-scaled layout)
+        post_scaled_8bit = read_pre_scaled(layer)
         meta = layer.get_meta_args()
         # Kernel arguments after x: W_q, scales, zeros, activation scales (none: weight-only), then
         # W_nbits .. W_group_mode and data_contiguous (meta[1:], the last slot read correctly), and the
