@@ -80,6 +80,15 @@ def assert_close_pools(a, b, wkv_tol):
     assert (a.wkv.float() - b.wkv.float()).abs().max().item() <= wkv_tol
 
 
+def assert_prefill_matches(pair, rows, slots, wkv_dtype, num_slots=16):
+    """The fused prefill of ``rows`` (all logits) and the state it leaves against the readable forward's."""
+    outs, pools = run_both(pair, rows, slots, wkv_dtype, all_logits=True, num_slots=num_slots)
+    ref, got = outs[0]
+    assert got.shape == (sum(map(len, rows)), 1024)
+    assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
+    assert_close_pools(*pools, wkv_tol=0.05)
+
+
 @pytest.mark.parametrize("gemv_rows", [2, 8])
 @pytest.mark.parametrize("batch", [1, 2, 5, 8, 9, 14])  # GEMV up to gemv_rows rows, matmuls above
 @pytest.mark.parametrize("wkv_dtype", [torch.float32, torch.float16])
@@ -100,12 +109,7 @@ def test_prefill_matches_readable(pair, lens, wkv_dtype):
     """Up to 4 rows x 4 heads: fewer than 128 (row, head) blocks, so the launcher takes time_mix_split_kernel
     (+ time_mix_finish_kernel) for rows of several tokens."""
     rows = [[(13 * i + 7 * j) % 1024 for j in range(n)] for i, n in enumerate(lens)]
-    slots = [2 * i + 1 for i in range(len(lens))]
-    outs, pools = run_both(pair, rows, slots, wkv_dtype, all_logits=True)
-    ref, got = outs[0]
-    assert got.shape == (sum(lens), 1024)
-    assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
-    assert_close_pools(*pools, wkv_tol=0.05)
+    assert_prefill_matches(pair, rows, [2 * i + 1 for i in range(len(lens))], wkv_dtype)
 
 
 @pytest.mark.parametrize("wkv_dtype", [torch.float32, torch.float16])
@@ -114,12 +118,7 @@ def test_prefill_of_many_rows_matches_readable(pair, wkv_dtype):
     chunks of 8 tokens, partial ones and single tokens)."""
     lens = [1 + (5 * i) % 19 for i in range(128)]
     rows = [[(11 * i + 5 * j) % 1024 for j in range(n)] for i, n in enumerate(lens)]
-    slots = list(range(127, -1, -1))
-    outs, pools = run_both(pair, rows, slots, wkv_dtype, all_logits=True, num_slots=128)
-    ref, got = outs[0]
-    assert got.shape == (sum(lens), 1024)
-    assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
-    assert_close_pools(*pools, wkv_tol=0.05)
+    assert_prefill_matches(pair, rows, list(range(127, -1, -1)), wkv_dtype, num_slots=128)
 
 
 @pytest.mark.parametrize("wkv_dtype", [torch.float32, torch.float16])
@@ -130,12 +129,7 @@ def test_prefill_on_two_blocks_per_head_matches_readable(pair, wkv_dtype):
     count = torch.cuda.get_device_properties(0).multi_processor_count // 8
     lens = [1 + (7 * i) % 23 for i in range(count)]
     rows = [[(17 * i + 3 * j) % 1024 for j in range(n)] for i, n in enumerate(lens)]
-    slots = list(range(count))
-    outs, pools = run_both(pair, rows, slots, wkv_dtype, all_logits=True, num_slots=count)
-    ref, got = outs[0]
-    assert got.shape == (sum(lens), 1024)
-    assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
-    assert_close_pools(*pools, wkv_tol=0.05)
+    assert_prefill_matches(pair, rows, list(range(count)), wkv_dtype, num_slots=count)
 
 
 def test_chunked_prefill_equals_whole(pair):
