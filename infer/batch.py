@@ -24,6 +24,7 @@ class PackedBatch:
     _steps: list[torch.Tensor] | None = field(default=None, repr=False)
     _order: torch.Tensor | None = field(default=None, repr=False)
     _prev: torch.Tensor | None = field(default=None, repr=False)
+    _tails: tuple[int, "PackedBatch", torch.Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[int]], slots: Sequence[int], device: torch.device | str) -> "PackedBatch":
@@ -65,6 +66,22 @@ class PackedBatch:
             prev[starts] = -1 - torch.arange(self.num_rows, dtype=torch.int32)
             self._prev = prev.to(self.tokens.device)
         return self._prev
+
+    def tails(self, n: int) -> tuple["PackedBatch", torch.Tensor]:
+        """Each row's last ``n`` tokens (all of a shorter row) as a batch on the same slots, and their
+        positions in this batch ([T'] int64). Built once per batch, as ``prev_index``."""
+        if self._tails is None or self._tails[0] != n:
+            lens = [min(length, n) for length in self.lens]
+            ends = itertools.accumulate(self.lens)
+            index = [p for end, k in zip(ends, lens) for p in range(end - k, end)]
+            positions = torch.tensor(index, dtype=torch.long, device=self.tokens.device)
+            starts = [0] + list(itertools.accumulate(lens))[:-1]
+            tail = PackedBatch(tokens=self.tokens[positions], slots=self.slots, lens=lens,
+                               starts=torch.tensor(starts, dtype=torch.long, device=self.tokens.device),
+                               last=torch.tensor([s + k - 1 for s, k in zip(starts, lens)], dtype=torch.long,
+                                                 device=self.tokens.device))
+            self._tails = (n, tail, positions)
+        return self._tails[1], self._tails[2]
 
     def time_steps(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """For step-by-step recurrences: rows ordered longest first, and for each time step

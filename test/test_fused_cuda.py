@@ -81,12 +81,14 @@ def assert_close_pools(a, b, wkv_tol):
 
 
 def assert_prefill_matches(pair, rows, slots, wkv_dtype, num_slots=16):
-    """The fused prefill of ``rows`` (all logits) and the state it leaves against the readable forward's."""
-    outs, pools = run_both(pair, rows, slots, wkv_dtype, all_logits=True, num_slots=num_slots)
-    ref, got = outs[0]
-    assert got.shape == (sum(map(len, rows)), 1024)
-    assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
-    assert_close_pools(*pools, wkv_tol=0.05)
+    """The fused prefill of ``rows`` and the state it leaves against the readable forward's: every token's
+    logits, then each row's last token's only (the last block's FFN then runs on each row's last two tokens)."""
+    for all_logits in (True, False):
+        outs, pools = run_both(pair, rows, slots, wkv_dtype, all_logits=all_logits, num_slots=num_slots)
+        ref, got = outs[0]
+        assert got.shape == (sum(map(len, rows)) if all_logits else len(rows), 1024)
+        assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
+        assert_close_pools(*pools, wkv_tol=0.05)
 
 
 @pytest.mark.parametrize("gemv_rows", [2, 8])

@@ -47,6 +47,38 @@ def test_prefill_and_decode_logits_match_official(pair):
     assert max_state_diff(pool.export_slot(1), ref_state) <= STATE_TOL
 
 
+def test_last_token_prefill_matches_official(pair):
+    """Without all_logits only each row's last token is read out, so the last block's FFN runs on each row's
+    last two tokens: the logits and every state (the FFN shift included) still match the official package
+    and the every-token prefill."""
+    model, ref = pair
+    lens = [1, 2, 3, 19]
+    prompts = [random_tokens(n, model.config.vocab_size, seed=80 + n) for n in lens]
+    pool, every_pool = model.new_state_pool(4), model.new_state_pool(4)
+    last = model.prefill(prompts, [3, 2, 1, 0], pool)
+    every = model.prefill(prompts, [3, 2, 1, 0], every_pool, all_logits=True)
+    ends = torch.tensor(lens).cumsum(0) - 1
+    assert last.shape == (4, model.config.vocab_size)
+    assert (last - every[ends]).abs().max().item() <= 1e-4
+    for row, (prompt, slot) in enumerate(zip(prompts, [3, 2, 1, 0])):
+        ref_logits, ref_state = ref.forward(prompt, None)
+        assert (last[row] - ref_logits).abs().max().item() <= LOGIT_TOL
+        assert max_state_diff(pool.export_slot(slot), ref_state) <= STATE_TOL
+        assert max_state_diff(pool.export_slot(slot), every_pool.export_slot(slot).to_official()) <= 1e-5
+
+
+def test_packed_batch_tails():
+    from infer.batch import PackedBatch
+    batch = PackedBatch.from_rows([[1, 2, 3, 4], [5], [6, 7, 8]], [4, 0, 2], "cpu")
+    tail, positions = batch.tails(2)
+    assert positions.tolist() == [2, 3, 4, 6, 7]
+    assert tail.tokens.tolist() == [3, 4, 5, 7, 8] and tail.lens == [2, 1, 2]
+    assert tail.starts.tolist() == [0, 2, 3] and tail.last.tolist() == [1, 2, 4]
+    assert tail.slots.tolist() == [4, 0, 2]
+    assert batch.tails(2)[1] is positions  # built once per batch
+    assert batch.tails(1)[1].tolist() == batch.last.tolist()
+
+
 def test_earlier_tokens_change_the_logits(pair):
     """Guards the random-weights generator: the state path must carry signal."""
     model, _ = pair
