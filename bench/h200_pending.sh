@@ -27,6 +27,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh trained-accuracy  # engines on the trained tiny model; 4-bit test x3
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh split-parts   # split time mix on 2 or 4 blocks per head
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite-8bit  # GemLite 8-bit layers pre-scaled: overflow, accuracy
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh tail      # the last block on each row's last 2 tokens: tests, prefill
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh streams   # large decode batches as parts on separate streams
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -36,7 +38,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit|tail|streams}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -321,6 +323,22 @@ split-parts)  # the split time mix on 2 blocks per head where that fills the mul
     step 120 "prefill profile, 7.2B, one 1k prompt" python bench/profile_decode.py --sizes 7.2b --batches "" \
         --prompts 1x1024 --out bench/results/profile_prefill_split_parts_h200.json
     copy bench/results/profile_prefill_split_parts_h200.json
+    ;;
+tail)  # prefill reads out each row's last token only: fused GPU tests, prefill, TTFT three more times
+    build_fused
+    fused_tests
+    prefill_bench 1,16 decode_h200_prefill_tail.json
+    for run in 1 2 3; do
+        step 60 "TTFT repeat $run" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 \
+            --prefill-rows 1 --wkv cuda --no-checks --out "bench/results/ttft_tail_repeat_$run.json"
+        copy "bench/results/ttft_tail_repeat_$run.json"
+    done
+    ;;
+streams)  # decode batches of 128-512 as 2 or 4 parts on their own streams in one graph, against one forward
+    build_fused
+    step 400 "decode in parts on separate streams" python bench/experiment_split_streams.py --sizes 7.2b,1.5b \
+        --batches 128,256,512 --parts 2,4 --out bench/results/experiment_split_streams_h200.json
+    copy bench/results/experiment_split_streams_h200.json
     ;;
 gemlite-8bit)  # GemLite 8-bit layers read pre-scaled: the range experiment, GPU tests, engines on the trained model
     tuning_cache
