@@ -29,6 +29,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite-8bit  # GemLite 8-bit layers pre-scaled: overflow, accuracy
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh tail      # the last block on each row's last 2 tokens: tests, prefill
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh streams   # large decode batches as parts on separate streams
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-cublas     # 4-bit layers on cuBLAS above 64 rows: tests, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -38,7 +39,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit|tail|streams}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit|tail|streams|w4-cublas}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -349,6 +350,20 @@ gemlite-8bit)  # GemLite 8-bit layers read pre-scaled: the range experiment, GPU
     step 200 "GemLite 8-bit GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_quant_cuda.py \
         -k "gemlite and (8bit or int8 or export)"
     trained_accuracy quant_accuracy_trained_prescaled_h200.json
+    ;;
+w4-cublas)  # 4-bit GemLite layers above 64 rows as fp16 chunks for cuBLAS: GPU tests, decode and prefill A/B
+    tuning_cache
+    build_fused
+    step 200 "4-bit GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py -k uint4
+    step 150 "W4 decode and prefill, 4-bit layers on cuBLAS above 64 rows" env RWKV_UINT4_CUBLAS_ROWS=64 python bench/bench_decode.py \
+        --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 1,64,128,256 --prefill 1024 --prefill-rows 1,16 \
+        --steps 20 --wkv cuda --no-checks --out bench/results/decode_h200_gemlite_w4_cublas.json
+    copy bench/results/decode_h200_gemlite_w4_cublas.json
+    step 150 "A/B: GemLite's own kernels at every batch (RWKV_UINT4_CUBLAS_ROWS=1000000)" \
+        env RWKV_UINT4_CUBLAS_ROWS=1000000 python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b \
+        --batches 64,128,256 --prefill 1024 --prefill-rows 1,16 --steps 20 --wkv cuda --no-checks \
+        --out bench/results/experiment_w4_gemlite_gemm_h200.json
+    copy bench/results/experiment_w4_gemlite_gemm_h200.json
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache

@@ -30,6 +30,8 @@
 //
 // 5. relu_square: x = relu(x)^2 in place (the FFN key's activation beside cuBLAS products).
 //
+// 6. uint4_dequantize: columns of a 4-bit GemLite matrix rebuilt in fp16 for a cuBLAS product (large batches).
+//
 // Every launcher takes the stream to launch on (graph-capturable) and returns a cudaError_t as int.
 
 #include "int8x4.cuh"
@@ -2019,6 +2021,38 @@ inline SparseGemvArgs make_sparse_gemv_args(int64_t n, int64_t k, int64_t min_bl
     return args;
 }
 
+// ------------------------------------------------------------------------------------ uint4_dequantize
+// A 4-bit GemLite matrix (the fused GEMV's layout: words [K/8, N], W[n][8c + j] in bits 4j..4j+3 of word (c, n);
+// fp16 scale and zero [K/group, N]) rebuilt as fp16 columns n0 .. n0 + width - 1 of W^T, [K, width] row-major,
+// bit for bit as the GEMV rebuilds them (dequant_uint4x8). For batches the GEMV does not take: a chunk of
+// columns small enough to stay in L2 until the cuBLAS product that reads it next (uint4_matmul in
+// infer/ops/fused.py), so HBM streams the 4-bit words, not an fp16 copy. Thread i: word (i / width, n0 +
+// i % width), consecutive threads on consecutive columns (each of its 8 stores coalesced with its warp's).
+constexpr int kDequantThreads = 256;
+
+__global__ void __launch_bounds__(kDequantThreads)
+uint4_dequantize_kernel(const uint32_t* __restrict__ words, const __half* __restrict__ scale,
+                        const __half* __restrict__ zero, int64_t N, int64_t K, int64_t group, int64_t n0,
+                        int64_t width, __half* __restrict__ out) {
+    const int64_t i = int64_t(blockIdx.x) * kDequantThreads + threadIdx.x;
+    dependency_wait();
+    if (i >= K / 8 * width) return;
+    const int64_t c = i / width, j = i % width, n = n0 + j, g = 8 * c / group;
+    uint32_t pair[4];
+    const __half s = scale[g * N + n], z = zero[g * N + n];
+    dequant_uint4x8(words[c * N + n], __halves2half2(s, s), __halves2half2(z, z), pair);
+    __half* dst = out + 8 * c * width + j;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // pair e: (W[8c + e], W[8c + e + 4]) in its low and high 16 bits
+        dst[e * width] = __ushort_as_half(static_cast<unsigned short>(pair[e] & 0xFFFFu));
+        dst[(e + 4) * width] = __ushort_as_half(static_cast<unsigned short>(pair[e] >> 16));
+    }
+}
+
+inline unsigned dequantize_blocks(int64_t K, int64_t width) {
+    return static_cast<unsigned>((K / 8 * width + kDequantThreads - 1) / kDequantThreads);
+}
+
 }  // namespace fused
 
 // --------------------------------------------------------------------------------- C interface
@@ -2167,6 +2201,24 @@ extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, c
             case 3: return launch(sparse_gemv_kernel<3>, grid, kGemvWarps * 32, s, args);
             default: return launch(sparse_gemv_kernel<4>, grid, kGemvWarps * 32, s, args);
         }
+    });
+}
+
+// out [K, width] = fp16 columns n0 .. n0 + width - 1 of W^T for a 4-bit GemLite matrix W [N, K] (words [K/8, N]
+// int32, scale and zero [K/group, N] fp16; group % 8 == 0, K % group == 0, 0 <= n0, n0 + width <= N).
+extern "C" int fused_uint4_dequantize_launch(int device, int64_t stream, const void* words, const void* scale,
+                                             const void* zero, int64_t N, int64_t K, int64_t group, int64_t n0,
+                                             int64_t width, void* out) {
+    using namespace fused;
+    if (width == 0 || K == 0) return cudaSuccess;
+    if (N <= 0 || K < 0 || width < 0 || n0 < 0 || n0 + width > N || group <= 0 || group % 8 || K % group ||
+        K / 8 * width > int64_t(INT_MAX) * kDequantThreads)
+        return cudaErrorInvalidValue;
+    return on_device(device, [&] {
+        return launch(uint4_dequantize_kernel, dequantize_blocks(K, width), kDequantThreads,
+                      reinterpret_cast<cudaStream_t>(stream), static_cast<const uint32_t*>(words),
+                      static_cast<const __half*>(scale), static_cast<const __half*>(zero), N, K, group, n0, width,
+                      static_cast<__half*>(out));
     });
 }
 

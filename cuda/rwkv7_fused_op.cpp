@@ -32,6 +32,9 @@ extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int64_t* partia
 extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w, void* y,
                                         const void* residual, void* partial, void* arrivals, int64_t n, int64_t k);
 extern "C" int fused_relu_square_launch(int device, int64_t stream, int64_t n, void* x);
+extern "C" int fused_uint4_dequantize_launch(int device, int64_t stream, const void* words, const void* scale,
+                                             const void* zero, int64_t N, int64_t K, int64_t group, int64_t n0,
+                                             int64_t width, void* out);
 extern "C" const char* fused_error_string(int code);
 
 namespace {
@@ -257,9 +260,31 @@ void relu_square_(torch::Tensor x, int64_t stream) {
     raise_on(fused_relu_square_launch(static_cast<int>(x.device().index()), stream, x.numel(), x.data_ptr()), op);
 }
 
+// out [K, width] = columns n0 .. n0 + width - 1 of W^T, fp16, for a 4-bit GemLite matrix W [N, K]: words
+// [K/8, N] int32, scale and zero [K/group, N] fp16 (all contiguous CUDA tensors on one device).
+void uint4_dequantize(torch::Tensor words, torch::Tensor scale, torch::Tensor zero, int64_t n0, torch::Tensor out,
+                      int64_t stream) {
+    const char* op = "uint4_dequantize";
+    TORCH_CHECK(words.is_cuda(), op, ": words must be a CUDA tensor");
+    const auto device = words.device();
+    check(words, device, torch::kInt32, {-1, -1}, op, "words");
+    const int64_t K = words.size(0) * 8, N = words.size(1);
+    check(scale, device, torch::kFloat16, {-1, N}, op, "scale");
+    check(zero, device, torch::kFloat16, {scale.size(0), N}, op, "zero");
+    TORCH_CHECK(scale.size(0) > 0 && K % scale.size(0) == 0 && (K / scale.size(0)) % 8 == 0, op, ": ",
+                num(scale.size(0)), " groups do not split K = ", num(K), " into whole words");
+    check(out, device, torch::kFloat16, {K, -1}, op, "out");
+    TORCH_CHECK(n0 >= 0 && n0 + out.size(1) <= N, op, ": columns ", num(n0), " .. ", num(n0 + out.size(1) - 1),
+                " are not all below N = ", num(N));
+    raise_on(fused_uint4_dequantize_launch(static_cast<int>(device.index()), stream, words.data_ptr(),
+                                           scale.data_ptr(), zero.data_ptr(), N, K, K / scale.size(0), n0,
+                                           out.size(1), out.data_ptr()),
+             op);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "Fused RWKV-7 forward kernels: layer norm + token shift + mix, time mix, grouped GEMV, sparse-input GEMV, "
-            "relu^2";
+            "relu^2, 4-bit dequantization";
     m.def("ln_shift_mix", &ln_shift_mix, "ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mix, out, stream)");
     m.def("time_mix", &time_mix, "time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, stream)");
     m.def("gemv", &gemv, "gemv(w, scale, zero, x, y, residual, group, epilogue, stream)");
@@ -269,4 +294,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("sparse_gemv_workspace", &sparse_gemv_workspace, "sparse_gemv_workspace(k, n) -> [fp32 values, counters]");
     m.def("sparse_gemv_max_rows", &fused_sparse_gemv_max_rows);
     m.def("relu_square_", &relu_square_, "relu_square_(x, stream): x = relu(x)^2 in place");
+    m.def("uint4_dequantize", &uint4_dequantize,
+          "uint4_dequantize(words, scale, zero, n0, out, stream): columns of a 4-bit GemLite matrix's W^T in fp16");
 }

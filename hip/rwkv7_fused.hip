@@ -2095,6 +2095,29 @@ inline SparseGemvArgs make_sparse_gemv_args(int64_t n, int64_t k, int64_t min_bl
     return args;
 }
 
+// ------------------------------------------------------------------------------------ uint4_dequantize
+// Columns n0 .. n0 + width - 1 of a 4-bit GemLite matrix's W^T as fp16 [K, width], bit for bit as the GEMV
+// rebuilds them, for a cuBLAS/hipBLAS product at batches the GEMV does not take (see the CUDA file).
+constexpr int kDequantThreads = 256;
+
+__global__ void __launch_bounds__(kDequantThreads)
+uint4_dequantize_kernel(const uint32_t* __restrict__ words, const __half* __restrict__ scale,
+                        const __half* __restrict__ zero, int64_t N, int64_t K, int64_t group, int64_t n0,
+                        int64_t width, __half* __restrict__ out) {
+    const int64_t i = int64_t(blockIdx.x) * kDequantThreads + threadIdx.x;
+    if (i >= K / 8 * width) return;
+    const int64_t c = i / width, j = i % width, n = n0 + j, g = 8 * c / group;
+    const __half s = scale[g * N + n], z = zero[g * N + n];
+    float w[8];  // exact fp16 values
+    dequant_uint4x8(words[c * N + n], __halves2half2(s, s), __halves2half2(z, z), w);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[(8 * c + e) * width + j] = __float2half_rn(w[e]);
+}
+
+inline unsigned dequantize_blocks(int64_t K, int64_t width) {
+    return static_cast<unsigned>((K / 8 * width + kDequantThreads - 1) / kDequantThreads);
+}
+
 }  // namespace fused
 
 // --------------------------------------------------------------------------------- C interface
@@ -2219,6 +2242,24 @@ extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, c
             case 3: return launch_sparse_gemv<3>(args, s);
             default: return launch_sparse_gemv<4>(args, s);
         }
+    });
+}
+
+// out [K, width] = fp16 columns n0 .. n0 + width - 1 of W^T for a 4-bit GemLite matrix W [N, K] (see the CUDA file).
+extern "C" int fused_uint4_dequantize_launch(int device, int64_t stream, const void* words, const void* scale,
+                                             const void* zero, int64_t N, int64_t K, int64_t group, int64_t n0,
+                                             int64_t width, void* out) {
+    using namespace fused;
+    if (width == 0 || K == 0) return hipSuccess;
+    if (N <= 0 || K < 0 || width < 0 || n0 < 0 || n0 + width > N || group <= 0 || group % 8 || K % group ||
+        K / 8 * width > int64_t(INT_MAX) * kDequantThreads)
+        return hipErrorInvalidValue;
+    return on_device(device, [&] {
+        uint4_dequantize_kernel<<<dim3(dequantize_blocks(K, width)), dim3(kDequantThreads), 0,
+                                  reinterpret_cast<hipStream_t>(stream)>>>(
+            static_cast<const uint32_t*>(words), static_cast<const __half*>(scale), static_cast<const __half*>(zero),
+            N, K, group, n0, width, static_cast<__half*>(out));
+        return hipGetLastError();
     });
 }
 

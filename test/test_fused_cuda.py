@@ -422,6 +422,18 @@ def test_gemv_uint4_tasks_match_gemlite(kernels, uint4_layer, rows):
     torch.testing.assert_close(y, lin(x), atol=1e-2, rtol=1e-2)
 
 
+def test_uint4_matmul_rebuilds_gemlite_weights_bit_for_bit(kernels, uint4_layer, monkeypatch):
+    """Large batches of a 4-bit layer: W^T rebuilt in fp16 chunks of 64 columns (17 for 1,040 channels, the
+    last of 16), each multiplied by cuBLAS; one-hot rows give back each weight, equal to GemLite's."""
+    from infer.ops import fused as fused_module
+    lin, dense = uint4_layer
+    monkeypatch.setattr(fused_module, "UINT4_CHUNK_BYTES", 64 * 512 * 2)
+    got = kernels.uint4_matmul(torch.eye(512, device="cuda", dtype=torch.float16), *lin.uint4_groups[:3])
+    assert torch.equal(got.t().contiguous().view(torch.int16), dense.view(torch.int16))
+    with pytest.raises(RuntimeError, match="not all below N"):
+        kernels._m.uint4_dequantize(*lin.uint4_groups[:3], 1000, torch.empty(512, 48, device="cuda").half(), 0)
+
+
 @pytest.fixture(scope="module")
 def uint4_model(kernels, tmp_path_factory):
     if importlib.util.find_spec("gemlite") is None:
@@ -464,3 +476,29 @@ def test_gemlite_uint4_decode_runs_on_the_fused_gemv(uint4_model, batch, monkeyp
         assert logits.abs().max() > 0, f"{name}: all-zero logits"
     relative = ((on_gemv - on_gemlite).abs().max() / on_gemlite.abs().max()).item()
     assert 0 < relative <= 1e-2, relative
+
+
+def test_gemlite_uint4_prefill_takes_the_cublas_path(uint4_model, monkeypatch):
+    """select_fused hands 4-bit layers uint4_matmul for batches above uint4_cublas_rows: a prefill of 100 tokens
+    (the threshold lowered to 64 here) takes it for every matrix and agrees with the same prefill through GemLite's
+    GEMM."""
+    model = uint4_model
+    assert all(lin.large_batch == (model.fused.uint4_cublas_rows, model.fused.uint4_matmul)
+               for lin in model.projections())
+    calls = []
+
+    def counted(x, *groups):
+        calls.append(x.shape[0])
+        return model.fused.uint4_matmul(x, *groups)
+
+    for lin in model.projections():
+        monkeypatch.setattr(lin, "large_batch", (64, counted))
+    prompt = torch.randint(1, 1024, (100,), generator=torch.Generator().manual_seed(8)).tolist()
+    via_cublas = model.prefill([prompt], [0], model.new_state_pool(1), all_logits=True)
+    assert calls == [100] * len(model.projections())  # every matrix (all_logits: the head too)
+    for lin in model.projections():
+        monkeypatch.setattr(lin, "large_batch", None)
+    via_gemlite = model.prefill([prompt], [0], model.new_state_pool(1), all_logits=True)
+    assert torch.isfinite(via_cublas).all()
+    relative = ((via_cublas - via_gemlite).abs().max() / via_gemlite.abs().max()).item()
+    assert relative <= 1e-2, relative

@@ -87,6 +87,7 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
             so.emu_time_mix_kernel_for.argtypes = [p, i32, ctypes.c_uint, i32]
             so.emu_split_parts.argtypes = [ctypes.c_uint, i32]
             so.emu_fused_relu_square.argtypes = [i64, p]
+            so.emu_fused_uint4_dequantize.argtypes = [p, p, p, i64, i64, i64, i64, i64, p]
             so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p]
             so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p, p]
             so.emu_fused_sparse_gemv.argtypes = [i64, p, p, p, p, p, p, i64, i64, i64, ctypes.c_uint]
@@ -881,6 +882,24 @@ def test_gemv_uint4_rebuilds_gemlite_weights_exactly(variant, libs):
         want = dense[:, first:first + 8].t().half()
         assert torch.equal(y.view(torch.int16), want.view(torch.int16)), \
             f"columns {first}..{first + 7}: {int((y != want).sum())} weights differ from GemLite's"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_uint4_dequantize_rebuilds_gemlite_columns(variant, libs):
+    """Column chunks of a 4-bit GemLite matrix rebuilt as fp16 W^T [K, width] equal GemLite's weights bit for
+    bit: a chunk from column 0, one in the middle with a width that is not a multiple of a warp, the last."""
+    so = libs[f"fused-{variant}"]
+    gen = torch.Generator().manual_seed(11)
+    n, k, group = 72, 96, 24
+    words, scale, zero, dense = uint4_layer(gen, n, k, group)
+    want = dense.t().half()  # [K, N]
+    for n0, width in ((0, 32), (29, 19), (40, 32)):
+        out = torch.full((k, width), 7.0, dtype=torch.float16)
+        _check_rc(so.emu_fused_uint4_dequantize(_ptr(words), _ptr(scale), _ptr(zero), n, k, group, n0, width,
+                                                _ptr(out)))
+        assert torch.equal(out.view(torch.int16), want[:, n0:n0 + width].contiguous().view(torch.int16)), (n0, width)
+    out = torch.zeros(k, 8, dtype=torch.float16)
+    assert so.emu_fused_uint4_dequantize(_ptr(words), _ptr(scale), _ptr(zero), n, k, group, 68, 8, _ptr(out)) != 0
 
 
 def test_half_fma_rounds_once(libs):

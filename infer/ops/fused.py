@@ -50,6 +50,13 @@ EXTENSION_NAME = "rwkv7_fused"
 PREFERENCES = ("auto", "on", "off")
 EPI_NONE, EPI_RELU_SQUARE, EPI_TANH, EPI_SIGMOID = 0, 1, 2, 3
 DEFAULT_GEMV_ROWS = 2
+# 4-bit GemLite layers above this many rows: W^T rebuilt in fp16 chunks of at most UINT4_CHUNK_BYTES (to stay in
+# the H200's 50 MB L2 until cuBLAS reads them) and multiplied by cuBLAS, instead of GemLite's GEMM. H200, 7.2B
+# (decode_h200_gemlite_w4_cublas.json against experiment_w4_gemlite_gemm_h200.json): prompts of 1 x 1,024 and
+# 16 x 1,024 tokens 44.1 / 461.7 ms against 64.6 / 973.5 ms, but decode steps of 128 and 256 rows 22.4 / 25.5 ms
+# against 15.6 / 24.7 (a chunk's product has too few output tiles to fill the GPU); 257-1,023 rows not measured.
+UINT4_CUBLAS_ABOVE_ROWS = 512
+UINT4_CHUNK_BYTES = 16 << 20
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -178,6 +185,9 @@ class FusedKernels:
         # self-test keep them dense (for A/B timing, and so that the other paths do not depend on it).
         self.sparse_rows: int = module.sparse_gemv_max_rows()
         self.sparse_ffn: bool = env_flag("RWKV_SPARSE_FFN", True)
+        # 4-bit GemLite layers take uint4_matmul above this many rows (RWKV_UINT4_CUBLAS_ROWS, for A/B timing)
+        self.uint4_cublas_rows: int = env_int("RWKV_UINT4_CUBLAS_ROWS", UINT4_CUBLAS_ABOVE_ROWS)
+        self._uint4_scratch: dict[torch.device, torch.Tensor] = {}
 
     # -------------------------------------------------------------- ops
     @staticmethod
@@ -223,6 +233,25 @@ class FusedKernels:
         partial, arrivals = self._m.sparse_gemv_workspace(in_features, out_features)
         return (torch.zeros(partial, dtype=torch.float32, device=weight.device),
                 torch.zeros(arrivals, dtype=torch.int32, device=weight.device))
+
+    def uint4_matmul(self, x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor,
+                     zero: torch.Tensor) -> torch.Tensor:
+        """x W^T for a 4-bit GemLite matrix (the GEMV's operands: words [K/8, N], scale and zero [K/group, N]):
+        W^T rebuilt in fp16 a chunk of columns at a time into one scratch buffer per device, each chunk
+        multiplied by cuBLAS right after (same stream), so HBM streams the 4-bit words and L2 the fp16 chunk."""
+        K, N = words.shape[0] * 8, words.shape[1]
+        width = min(N, max(64, UINT4_CHUNK_BYTES // (2 * K) // 64 * 64))
+        scratch = self._uint4_scratch.get(x.device)
+        if scratch is None or scratch.numel() < K * width:
+            scratch = torch.empty(max(K * width, UINT4_CHUNK_BYTES // 2), dtype=torch.float16, device=x.device)
+            self._uint4_scratch[x.device] = scratch
+        y = x.new_empty(x.shape[0], N)
+        stream = self._stream(x)
+        for n0 in range(0, N, width):
+            chunk = scratch[:K * min(width, N - n0)].view(K, -1)
+            self._m.uint4_dequantize(words, scale, zero, n0, chunk, stream)
+            y[:, n0:n0 + chunk.shape[1]] = x @ chunk
+        return y
 
     def relu_square_(self, x: torch.Tensor) -> torch.Tensor:
         """x = relu(x)^2 in place, in one pass (torch's relu_ and square_ take one each); returns x."""
@@ -442,6 +471,11 @@ def _self_test_uint4(kernels: FusedKernels, device: torch.device) -> str | None:
         if not err <= 1e-2:
             return (f"self-test of the 4-bit GEMV against unpacking + matmul failed ({rows} x {k} -> {n}: "
                     f"relative max |diff| {err:.3g})")
+        product = kernels.uint4_matmul(x, words, scale, zero)
+        err = float((product.float() - expect).abs().max()) / (float(expect.abs().max()) + 1e-6)
+        if not err <= 1e-2:
+            return (f"self-test of the 4-bit dequantization + matmul failed ({rows} x {k} -> {n}: relative max "
+                    f"|diff| {err:.3g})")
     return None
 
 
@@ -508,5 +542,9 @@ def select_fused(model: "RWKV7", prefer: str = "auto") -> FusedKernels | None:
                 blk.batched = batch_weights(blk)
         if chosen.sparse_ffn:
             store_ffn_value_k_major(model, chosen)
+        if chosen.uint4:
+            for lin in model.projections():
+                if getattr(lin, "uint4_groups", None) is not None:
+                    lin.large_batch = (chosen.uint4_cublas_rows, chosen.uint4_matmul)
     log.info("forward on %s: %s", model.device, chosen.name if chosen else "readable (per-op) forward")
     return chosen

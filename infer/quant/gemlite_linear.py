@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -133,10 +134,15 @@ class GemLiteLinear:
                         and t.is_contiguous() for t in (scales, zeros))):
             self.uint4_groups = (w_q, scales, zeros, group)
             self.kind += " (decode: fused 4-bit GEMV)"
+        # (rows, matmul): batches above `rows` go to matmul(x, words, scale, zero); set by select_fused to the
+        # fused kernels' uint4_matmul (fp16 chunks of W^T for cuBLAS)
+        self.large_batch: tuple[int, Callable[..., torch.Tensor]] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._w8a16 is not None and x.shape[0] > W8A16_ABOVE_ROWS:
             return self._w8a16(x)
+        if self.large_batch is not None and x.shape[0] > self.large_batch[0]:
+            return self.large_batch[1](x.contiguous(), *self.uint4_groups[:3])
         kernel = self._kernels[self._matmul_type(x.shape[0], self._nbits)]
         # meta_scale is only read by NVFP4 layers (GemLite passes 0.0 for every other format). RWKV-7 has
         # no biases (the layout validation admits no bias entry).

@@ -160,6 +160,17 @@ EMU_EXPORT void emu_f16_fma(const uint16_t* a, const uint16_t* b, const uint16_t
     }
 }
 
+// Columns n0 .. n0 + width - 1 of a 4-bit GemLite matrix's W^T into out [K, width] (uint4_dequantize_kernel).
+EMU_EXPORT int emu_fused_uint4_dequantize(const void* words, const void* scale, const void* zero, int64_t N, int64_t K,
+                                          int64_t group, int64_t n0, int64_t width, void* out) {
+    using namespace fused;
+    if (width <= 0 || K <= 0 || n0 < 0 || n0 + width > N || group <= 0 || group % 8 || K % group) return -1;
+    return emu::run_grid(dequantize_blocks(K, width), kDequantThreads, [&] {
+        uint4_dequantize_kernel(static_cast<const uint32_t*>(words), static_cast<const __half*>(scale),
+                                static_cast<const __half*>(zero), N, K, group, n0, width, static_cast<__half*>(out));
+    });
+}
+
 EMU_EXPORT int emu_fused_relu_square(int64_t n, void* x) {
     using namespace fused;
     if (n <= 0) return -1;
