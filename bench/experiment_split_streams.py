@@ -102,10 +102,11 @@ def main() -> None:
         result["rows"] += run(name, [int(b) for b in args.batches.split(",")],
                               [int(p) for p in args.parts.split(",")], args.steps)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{'size':>5} {'batch':>5} {'1 stream tok/s':>15} " + " ".join(f"{p + ' parts':>12}" for p in args.parts.split(",")))
+    parts = args.parts.split(",")
+    print(f"{'size':>5} {'batch':>5} {'1 stream tok/s':>15} " + " ".join(f"{p + ' parts':>12}" for p in parts))
     for r in result["rows"]:
         print(f"{r['size']:>5} {r['batch']:>5} {r['one_stream_tok_s']:>15} "
-              + " ".join(f"{r[f'parts{p}_tok_s']:>12}" for p in args.parts.split(",")))
+              + " ".join(f"{r[f'parts{p}_tok_s']:>12}" for p in parts))
 
 
 if __name__ == "__main__":

@@ -357,8 +357,8 @@ w4-cublas)  # 4-bit GemLite layers above 64 rows as fp16 chunks for cuBLAS: GPU 
     step 200 "4-bit GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py -k uint4
     step 150 "W4 decode and prefill, 4-bit layers on cuBLAS above 64 rows" env RWKV_UINT4_CUBLAS_ROWS=64 python bench/bench_decode.py \
         --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 1,64,128,256 --prefill 1024 --prefill-rows 1,16 \
-        --steps 20 --wkv cuda --no-checks --out bench/results/decode_h200_gemlite_w4_cublas.json
-    copy bench/results/decode_h200_gemlite_w4_cublas.json
+        --steps 20 --wkv cuda --no-checks --out bench/results/experiment_w4_cublas_above64_h200.json
+    copy bench/results/experiment_w4_cublas_above64_h200.json
     step 150 "A/B: GemLite's own kernels at every batch (RWKV_UINT4_CUBLAS_ROWS=1000000)" \
         env RWKV_UINT4_CUBLAS_ROWS=1000000 python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b \
         --batches 64,128,256 --prefill 1024 --prefill-rows 1,16 --steps 20 --wkv cuda --no-checks \

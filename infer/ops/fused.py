@@ -52,7 +52,7 @@ EPI_NONE, EPI_RELU_SQUARE, EPI_TANH, EPI_SIGMOID = 0, 1, 2, 3
 DEFAULT_GEMV_ROWS = 2
 # 4-bit GemLite layers above this many rows: W^T rebuilt in fp16 chunks of at most UINT4_CHUNK_BYTES (to stay in
 # the H200's 50 MB L2 until cuBLAS reads them) and multiplied by cuBLAS, instead of GemLite's GEMM. H200, 7.2B
-# (decode_h200_gemlite_w4_cublas.json against experiment_w4_gemlite_gemm_h200.json): prompts of 1 x 1,024 and
+# (experiment_w4_cublas_above64_h200.json against experiment_w4_gemlite_gemm_h200.json): prompts of 1 x 1,024 and
 # 16 x 1,024 tokens 44.1 / 461.7 ms against 64.6 / 973.5 ms, but decode steps of 128 and 256 rows 22.4 / 25.5 ms
 # against 15.6 / 24.7 (a chunk's product has too few output tiles to fill the GPU); 257-1,023 rows not measured.
 UINT4_CUBLAS_ABOVE_ROWS = 512
