@@ -389,7 +389,8 @@ def fake_gemlite(monkeypatch):
     kernel = SimpleNamespace(forward=lambda x, *args, meta_scale: calls.append(args) or x.new_zeros(x.shape[0], 8))
     module = SimpleNamespace(GemLiteLinearTriton=FakeGemLiteLayer,
                              DType=SimpleNamespace(FP16=SimpleNamespace(value=0), BF16=SimpleNamespace(value=1)))
-    core = SimpleNamespace(GEMLITE_TRITON_MAPPING={"GEMV": kernel}, get_matmul_type=lambda rows, nbits: "GEMV")
+    core = SimpleNamespace(GEMLITE_TRITON_MAPPING={"GEMV": kernel, "GEMM": kernel},
+                           get_matmul_type=lambda rows, nbits: "GEMV")
     monkeypatch.setitem(sys.modules, "gemlite", module)
     monkeypatch.setitem(sys.modules, "gemlite.core", core)
     monkeypatch.setattr(gemlite_linear, "hopper_gemm_buildable", lambda device: False)
@@ -420,6 +421,27 @@ def test_gemlite_4bit_and_pre_scaled_layers_keep_their_modes(fake_gemlite):
         layer(torch.zeros(1, 16, dtype=torch.float16))
         assert calls[-1][12:14] == (settings["channel_scale_mode"], settings["W_group_mode"])
         assert layer.int8_rows is None
+
+
+def test_gemlite_4bit_layers_take_gemlite_gemm_at_every_batch(fake_gemlite, monkeypatch):
+    """4-bit layers run GemLite's GEMM kernel whatever GemLite would pick for the batch (its split-K and GEMV
+    kernels gave NaN intermittently on the H200); 8-bit layers keep GemLite's choice."""
+    GemLiteLinear, _ = fake_gemlite
+    core, used = sys.modules["gemlite.core"], []
+    monkeypatch.setattr(core, "GEMLITE_TRITON_MAPPING", {
+        kind: SimpleNamespace(forward=lambda x, *args, meta_scale, kind=kind: used.append(kind) or x.new_zeros(
+            x.shape[0], 8)) for kind in ("GEMV_REVSPLITK", "GEMM_SPLITK", "GEMM")})
+    monkeypatch.setattr(core, "get_matmul_type", lambda rows, nbits: "GEMV_REVSPLITK" if rows <= 2 else
+                        "GEMM_SPLITK" if rows < 64 else "GEMM")
+    for settings, expect in ((dict(W_nbits=4, group_size=8, channel_scale_mode=0, W_group_mode=4), ["GEMM"] * 3),
+                             (dict(W_nbits=8, group_size=16, channel_scale_mode=0, W_group_mode=2),
+                              ["GEMV_REVSPLITK", "GEMM_SPLITK", "GEMM"])):
+        FakeGemLiteLayer.SETTINGS = dict(in_features=16, out_features=8, **settings)
+        layer = GemLiteLinear({"W_q": torch.zeros(16, 8, dtype=torch.int8), "scales": torch.ones(1, 8).half()})
+        used.clear()
+        for rows in (1, 13, 100):
+            assert layer(torch.zeros(rows, 16, dtype=torch.float16)).shape == (rows, 8)
+        assert used == expect
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only failure")

@@ -101,6 +101,11 @@ class GemLiteLinear:
             input_dtype = gemlite.DType.FP16.value
         self._args = (w_q, scales, zeros, None, *meta[1:], input_dtype * 100 + layer.W_nbits)
         self._nbits = layer.W_nbits
+        # 4-bit layers take GemLite's GEMM kernel at every batch size left to GemLite, never its split-K or GEMV
+        # kernels (chosen below 64 rows): on the H200 those gave non-finite outputs intermittently, at 8 decode
+        # rows and a 13-token prefill, while the GEMM (64+ rows) never did (pending_trained-accuracy_h200.log,
+        # pending_w4-cublas_h200.log). With the fused kernels, batches of up to 8 rows skip GemLite altogether.
+        self._gemm_only = layer.W_nbits == 4
         # A16W8_INT8 stores its int8 matrix as GemLite's [in, out] view of an [out, in] array, with one fp16
         # scale per output channel applied after the sum: the W8A16 layout. The fused decode GEMV
         # (infer.ops.fused.gemv_operands) reads the same memory, so batch-1 steps skip GemLite's kernels.
@@ -143,7 +148,7 @@ class GemLiteLinear:
             return self._w8a16(x)
         if self.large_batch is not None and x.shape[0] > self.large_batch[0]:
             return self.large_batch[1](x.contiguous(), *self.uint4_groups[:3])
-        kernel = self._kernels[self._matmul_type(x.shape[0], self._nbits)]
+        kernel = self._kernels["GEMM" if self._gemm_only else self._matmul_type(x.shape[0], self._nbits)]
         # meta_scale is only read by NVFP4 layers (GemLite passes 0.0 for every other format). RWKV-7 has
         # no biases (the layout validation admits no bias entry).
         return kernel.forward(x.contiguous(), *self._args, meta_scale=0.0)
