@@ -30,6 +30,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh tail      # the last block on each row's last 2 tokens: tests, prefill
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh streams   # large decode batches as parts on separate streams
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-cublas     # 4-bit layers on cuBLAS above 64 rows: tests, A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-gemm   # 4-bit layers on GemLite's GEMM only: tests x3, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -39,7 +40,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit|tail|streams|w4-cublas}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit|tail|streams|w4-cublas|w4-gemm}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -364,6 +365,22 @@ w4-cublas)  # 4-bit GemLite layers above 64 rows as fp16 chunks for cuBLAS: GPU 
         --batches 64,128,256 --prefill 1024 --prefill-rows 1,16 --steps 20 --wkv cuda --no-checks \
         --out bench/results/experiment_w4_gemlite_gemm_h200.json
     copy bench/results/experiment_w4_gemlite_gemm_h200.json
+    ;;
+w4-gemm)  # 4-bit GemLite layers on GemLite's GEMM at every size: the test that caught split-K's NaN x3, then decode
+    # at 9-64 rows against GemLite's own choice (split-K below 64 rows)
+    tuning_cache
+    build_fused
+    for run in 1 2 3; do
+        step 150 "4-bit decode on the fused GEMV against GemLite's GEMM, run $run" python -m pytest -q -rf --tb=short \
+            -p no:cacheprovider test/test_fused_cuda.py -k gemlite_uint4_decode_runs_on_the_fused_gemv
+    done
+    step 150 "W4 decode, GemLite's GEMM at 16-64 rows" python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT \
+        --sizes 7.2b --batches 16,32,64 --steps 20 --wkv cuda --no-checks --out bench/results/decode_h200_w4_gemm_only.json
+    copy bench/results/decode_h200_w4_gemm_only.json
+    step 150 "A/B: GemLite's own choice (RWKV_W4_GEMM_ONLY=0)" env RWKV_W4_GEMM_ONLY=0 python bench/bench_decode.py \
+        --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 16,32,64 --steps 20 --wkv cuda --no-checks \
+        --out bench/results/experiment_w4_splitk_h200.json
+    copy bench/results/experiment_w4_splitk_h200.json
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache

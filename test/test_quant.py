@@ -442,6 +442,13 @@ def test_gemlite_4bit_layers_take_gemlite_gemm_at_every_batch(fake_gemlite, monk
         for rows in (1, 13, 100):
             assert layer(torch.zeros(rows, 16, dtype=torch.float16)).shape == (rows, 8)
         assert used == expect
+    monkeypatch.setenv("RWKV_W4_GEMM_ONLY", "0")  # the A/B knob: GemLite's own choice
+    FakeGemLiteLayer.SETTINGS = dict(in_features=16, out_features=8, W_nbits=4, group_size=8, channel_scale_mode=0,
+                                     W_group_mode=4)
+    layer = GemLiteLinear({"W_q": torch.zeros(16, 8, dtype=torch.int8), "scales": torch.ones(1, 8).half()})
+    used.clear()
+    layer(torch.zeros(13, 16, dtype=torch.float16))
+    assert used == ["GEMM_SPLITK"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only failure")

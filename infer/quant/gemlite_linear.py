@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from infer.ops.cuda_ext import env_flag
 from infer.ops.linear_w8a16 import W8A16Linear, hopper_gemm_buildable
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,8 @@ class GemLiteLinear:
         # kernels (chosen below 64 rows): on the H200 those gave non-finite outputs intermittently, at 8 decode
         # rows and a 13-token prefill, while the GEMM (64+ rows) never did (pending_trained-accuracy_h200.log,
         # pending_w4-cublas_h200.log). With the fused kernels, batches of up to 8 rows skip GemLite altogether.
-        self._gemm_only = layer.W_nbits == 4
+        # RWKV_W4_GEMM_ONLY=0 gives GemLite its own choice back (for A/B timing).
+        self._gemm_only = layer.W_nbits == 4 and env_flag("RWKV_W4_GEMM_ONLY", True)
         # A16W8_INT8 stores its int8 matrix as GemLite's [in, out] view of an [out, in] array, with one fp16
         # scale per output channel applied after the sum: the W8A16 layout. The fused decode GEMV
         # (infer.ops.fused.gemv_operands) reads the same memory, so batch-1 steps skip GemLite's kernels.
