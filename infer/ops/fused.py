@@ -9,13 +9,15 @@ products go through the kernel's grouped GEMV: seven matrices of the time-mix in
 gate LoRAs' tanh/sigmoid applied to their outputs), the four LoRA second halves in another, relu^2 and the
 residual add folded in; the FFN value matrix, stored K-major (:class:`KMajorLinear`), through the
 sparse-input GEMV, which reads only the weight rows of the nonzero entries of relu(k)^2.
-Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite); with fp16 dense weights the
+Larger batches use the model's own linears (cuBLAS, CUTLASS, GemLite; 4-bit GemLite layers above 512 rows take
+:meth:`FusedKernels.uint4_matmul`: fp16 chunks of W^T for cuBLAS); with fp16 dense weights the
 receptance/key/value matrices and the w/a/v LoRA factors go through three strided-batched matmuls
 (:class:`BatchedWeights`) and the residual adds into the output and FFN-value products. Prefills take time-mix
 kernels built for them (the token-independent work of a chunk of tokens side by side, then the recurrence alone):
 a prompt alone one that splits each head's state rows over four blocks, a few rows one with a block per head, many
 rows one with a quarter of the shared-memory traffic; decode steps the one-token kernel (the launcher chooses by
-the grid; see cuda/rwkv7_fused.cu).
+the grid; see cuda/rwkv7_fused.cu). When only each row's last token is read out, the last block's output
+projection and FFN run on each row's last two tokens alone (``PackedBatch.tails``).
 
 Tiers: this path when the extension builds and passes its self-test, on a CUDA device with fp16
 activations; otherwise ``RWKV7.forward``'s readable code (with the CUDA WKV kernel or torch).
