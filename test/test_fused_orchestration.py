@@ -1,0 +1,165 @@
+"""The fused forward's own Python (infer/ops/fused.py: FusedKernels.forward) on the CPU, with the compiled ops
+replaced by plain-torch versions of their contracts (cuda/rwkv7_fused_op.cpp): which buffers each step reads and
+writes, the GEMV and matmul paths, the last block on each row's last two tokens, against the readable forward.
+The kernels themselves are tested by test_fused_emulated.py (CPU emulator) and test_fused_cuda.py (GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer.batch import PackedBatch
+from infer.model import EXP_MINUS_HALF, GROUPNORM_EPS_PER_CHANNEL, LN_EPS, RWKV7
+from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, FusedKernels, batch_weights,
+                             store_ffn_value_k_major)
+from infer.ops.wkv import TorchWKV
+from infer.random_model import make_config, random_state_dict
+
+GEMV_ROWS = 8
+
+
+class TorchFusedOps:
+    """The extension module's ops as their contracts say, in torch (fp32 math, fp16 results)."""
+
+    @staticmethod
+    def gemv_max_rows() -> int:
+        return GEMV_ROWS
+
+    @staticmethod
+    def sparse_gemv_max_rows() -> int:
+        return GEMV_ROWS
+
+    @staticmethod
+    def sparse_gemv_workspace(in_features: int, out_features: int) -> tuple[int, int]:
+        return 1, 1
+
+    @staticmethod
+    def ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mixes, outs, _stream) -> None:
+        xn = F.layer_norm(x.float(), (x.shape[1],), ln_w.float(), ln_b.float(), LN_EPS).half()
+        starts = prev < 0
+        pv = xn[prev.clamp(min=0).long()]
+        pv[starts] = shift[slots[(-prev[starts] - 1).long()]]
+        for mix, out in zip(mixes, outs):
+            out.copy_((xn.float() + (pv.float() - xn.float()) * mix.float()).half())
+        shift[slots] = xn[lasts]
+
+    @staticmethod
+    def time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, _stream) -> None:
+        r, k, v, dw, da, dv, g, v_first, out = tensors
+        w0, r_k, lnx_w, lnx_b, a0, v0, k_k, k_a = params
+        T, C = r.shape
+        H, N = state.shape[1], state.shape[2]
+        w = torch.exp(-EXP_MINUS_HALF * torch.sigmoid(w0 + dw.float()))
+        a = torch.sigmoid(a0.float() + da.float())
+        kk = F.normalize((k.float() * k_k.float()).view(T, H, N), dim=-1, p=2.0, eps=1e-12).view(T, C)
+        k_mod = k.float() * (1 + (a - 1) * k_a.float())
+        if first_layer:
+            v_first.copy_(v)
+            v_mixed = v.float()
+        else:
+            v_mixed = v.float() + (v_first.float() - v.float()) * torch.sigmoid(v0.float() + dv.float())
+        lens = (lasts - starts + 1).tolist()
+        batch = PackedBatch(tokens=torch.zeros(T, dtype=torch.long), slots=slots, lens=lens, starts=starts, last=lasts)
+        y = TorchWKV()(state, batch, r, w, k_mod, v_mixed, -kk, kk * a)
+        y = F.group_norm(y, H, lnx_w, lnx_b, eps=GROUPNORM_EPS_PER_CHANNEL * N)
+        bonus = (r.float() * k_mod * r_k.view(C)).view(T, H, N).sum(-1, keepdim=True)
+        y = y + (bonus * v_mixed.view(T, H, N)).view(T, C)
+        out.copy_(y.half() * g)
+
+    @staticmethod
+    def gemv(ws, scales, zeros, xs, ys, residuals, groups, epilogues, _stream) -> None:
+        for w, scale, x, y, residual, epilogue in zip(ws, scales, xs, ys, residuals, epilogues):
+            weight = w.float() * scale.float()[:, None] if scale.numel() else w.float()
+            product = (x.float() @ weight.T).half().float()
+            if epilogue == EPI_RELU_SQUARE:
+                product = torch.relu(product) ** 2
+            elif epilogue == EPI_TANH:
+                product = torch.tanh(product)
+            elif epilogue == EPI_SIGMOID:
+                product = torch.sigmoid(product)
+            y.copy_((product + residual.float() if residual.numel() else product).half())
+
+    @staticmethod
+    def sparse_gemv(x, weight_t, y, residual, _partial, _arrivals, _stream) -> None:
+        y.copy_((residual.float() + x.float() @ weight_t.float()).half())
+
+    @staticmethod
+    def relu_square_(x, _stream) -> None:
+        x.copy_(torch.relu(x.float()).square().half())
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The same random fp16 model twice on the CPU: the readable forward, and the fused one on torch ops."""
+    sd = random_state_dict(make_config(3, 128, 512), seed=4, dtype=torch.float32)
+    readable = RWKV7.from_state_dict({k: v.clone() for k, v in sd.items()}, device="cpu", dtype="fp16")
+    fused = RWKV7.from_state_dict(sd, device="cpu", dtype="fp16")
+    kernels = FusedKernels(TorchFusedOps())
+    kernels._stream = lambda _tensor: 0  # no CUDA stream on the CPU
+    for blk in fused.blocks:
+        blk.batched = batch_weights(blk)
+    store_ffn_value_k_major(fused, kernels)
+    fused.fused = kernels
+    return readable, fused
+
+
+def run_both(models, rows, all_logits=False, gemv_rows=2, steps=1):
+    readable, fused = models
+    fused.fused.gemv_rows = gemv_rows
+    pools = [m.new_state_pool(8) for m in models]
+    gen = torch.Generator().manual_seed(len(rows))
+    for pool in pools:  # a nonzero starting state, the same for both
+        gen.manual_seed(len(rows))
+        pool.wkv.copy_(torch.randn(pool.wkv.shape, generator=gen) * 0.2)
+        pool.att_shift.copy_(torch.randn(pool.att_shift.shape, generator=gen))
+        pool.ffn_shift.copy_(torch.randn(pool.ffn_shift.shape, generator=gen))
+    slots = [2 * i + 1 for i in range(len(rows))]
+    outs = []
+    for _ in range(steps):
+        outs.append([m.forward(PackedBatch.from_rows(rows, slots, "cpu"), p, all_logits) for m, p in zip(models, pools)])
+    return outs, pools
+
+
+def assert_match(outs, pools):
+    for ref, got in outs:
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
+    a, b = pools
+    for name in ("att_shift", "ffn_shift"):
+        assert (getattr(a, name).float() - getattr(b, name).float()).abs().max().item() <= 1e-2, name
+    assert (a.wkv - b.wkv).abs().max().item() <= 0.05
+
+
+@pytest.mark.parametrize("lens", [[1, 1, 1], [5, 1, 12], [40], [3, 2]])
+@pytest.mark.parametrize("all_logits", [True, False])
+@pytest.mark.parametrize("gemv_rows", [2, 8])
+def test_fused_forward_matches_readable(models, lens, all_logits, gemv_rows):
+    """Prefills and decode steps through the GEMV path (up to gemv_rows tokens) and the matmul path; without
+    all_logits the last block runs on each row's last two tokens, which can switch a matmul-path prefill to the
+    GEMV path for that block ([40]) or shrink a GEMV-path batch's buffers ([3, 2] at 8 rows)."""
+    rows = [[(13 * i + 7 * j) % 512 for j in range(n)] for i, n in enumerate(lens)]
+    outs, pools = run_both(models, rows, all_logits, gemv_rows)
+    assert outs[0][1].shape[0] == (sum(lens) if all_logits else len(lens))
+    assert_match(outs, pools)
+
+
+def test_fused_decode_steps_match_readable(models):
+    outs, pools = run_both(models, [[5], [77], [300]], steps=3)
+    assert_match(outs, pools)
+
+
+def test_last_block_tail_changes_only_the_work(models, monkeypatch):
+    """Without all_logits the fused forward's last block runs on 2 tokens per row, not all of them: the FFN key
+    products it computes there have those rows."""
+    _, fused = models
+    shapes = []
+    key = fused.blocks[-1].ffn_key
+    real = type(key).__call__
+
+    def counted(self, x):
+        shapes.append(x.shape[0])
+        return real(self, x)
+
+    monkeypatch.setattr(type(key), "__call__", counted)
+    run_both(models, [[1, 2, 3, 4, 5, 6], [7, 8, 9]], all_logits=False)
+    assert shapes[-1] == 4 and 9 in shapes  # the earlier blocks: all 9 tokens; the last: 2 + 2
