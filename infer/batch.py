@@ -83,6 +83,11 @@ class PackedBatch:
             self._tails = (n, tail, positions)
         return self._tails[1], self._tails[2]
 
+    def readout_tail(self) -> tuple["PackedBatch", torch.Tensor] | None:
+        """What the last block of a forward that reads out only each row's last token needs: each row's last two
+        tokens (that token's FFN shifts in the one before it), ``tails(2)``; None when no row is longer."""
+        return self.tails(2) if max(self.lens) > 2 else None
+
     def time_steps(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """For step-by-step recurrences: rows ordered longest first, and for each time step
         the packed indices of that step's tokens for the rows still running (a prefix of

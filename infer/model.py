@@ -208,9 +208,8 @@ class RWKV7:
             dx, v_first_out = self._time_mix(i, blk, xin, batch, state, v_first)
             x = x + dx
             v_first = v_first_out
-            if i == len(self.blocks) - 1 and not all_logits and max(batch.lens) > 2:
-                # only each row's last token is read out; its FFN input also shifts in the token before it
-                batch, positions = batch.tails(2)
+            if i == len(self.blocks) - 1 and not all_logits and (tail := batch.readout_tail()) is not None:
+                batch, positions = tail  # only each row's last token is read out
                 x = x[positions]
             xin = F.layer_norm(x, (self.config.n_embd,), blk.ln2_w, blk.ln2_b, LN_EPS)
             x = x + self._channel_mix(i, blk, xin, batch, state)

@@ -59,7 +59,8 @@ def pair(kernels):
 
 
 def run_both(pair, rows, slots, wkv_dtype=torch.float32, all_logits=False, steps=1, num_slots=16):
-    readable, fused = pair
+    """The same batch through both models from the same nonzero state (also on the CPU: test_fused_orchestration.py)."""
+    device = pair[0].device
     pools = [m.new_state_pool(num_slots, wkv_dtype) for m in pair]
     gen = torch.Generator().manual_seed(len(rows))
     for p in pools:  # a non-empty starting state, the same for both
@@ -69,7 +70,7 @@ def run_both(pair, rows, slots, wkv_dtype=torch.float32, all_logits=False, steps
         gen.manual_seed(len(rows))
     outs = []
     for _ in range(steps):
-        outs.append([m.forward(PackedBatch.from_rows(rows, slots, "cuda"), p, all_logits) for m, p in zip(pair, pools)])
+        outs.append([m.forward(PackedBatch.from_rows(rows, slots, device), p, all_logits) for m, p in zip(pair, pools)])
     return outs, pools
 
 

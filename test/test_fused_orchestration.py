@@ -14,6 +14,7 @@ from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, FusedKernel
                              store_ffn_value_k_major)
 from infer.ops.wkv import TorchWKV
 from infer.random_model import make_config, random_state_dict
+from test_fused_cuda import assert_close_pools, run_both
 
 GEMV_ROWS = 8
 
@@ -103,31 +104,17 @@ def models():
     return readable, fused
 
 
-def run_both(models, rows, all_logits=False, gemv_rows=2, steps=1):
-    readable, fused = models
-    fused.fused.gemv_rows = gemv_rows
-    pools = [m.new_state_pool(8) for m in models]
-    gen = torch.Generator().manual_seed(len(rows))
-    for pool in pools:  # a nonzero starting state, the same for both
-        gen.manual_seed(len(rows))
-        pool.wkv.copy_(torch.randn(pool.wkv.shape, generator=gen) * 0.2)
-        pool.att_shift.copy_(torch.randn(pool.att_shift.shape, generator=gen))
-        pool.ffn_shift.copy_(torch.randn(pool.ffn_shift.shape, generator=gen))
-    slots = [2 * i + 1 for i in range(len(rows))]
-    outs = []
-    for _ in range(steps):
-        outs.append([m.forward(PackedBatch.from_rows(rows, slots, "cpu"), p, all_logits) for m, p in zip(models, pools)])
-    return outs, pools
+def run(models, rows, all_logits=False, gemv_rows=2, steps=1):
+    models[1].fused.gemv_rows = gemv_rows
+    return run_both(models, rows, [2 * i + 1 for i in range(len(rows))], all_logits=all_logits, steps=steps,
+                    num_slots=8)
 
 
 def assert_match(outs, pools):
     for ref, got in outs:
         assert got.shape == ref.shape and got.dtype == torch.float32
         assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
-    a, b = pools
-    for name in ("att_shift", "ffn_shift"):
-        assert (getattr(a, name).float() - getattr(b, name).float()).abs().max().item() <= 1e-2, name
-    assert (a.wkv - b.wkv).abs().max().item() <= 0.05
+    assert_close_pools(*pools, wkv_tol=0.05)
 
 
 @pytest.mark.parametrize("lens", [[1, 1, 1], [5, 1, 12], [40], [3, 2]])
@@ -138,13 +125,13 @@ def test_fused_forward_matches_readable(models, lens, all_logits, gemv_rows):
     all_logits the last block runs on each row's last two tokens, which can switch a matmul-path prefill to the
     GEMV path for that block ([40]) or shrink a GEMV-path batch's buffers ([3, 2] at 8 rows)."""
     rows = [[(13 * i + 7 * j) % 512 for j in range(n)] for i, n in enumerate(lens)]
-    outs, pools = run_both(models, rows, all_logits, gemv_rows)
+    outs, pools = run(models, rows, all_logits, gemv_rows)
     assert outs[0][1].shape[0] == (sum(lens) if all_logits else len(lens))
     assert_match(outs, pools)
 
 
 def test_fused_decode_steps_match_readable(models):
-    outs, pools = run_both(models, [[5], [77], [300]], steps=3)
+    outs, pools = run(models, [[5], [77], [300]], steps=3)
     assert_match(outs, pools)
 
 
@@ -161,5 +148,5 @@ def test_last_block_tail_changes_only_the_work(models, monkeypatch):
         return real(self, x)
 
     monkeypatch.setattr(type(key), "__call__", counted)
-    run_both(models, [[1, 2, 3, 4, 5, 6], [7, 8, 9]], all_logits=False)
+    run(models, [[1, 2, 3, 4, 5, 6], [7, 8, 9]], all_logits=False)
     assert shapes[-1] == 4 and 9 in shapes  # the earlier blocks: all 9 tokens; the last: 2 + 2

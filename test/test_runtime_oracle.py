@@ -76,7 +76,9 @@ def test_packed_batch_tails():
     assert tail.starts.tolist() == [0, 2, 3] and tail.last.tolist() == [1, 2, 4]
     assert tail.slots.tolist() == [4, 0, 2]
     assert batch.tails(2)[1] is positions  # built once per batch
+    assert batch.readout_tail()[1] is positions
     assert batch.tails(1)[1].tolist() == batch.last.tolist()
+    assert PackedBatch.from_rows([[1, 2], [3]], [0, 1], "cpu").readout_tail() is None  # nothing to leave out
 
 
 def test_earlier_tokens_change_the_logits(pair):

@@ -314,11 +314,11 @@ class FusedKernels:
                 dv = _empty(x.device) if first else blk.v2(blk.v1(xv))
                 g = blk.g2(torch.sigmoid(blk.g1(xg)))
             self.time_mix(state.wkv[i], batch, blk, first, [r, k, v, dw, da, dv, g, v_first, y])
-            if i == len(model.blocks) - 1 and not all_logits and max(batch.lens) > 2:
+            if i == len(model.blocks) - 1 and not all_logits and (tail := batch.readout_tail()) is not None:
                 # Only each row's last token is read out: the last block's output projection and FFN run on each
-                # row's last two tokens (the FFN's token shift reads the one before the last). A 7.2B prompt
-                # skips 1/32 of its FFN work, and that layer's shift state is the same.
-                batch, positions = batch.tails(2)
+                # row's last two tokens. A 7.2B prompt skips 1/32 of its FFN work, and that layer's shift state is
+                # the same.
+                batch, positions = tail
                 x, y = x[positions], y[positions]
                 if small:
                     hidden = hidden[:batch.num_tokens]
