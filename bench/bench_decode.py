@@ -84,15 +84,20 @@ def static_batch(tokens: list[int], slots: list[int]) -> PackedBatch:
 
 
 def capture(model: RWKV7, batch: PackedBatch, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    return capture_calls(lambda: model.forward(batch, pool))
+
+
+def capture_calls(fn):
+    """``fn`` run twice on a side stream (warm-up), then captured as a CUDA graph: (graph, what fn returned)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            model.forward(batch, pool)
+            fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = model.forward(batch, pool)
+        out = fn()
     return graph, out
 
 

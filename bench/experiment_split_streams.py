@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_decode import load_model, static_batch, time_steps  # noqa: E402
+from bench.bench_decode import capture_calls, load_model, static_batch, time_steps  # noqa: E402
 from infer.model import RWKV7  # noqa: E402
 
 
@@ -38,19 +38,6 @@ def forward_parts(model: RWKV7, batches: list, pool, streams: list[torch.cuda.St
     return outs
 
 
-def capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 def run(name: str, batches: list[int], parts_list: list[int], steps: int) -> list[dict]:
     model = load_model(name, "fp16")
     rows = []
@@ -58,7 +45,7 @@ def run(name: str, batches: list[int], parts_list: list[int], steps: int) -> lis
         tokens = torch.randint(1, 65530, (B,)).tolist()
         whole = static_batch(tokens, list(range(B)))
         pool = model.new_state_pool(B)
-        graph, _ = capture(lambda: model.forward(whole, pool))
+        graph, _ = capture_calls(lambda: model.forward(whole, pool))
         one = time_steps(graph.replay, steps)
         del graph
         row = {"size": name, "batch": B, "one_stream_ms": round(one * 1000, 3), "one_stream_tok_s": round(B / one, 1)}
@@ -75,7 +62,7 @@ def run(name: str, batches: list[int], parts_list: list[int], steps: int) -> lis
             got = torch.cat(forward_parts(model, pieces, pool, streams))
             torch.cuda.synchronize()
             diff = float((got - want).abs().max())
-            graph, _ = capture(lambda: forward_parts(model, pieces, pool, streams))
+            graph, _ = capture_calls(lambda: forward_parts(model, pieces, pool, streams))
             t = time_steps(graph.replay, steps)
             del graph
             row[f"parts{parts}_ms"] = round(t * 1000, 3)
