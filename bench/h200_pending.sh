@@ -31,6 +31,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh streams   # large decode batches as parts on separate streams
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-cublas     # 4-bit layers on cuBLAS above 64 rows: tests, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-gemm   # 4-bit layers on GemLite's GEMM only: tests x3, A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh ln-span   # ln_shift_mix on 4 tokens a block: tests, prefill A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -40,7 +41,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit|tail|streams|w4-cublas|w4-gemm}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit|tail|streams|w4-cublas|w4-gemm|ln-span}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -382,6 +383,18 @@ w4-gemm)  # 4-bit GemLite layers on GemLite's GEMM at every size: the test that 
         --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 16,32,64 --steps 20 --wkv cuda --no-checks \
         --out bench/results/experiment_w4_splitk_h200.json
     copy bench/results/experiment_w4_splitk_h200.json
+    ;;
+ln-span)  # prompts' ln_shift_mix on 4 tokens a block: fused GPU tests, prefill, A/B against per token, profile
+    build_fused
+    fused_tests
+    prefill_bench 1,16 decode_h200_prefill_ln_span.json
+    step 200 "A/B: ln_shift_mix per token (RWKV_LN_SPAN=0)" env RWKV_LN_SPAN=0 python bench/bench_decode.py \
+        --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 --prefill-rows 1,16 --wkv cuda --no-checks \
+        --out bench/results/experiment_ln_per_token_h200.json
+    copy bench/results/experiment_ln_per_token_h200.json
+    step 150 "prefill profile, 7.2B, 1 and 16 prompts of 1k" python bench/profile_decode.py --sizes 7.2b --batches "" \
+        --prompts 1x1024,16x1024 --out bench/results/profile_prefill_ln_span_h200.json
+    copy bench/results/profile_prefill_ln_span_h200.json
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache

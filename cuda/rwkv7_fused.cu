@@ -49,6 +49,7 @@ using wkv7::N;
 constexpr int kLnThreads = 256;
 constexpr int kMaxVec = 4;          // 16-byte vectors (8 halves) per thread: C <= 256 * 4 * 8 = 8192
 constexpr int kMaxMix = 6;
+constexpr int kLnSpan = 4;           // tokens per block of ln_shift_mix_span_kernel
 constexpr float kLnEps = 1e-5f;
 constexpr float kExpMinusHalf = 0.606531f;
 constexpr float kGroupNormEps = 64e-5f;  // head_size * 1e-5
@@ -114,21 +115,64 @@ struct MixArgs {
     int count;
 };
 
-// Layer norm of one C-wide fp16 row held as up to VECS 8-vectors per thread, rounded to fp16
-// (the stored token-shift state is fp16, so every consumer sees the same values). w and b are this
-// thread's vectors of the norm's weight and bias, loaded by the caller.
+// A C-wide fp16 row as this thread's up to VECS 8-vectors (vector threadIdx.x + j * kLnThreads in out[j]; a
+// thread past the row's end leaves out[j] alone), and back.
 template <int VECS>
-__device__ __forceinline__ void layer_norm_row(const __half* __restrict__ x, const uint4 (&w)[VECS],
-                                               const uint4 (&b)[VECS], int vecs, float (&out)[VECS][8],
-                                               float* scratch) {
-    float sum = 0.0f;
+__device__ __forceinline__ void load_row(const __half* __restrict__ x, int vecs, float (&out)[VECS][8]) {
+#pragma unroll
+    for (int j = 0; j < VECS; ++j) {
+        const int v = threadIdx.x + j * kLnThreads;
+        if (v < vecs) load8(x + v * 8, out[j]);
+    }
+}
+
+template <int VECS>
+__device__ __forceinline__ void store_row(__half* __restrict__ dst, int vecs, const float (&in)[VECS][8]) {
+#pragma unroll
+    for (int j = 0; j < VECS; ++j) {
+        const int v = threadIdx.x + j * kLnThreads;
+        if (v < vecs) store8(dst + v * 8, in[j]);
+    }
+}
+
+// A slot's saved shift state, or zeros for a row without a valid slot (saved null).
+template <int VECS>
+__device__ __forceinline__ void load_row_or_zero(const __half* saved, int vecs, float (&out)[VECS][8]) {
+    if (saved) {
+        load_row(saved, vecs, out);
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < VECS; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) out[j][e] = 0.0f;
+}
+
+// This thread's vectors of the norm's weight and bias (no kernel of the step writes them: loaded before the wait).
+template <int VECS>
+__device__ __forceinline__ void load_norm_params(const __half* __restrict__ ln_w, const __half* __restrict__ ln_b,
+                                                 int vecs, uint4 (&w)[VECS], uint4 (&b)[VECS]) {
 #pragma unroll
     for (int j = 0; j < VECS; ++j) {
         const int v = threadIdx.x + j * kLnThreads;
         if (v < vecs) {
-            load8(x + v * 8, out[j]);
+            w[j] = *reinterpret_cast<const uint4*>(ln_w + v * 8);
+            b[j] = *reinterpret_cast<const uint4*>(ln_b + v * 8);
+        }
+    }
+}
+
+// Layer norm, in place, of one row loaded by load_row, rounded to fp16 (the stored token-shift state is fp16, so
+// every consumer sees the same values). w and b: this thread's vectors of the norm's weight and bias.
+template <int VECS>
+__device__ __forceinline__ void normalize_row(float (&row)[VECS][8], const uint4 (&w)[VECS], const uint4 (&b)[VECS],
+                                              int vecs, float* scratch) {
+    float sum = 0.0f;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) sum += out[j][e];
+    for (int j = 0; j < VECS; ++j) {
+        if (threadIdx.x + j * kLnThreads < vecs) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sum += row[j][e];
         }
     }
     const float inv_c = 1.0f / float(vecs * 8);
@@ -139,7 +183,7 @@ __device__ __forceinline__ void layer_norm_row(const __half* __restrict__ x, con
         if (threadIdx.x + j * kLnThreads < vecs) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                const float d = out[j][e] - mean;
+                const float d = row[j][e] - mean;
                 sq += d * d;
             }
         }
@@ -152,82 +196,24 @@ __device__ __forceinline__ void layer_norm_row(const __half* __restrict__ x, con
             unpack8(w[j], wv);
             unpack8(b[j], bv);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) out[j][e] = round_half((out[j][e] - mean) * rstd * wv[e] + bv[e]);
+            for (int e = 0; e < 8; ++e) row[j][e] = round_half((row[j][e] - mean) * rstd * wv[e] + bv[e]);
         }
     }
     __syncthreads();  // scratch is free again
 }
 
-// prev[t] >= 0: index of the previous token of t's row; prev[t] < 0: t starts row -prev[t]-1.
-// VECS: 8-vectors per thread, the fewest that cover C (registers grow with it).
 template <int VECS>
-__global__ void __launch_bounds__(kLnThreads, VECS <= 2 ? 2 : 1)
-ln_shift_mix_kernel(int C, int64_t num_slots, const __half* __restrict__ x, const __half* __restrict__ ln_w,
-                    const __half* __restrict__ ln_b, __half* __restrict__ shift, const int32_t* __restrict__ prev,
-                    const int64_t* __restrict__ slots, const int64_t* __restrict__ lasts, MixArgs args) {
-    __shared__ float scratch[2 * kLnThreads / 32];
-    const int64_t t = blockIdx.x;
-    const int vecs = C / 8;
+__device__ __forceinline__ void layer_norm_row(const __half* __restrict__ x, const uint4 (&w)[VECS],
+                                               const uint4 (&b)[VECS], int vecs, float (&out)[VECS][8],
+                                               float* scratch) {
+    load_row(x, vecs, out);
+    normalize_row(out, w, b, vecs, scratch);
+}
 
-    // Before the wait, everything no kernel of this step writes: the norm's parameters, the batch's
-    // indices, and at a row start the slot's saved shift state (only this layer's own launch writes it).
-    // At decode this kernel is a chain of dependent loads, so each one taken off the chain is latency saved.
-    uint4 w[VECS], b[VECS];
-#pragma unroll
-    for (int j = 0; j < VECS; ++j) {
-        const int v = threadIdx.x + j * kLnThreads;
-        if (v < vecs) {
-            w[j] = *reinterpret_cast<const uint4*>(ln_w + v * 8);
-            b[j] = *reinterpret_cast<const uint4*>(ln_b + v * 8);
-        }
-    }
-    const int p = prev[t];
-    float pv[VECS][8];
-    int64_t last = -1;
-    __half* saved = nullptr;  // the slot's shift state when t starts a row with a valid slot
-    if (p < 0) {
-        const int64_t row = -int64_t(p) - 1;
-        const int64_t slot = slots[row];
-        last = lasts[row];
-        if (slot >= 0 && slot < num_slots) saved = shift + slot * C;  // a bad slot is left alone (its row reads zeros)
-#pragma unroll
-        for (int j = 0; j < VECS; ++j) {
-            const int v = threadIdx.x + j * kLnThreads;
-            if (v >= vecs) continue;
-            if (saved) {
-                load8(saved + v * 8, pv[j]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) pv[j][e] = 0.0f;
-            }
-        }
-    }
-    dependency_wait();
-
-    float xn[VECS][8];
-    layer_norm_row(x + t * C, w, b, vecs, xn, scratch);
-    if (p >= 0) {
-        layer_norm_row(x + int64_t(p) * C, w, b, vecs, pv, scratch);
-    } else if (saved) {
-        // The new shift state: the normalised input of the row's last token. Each thread writes
-        // exactly the elements it read above, so no barrier is needed between the two.
-        if (last == t) {
-#pragma unroll
-            for (int j = 0; j < VECS; ++j) {
-                const int v = threadIdx.x + j * kLnThreads;
-                if (v < vecs) store8(saved + v * 8, xn[j]);
-            }
-        } else {
-            float ln_last[VECS][8];
-            layer_norm_row(x + last * C, w, b, vecs, ln_last, scratch);
-#pragma unroll
-            for (int j = 0; j < VECS; ++j) {
-                const int v = threadIdx.x + j * kLnThreads;
-                if (v < vecs) store8(saved + v * 8, ln_last[j]);
-            }
-        }
-    }
-
+// Token t's outputs: out[m][t] = xn + (pv - xn) * mix[m], xn its normalised input, pv the one before it.
+template <int VECS>
+__device__ __forceinline__ void write_mixes(const MixArgs& args, int64_t t, int C, int vecs,
+                                            const float (&xn)[VECS][8], const float (&pv)[VECS][8]) {
 #pragma unroll
     for (int j = 0; j < VECS; ++j) {
         const int v = threadIdx.x + j * kLnThreads;
@@ -249,6 +235,107 @@ ln_shift_mix_kernel(int C, int64_t num_slots, const __half* __restrict__ x, cons
 #pragma unroll
             for (int e = 0; e < 8; ++e) o[e] = fmaf(d[e], mf[e], xn[j][e]);
             store8(args.out[m] + t * C + v * 8, o);
+        }
+    }
+}
+
+// prev[t] >= 0: index of the previous token of t's row; prev[t] < 0: t starts row -prev[t]-1.
+// VECS: 8-vectors per thread, the fewest that cover C (registers grow with it).
+template <int VECS>
+__global__ void __launch_bounds__(kLnThreads, VECS <= 2 ? 2 : 1)
+ln_shift_mix_kernel(int C, int64_t num_slots, const __half* __restrict__ x, const __half* __restrict__ ln_w,
+                    const __half* __restrict__ ln_b, __half* __restrict__ shift, const int32_t* __restrict__ prev,
+                    const int64_t* __restrict__ slots, const int64_t* __restrict__ lasts, MixArgs args) {
+    __shared__ float scratch[2 * kLnThreads / 32];
+    const int64_t t = blockIdx.x;
+    const int vecs = C / 8;
+
+    // Before the wait, everything no kernel of this step writes: the norm's parameters, the batch's
+    // indices, and at a row start the slot's saved shift state (only this layer's own launch writes it).
+    // At decode this kernel is a chain of dependent loads, so each one taken off the chain is latency saved.
+    uint4 w[VECS], b[VECS];
+    load_norm_params(ln_w, ln_b, vecs, w, b);
+    const int p = prev[t];
+    float pv[VECS][8];
+    int64_t last = -1;
+    __half* saved = nullptr;  // the slot's shift state when t starts a row with a valid slot
+    if (p < 0) {
+        const int64_t row = -int64_t(p) - 1;
+        const int64_t slot = slots[row];
+        last = lasts[row];
+        if (slot >= 0 && slot < num_slots) saved = shift + slot * C;  // a bad slot is left alone (its row reads zeros)
+        load_row_or_zero(saved, vecs, pv);
+    }
+    dependency_wait();
+
+    float xn[VECS][8];
+    layer_norm_row(x + t * C, w, b, vecs, xn, scratch);
+    if (p >= 0) {
+        layer_norm_row(x + int64_t(p) * C, w, b, vecs, pv, scratch);
+    } else if (saved) {
+        // The new shift state: the normalised input of the row's last token. Each thread writes
+        // exactly the elements it read above, so no barrier is needed between the two.
+        if (last == t) {
+            store_row(saved, vecs, xn);
+        } else {
+            float ln_last[VECS][8];
+            layer_norm_row(x + last * C, w, b, vecs, ln_last, scratch);
+            store_row(saved, vecs, ln_last);
+        }
+    }
+    write_mixes(args, t, C, vecs, xn, pv);
+}
+
+// Prompts: a block per kLnSpan consecutive tokens, with ln_shift_mix_kernel's results. Each token is normalised
+// once (the per-token kernel normalises the token before it a second time) and the norm's parameters are loaded
+// once per span. A row's tokens are packed in order, so prev[t] is t - 1 within a row (PackedBatch.prev_index);
+// any other index is normalised on its own. A row start's slot state is read here and its new state, the row's
+// last normalised input, written by the same threads, here or when the span reaches that token.
+template <int VECS>
+__global__ void __launch_bounds__(kLnThreads, VECS <= 2 ? 2 : 1)
+ln_shift_mix_span_kernel(int64_t T, int C, int64_t num_slots, const __half* __restrict__ x,
+                         const __half* __restrict__ ln_w, const __half* __restrict__ ln_b, __half* __restrict__ shift,
+                         const int32_t* __restrict__ prev, const int64_t* __restrict__ slots,
+                         const int64_t* __restrict__ lasts, MixArgs args) {
+    __shared__ float scratch[2 * kLnThreads / 32];
+    const int64_t t0 = int64_t(blockIdx.x) * kLnSpan;
+    const int64_t t1 = T - t0 < kLnSpan ? T : t0 + kLnSpan;
+    const int vecs = C / 8;
+    dependency_wait();
+
+    float before[VECS][8];       // the normalised input before token t (at a row start, the slot's state)
+    __half* pending = nullptr;   // a slot whose new state is token pending_last's normalised input
+    int64_t pending_last = -1;
+#pragma unroll 1
+    for (int64_t t = t0; t < t1; ++t) {
+        uint4 w[VECS], b[VECS];  // (reloaded per token from L1: held across the span they cost a spill)
+        load_norm_params(ln_w, ln_b, vecs, w, b);
+        float xn[VECS][8];
+        layer_norm_row(x + t * C, w, b, vecs, xn, scratch);
+        const int p = prev[t];
+        int64_t beyond = -1;  // a row start whose last token lies past the span: that token, normalised below
+        if (p < 0) {
+            const int64_t row = -int64_t(p) - 1;
+            const int64_t slot = slots[row], last = lasts[row];
+            __half* saved = slot >= 0 && slot < num_slots ? shift + slot * C : nullptr;  // a bad slot reads zeros
+            load_row_or_zero(saved, vecs, before);
+            if (saved) {
+                pending = saved;
+                pending_last = last;
+                if (last >= t1) beyond = last;
+            }
+        } else if (t == t0 || p != t - 1) {
+            layer_norm_row(x + int64_t(p) * C, w, b, vecs, before, scratch);
+        }  // else: before holds token t - 1's normalised input from the last iteration
+        if (t == pending_last) store_row(pending, vecs, xn);
+        write_mixes(args, t, C, vecs, xn, before);
+#pragma unroll
+        for (int j = 0; j < VECS; ++j)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) before[j][e] = xn[j][e];
+        if (beyond >= 0) {  // (in xn's registers, free now)
+            layer_norm_row(x + beyond * C, w, b, vecs, xn, scratch);
+            store_row(pending, vecs, xn);
         }
     }
 }
@@ -1741,6 +1828,18 @@ inline int64_t env_int(const char* name, int64_t fallback) {
 }
 inline bool env_flag(const char* name, bool fallback) { return env_int(name, fallback ? 1 : 0) != 0; }
 
+// Whether a launch of T tokens over B rows of C channels takes ln_shift_mix_span_kernel: rows of kLnSpan
+// tokens or more on average (prompts), C wider than one 8-vector per thread. A decode step (a token per row)
+// keeps the per-token kernel, which loads a row start's slot state before the wait. At one vector per thread
+// (C <= 2,048) the span kernel's registers halve the blocks per multiprocessor and it lost on the H200: 1.5B
+// prompts 0.5-1.6 % slower, while 7.2B's 16 x 4,096 gained 1.1 % and its ln_shift_mix time 18.3 -> 15.3 ms at
+// 16 x 1,024 (bench/results/decode_h200_prefill_ln_span.json against experiment_ln_per_token_h200.json).
+// RWKV_LN_SPAN=0: every launch per token (A/B).
+inline bool ln_span_for(int64_t T, int64_t B, int64_t C) {
+    static const bool enabled = env_flag("RWKV_LN_SPAN", true);
+    return enabled && T >= kLnSpan * B && ln_vecs(C) >= 2;
+}
+
 // Programmatic dependent launch is used on compute capability >= 9.0 unless RWKV_PDL=0.
 inline bool use_pdl(int device) {
     static int cached[64] = {0};  // 0 unknown, 1 off, 2 on
@@ -2058,21 +2157,33 @@ inline unsigned dequantize_blocks(int64_t K, int64_t width) {
 // --------------------------------------------------------------------------------- C interface
 // x [T, C] fp16; ln_w/ln_b [C]; shift [S, C] (one layer's token-shift pool, fp16); prev [T] int32;
 // slots/lasts [B] int64; mix[m] [C], out[m] [T, C] for m < count (<= 6). C % 8 == 0, C <= 8192.
-extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, int64_t C, int64_t num_slots,
-                                         const void* x, const void* ln_w, const void* ln_b, void* shift,
-                                         const int32_t* prev, const int64_t* slots, const int64_t* lasts,
+extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, int64_t B, int64_t C,
+                                         int64_t num_slots, const void* x, const void* ln_w, const void* ln_b,
+                                         void* shift, const int32_t* prev, const int64_t* slots, const int64_t* lasts,
                                          const void* const* mix, void* const* out, int count) {
     using namespace fused;
     if (T == 0) return cudaSuccess;
-    if (T < 0 || T > INT_MAX || C <= 0 || C % 8 || C > kLnThreads * kMaxVec * 8 || count < 1 || count > kMaxMix)
+    if (T < 0 || T > INT_MAX || B < 1 || C <= 0 || C % 8 || C > kLnThreads * kMaxVec * 8 || count < 1 ||
+        count > kMaxMix)
         return cudaErrorInvalidValue;
     const MixArgs args = make_mix_args(mix, out, count);
     const int vecs = ln_vecs(C);
-    auto kernel = vecs == 1 ? ln_shift_mix_kernel<1> : vecs == 2 ? ln_shift_mix_kernel<2> : ln_shift_mix_kernel<kMaxVec>;
+    const auto stream_ = reinterpret_cast<cudaStream_t>(stream);
+    const auto x_ = static_cast<const __half*>(x);
+    const auto w_ = static_cast<const __half*>(ln_w);
+    const auto b_ = static_cast<const __half*>(ln_b);
+    const auto shift_ = static_cast<__half*>(shift);
     return on_device(device, [&] {
-        return launch(kernel, static_cast<unsigned>(T), kLnThreads, reinterpret_cast<cudaStream_t>(stream),
-                      static_cast<int>(C), num_slots, static_cast<const __half*>(x), static_cast<const __half*>(ln_w),
-                      static_cast<const __half*>(ln_b), static_cast<__half*>(shift), prev, slots, lasts, args);
+        if (ln_span_for(T, B, C)) {
+            auto kernel = vecs == 1   ? ln_shift_mix_span_kernel<1>
+                          : vecs == 2 ? ln_shift_mix_span_kernel<2>
+                                      : ln_shift_mix_span_kernel<kMaxVec>;
+            return launch(kernel, static_cast<unsigned>((T + kLnSpan - 1) / kLnSpan), kLnThreads, stream_, T,
+                          static_cast<int>(C), num_slots, x_, w_, b_, shift_, prev, slots, lasts, args);
+        }
+        auto kernel = vecs == 1 ? ln_shift_mix_kernel<1> : vecs == 2 ? ln_shift_mix_kernel<2> : ln_shift_mix_kernel<kMaxVec>;
+        return launch(kernel, static_cast<unsigned>(T), kLnThreads, stream_, static_cast<int>(C), num_slots, x_, w_,
+                      b_, shift_, prev, slots, lasts, args);
     });
 }
 

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, int64_t C, int64_t num_slots,
-                                         const void* x, const void* ln_w, const void* ln_b, void* shift,
-                                         const int32_t* prev, const int64_t* slots, const int64_t* lasts,
+extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, int64_t B, int64_t C,
+                                         int64_t num_slots, const void* x, const void* ln_w, const void* ln_b,
+                                         void* shift, const int32_t* prev, const int64_t* slots, const int64_t* lasts,
                                          const void* const* mix, void* const* out, int count);
 extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
@@ -94,7 +94,7 @@ void ln_shift_mix(torch::Tensor x, torch::Tensor ln_w, torch::Tensor ln_b, torch
         mix_ptr.push_back(mix[m].data_ptr());
         out_ptr.push_back(out[m].data_ptr());
     }
-    raise_on(fused_ln_shift_mix_launch(static_cast<int>(device.index()), stream, T, C, shift.size(0), x.data_ptr(),
+    raise_on(fused_ln_shift_mix_launch(static_cast<int>(device.index()), stream, T, B, C, shift.size(0), x.data_ptr(),
                                        ln_w.data_ptr(), ln_b.data_ptr(), shift.data_ptr(), prev.data_ptr<int32_t>(),
                                        slots.data_ptr<int64_t>(), lasts.data_ptr<int64_t>(), mix_ptr.data(),
                                        out_ptr.data(), static_cast<int>(mix.size())),

@@ -82,7 +82,8 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
         so = ctypes.CDLL(str(path))
         i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         if name.startswith("fused"):
-            so.emu_fused_ln_shift_mix.argtypes = [i64, i64, i64, p, p, p, p, p, p, p, p, p, i32]
+            so.emu_fused_ln_shift_mix.argtypes = [i64, i64, i64, p, p, p, p, p, p, p, p, p, i32, i32]
+            so.emu_ln_span_for.argtypes = [i64, i64, i64]
             so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32, i64, i32]
             so.emu_time_mix_kernel_for.argtypes = [p, i32, ctypes.c_uint, i32]
             so.emu_split_parts.argtypes = [ctypes.c_uint, i32]
@@ -201,13 +202,13 @@ def test_half_conversions_match_torch(libs):
 
 
 # --------------------------------------------------------------------------------------------- ln_shift_mix
-def run_ln_shift_mix(so, x, ln_w, ln_b, shift, batch: PackedBatch, mixes):
+def run_ln_shift_mix(so, x, ln_w, ln_b, shift, batch: PackedBatch, mixes, span: bool = False):
     T, C = x.shape
     outs = [torch.full((T, C), float("nan"), dtype=torch.float16) for _ in mixes]
     prev = batch.prev_index()
     _check_rc(so.emu_fused_ln_shift_mix(T, C, shift.shape[0], _ptr(x), _ptr(ln_w), _ptr(ln_b), _ptr(shift),
                                         _ptr(prev), _ptr(batch.slots), _ptr(batch.last), _ptrs(mixes), _ptrs(outs),
-                                        len(mixes)))
+                                        len(mixes), int(span)))
     return outs
 
 
@@ -231,25 +232,30 @@ def ln_shift_mix_reference(x, ln_w, ln_b, shift, batch: PackedBatch, mixes):
 LN_ATOL = 2.0 ** -20
 LN_ROWS = [3, 1, 4, 1, 2]
 LN_SLOTS = [2, 1, 5, -1, 3]  # a pool of 5: slots 5 and -1 are out of range, 0 and 4 are not in the batch
+# for the span kernel (4 tokens a block) also rows that cross blocks, so that a row start's block does not hold
+# the row's last token
+LN_LONG_ROWS = [6, 1, 9, 2, 1]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("C,count", [(128, 6), (192, 1), (2112, 2), (8192, 3)])
-def test_ln_shift_mix(variant, C, count, libs):
-    """Layer norm + token shift + 1 or 6 mixes, rows of 1-4 tokens on a nonzero shift pool, two rows
-    with out-of-range slots; C = 2112 gives some threads a second 8-vector, C = 8192 (the largest) four."""
+@pytest.mark.parametrize("kernel,rows", [("token", LN_ROWS), ("span", LN_ROWS), ("span", LN_LONG_ROWS)])
+def test_ln_shift_mix(variant, C, count, kernel, rows, libs):
+    """Layer norm + token shift + 1 or 6 mixes, rows of 1-9 tokens on a nonzero shift pool, two rows
+    with out-of-range slots; C = 2112 gives some threads a second 8-vector, C = 8192 (the largest) four. The
+    per-token kernel and the span kernel (prompts: 4 tokens per block), with the same assertions."""
     gen = torch.Generator().manual_seed(C + count)
-    T, S = sum(LN_ROWS), 5
+    T, S = sum(rows), 5
     spread, offset = torch.rand(T, 1, generator=gen) * 3, torch.randn(T, 1, generator=gen)  # per token
     x = (torch.randn(T, C, generator=gen) * spread + offset).half()
     ln_w = (torch.randn(C, generator=gen) * 0.1 + 1).half()
     ln_b = (torch.randn(C, generator=gen) * 0.1).half()
     shift = torch.randn(S, C, generator=gen).half()
     mixes = [torch.rand(C, generator=gen).half() for _ in range(count)]
-    batch = PackedBatch.from_rows([[0] * n for n in LN_ROWS], LN_SLOTS, "cpu")
+    batch = PackedBatch.from_rows([[0] * n for n in rows], LN_SLOTS, "cpu")
 
     got_shift = shift.clone()
-    outs = run_ln_shift_mix(libs[f"fused-{variant}"], x, ln_w, ln_b, got_shift, batch, mixes)
+    outs = run_ln_shift_mix(libs[f"fused-{variant}"], x, ln_w, ln_b, got_shift, batch, mixes, kernel == "span")
     xin, prev, want, want_shift = ln_shift_mix_reference(x, ln_w, ln_b, shift.clone(), batch, mixes)
 
     untouched = [0, 4]
@@ -265,6 +271,36 @@ def test_ln_shift_mix(variant, C, count, libs):
         once = (xin.float() + (prev.float() - xin.float()) * mixes[m].float()).half()  # rounded once, as the kernel
         assert_ulps(outs[m], once, 2, f"mix {m} (fp32 mix)", scale=scale, atol=LN_ATOL)
         assert (outs[m] == once).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ln_shift_mix_span_kernel_matches_per_token_kernel(variant, libs):
+    """The span kernel normalises each token once and carries it to the next token: bit for bit the per-token
+    kernel's outputs and shift states (rows crossing blocks, single tokens, out-of-range slots)."""
+    gen = torch.Generator().manual_seed(7)
+    C, S = 2112, 5
+    batch = PackedBatch.from_rows([[0] * n for n in LN_LONG_ROWS], LN_SLOTS, "cpu")
+    x = (torch.randn(batch.num_tokens, C, generator=gen) * 2 + 0.5).half()
+    ln_w, ln_b = (torch.randn(C, generator=gen) * 0.1 + 1).half(), (torch.randn(C, generator=gen) * 0.1).half()
+    shift = torch.randn(S, C, generator=gen).half()
+    mixes = [torch.rand(C, generator=gen).half() for _ in range(6)]
+    shifts = [shift.clone(), shift.clone()]
+    outs = [run_ln_shift_mix(libs[f"fused-{variant}"], x, ln_w, ln_b, pool, batch, mixes, span)
+            for pool, span in zip(shifts, (False, True))]
+    assert torch.equal(shifts[0], shifts[1])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_ln_shift_mix_takes_the_span_kernel_for_prompts(libs):
+    """Launches whose rows average 4 tokens or more (prompts) take the span kernel where a thread holds two
+    8-vectors of the row or more (C > 2,048: 7.2B); decode steps (a token per row), mostly-decode batches and
+    narrower models (1.5B, 0.1B: slower with it on the H200) keep the per-token kernel."""
+    so = libs["fused-cuda"]
+    assert so.emu_ln_span_for(1024, 1, 4096) == 1 and so.emu_ln_span_for(16 * 4096, 16, 4096) == 1
+    assert so.emu_ln_span_for(8, 2, 4096) == 1 and so.emu_ln_span_for(7, 2, 4096) == 0
+    assert so.emu_ln_span_for(256, 256, 4096) == 0 and so.emu_ln_span_for(1, 1, 4096) == 0
+    assert so.emu_ln_span_for(1024, 1, 2056) == 1 and so.emu_ln_span_for(1024, 1, 8192) == 1
+    assert so.emu_ln_span_for(1024, 1, 2048) == 0 and so.emu_ln_span_for(1024, 1, 768) == 0
 
 
 # --------------------------------------------------------------------------------------------- time_mix

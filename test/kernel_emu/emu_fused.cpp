@@ -8,19 +8,35 @@
 
 #include KERNEL_SOURCE
 
+// span: run ln_shift_mix_span_kernel (kLnSpan tokens per block) instead of the per-token kernel; the launcher
+// picks it with ln_span_for (exported below).
 EMU_EXPORT int emu_fused_ln_shift_mix(int64_t T, int64_t C, int64_t num_slots, const void* x, const void* ln_w,
                                       const void* ln_b, void* shift, const int32_t* prev, const int64_t* slots,
-                                      const int64_t* lasts, const void* const* mix, void* const* out, int count) {
+                                      const int64_t* lasts, const void* const* mix, void* const* out, int count,
+                                      int span) {
     using namespace fused;
     if (T <= 0 || C <= 0 || C % 8 || C > kLnThreads * kMaxVec * 8 || count < 1 || count > kMaxMix) return -1;
     const MixArgs args = make_mix_args(mix, out, count);
     const int vecs = ln_vecs(C);
+    const auto x_ = static_cast<const __half*>(x);
+    const auto w_ = static_cast<const __half*>(ln_w);
+    const auto b_ = static_cast<const __half*>(ln_b);
+    const auto shift_ = static_cast<__half*>(shift);
+    if (span) {
+        auto kernel = vecs == 1   ? ln_shift_mix_span_kernel<1>
+                      : vecs == 2 ? ln_shift_mix_span_kernel<2>
+                                  : ln_shift_mix_span_kernel<kMaxVec>;
+        return emu::run_grid(static_cast<unsigned>((T + kLnSpan - 1) / kLnSpan), kLnThreads, [&] {
+            kernel(T, static_cast<int>(C), num_slots, x_, w_, b_, shift_, prev, slots, lasts, args);
+        });
+    }
     auto kernel = vecs == 1 ? ln_shift_mix_kernel<1> : vecs == 2 ? ln_shift_mix_kernel<2> : ln_shift_mix_kernel<kMaxVec>;
     return emu::run_grid(static_cast<unsigned>(T), kLnThreads, [&] {
-        kernel(static_cast<int>(C), num_slots, static_cast<const __half*>(x), static_cast<const __half*>(ln_w),
-               static_cast<const __half*>(ln_b), static_cast<__half*>(shift), prev, slots, lasts, args);
+        kernel(static_cast<int>(C), num_slots, x_, w_, b_, shift_, prev, slots, lasts, args);
     });
 }
+
+EMU_EXPORT int emu_ln_span_for(int64_t T, int64_t B, int64_t C) { return fused::ln_span_for(T, B, C) ? 1 : 0; }
 
 // kernel: the one to run (TimeMixKernel); the launcher picks it with time_mix_kernel_for (exported below).
 // max_len: the longest row (the split kernel's finishing grid covers that many tokens per row). parts: the split
