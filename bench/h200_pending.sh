@@ -32,6 +32,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-cublas     # 4-bit layers on cuBLAS above 64 rows: tests, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-gemm   # 4-bit layers on GemLite's GEMM only: tests x3, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ln-span   # ln_shift_mix on 4 tokens a block: tests, prefill A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-bounds # W8A16 and 4-bit batch-1 steps per kernel; prompts again
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -41,7 +42,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit|tail|streams|w4-cublas|w4-gemm|ln-span}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit|tail|streams|w4-cublas|w4-gemm|ln-span|b1-bounds}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -395,6 +396,28 @@ ln-span)  # prompts' ln_shift_mix on 4 tokens a block: fused GPU tests, prefill,
     step 150 "prefill profile, 7.2B, 1 and 16 prompts of 1k" python bench/profile_decode.py --sizes 7.2b --batches "" \
         --prompts 1x1024,16x1024 --out bench/results/profile_prefill_ln_span_h200.json
     copy bench/results/profile_prefill_ln_span_h200.json
+    ;;
+b1-bounds)  # where the W8A16 and 4-bit batch-1 steps' time goes (PDL off, as profile_nopdl_sparse_h200.json for
+    # fp16), then the 7.2B prompt figures (TTFT three times, 16 rows) on the final code
+    tuning_cache
+    build
+    step 120 "per-kernel profile, 7.2B W8A16, batch 1, PDL off" env RWKV_PDL=0 python bench/profile_decode.py \
+        --engine cutlass --sizes 7.2b --batches 1 --out bench/results/profile_nopdl_w8_h200.json
+    copy bench/results/profile_nopdl_w8_h200.json
+    step 90 "per-kernel profile, 7.2B fp16, batch 1, PDL off (this machine's reference)" env RWKV_PDL=0 \
+        python bench/profile_decode.py --sizes 7.2b --batches 1 --out bench/results/profile_nopdl_fp16_b1_h200.json
+    copy bench/results/profile_nopdl_fp16_b1_h200.json
+    step 200 "per-kernel profile, 7.2B A16W4, batch 1, PDL off" env RWKV_PDL=0 python bench/profile_decode.py \
+        --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 1 --out bench/results/profile_nopdl_w4_h200.json
+    copy bench/results/profile_nopdl_w4_h200.json
+    step 120 "prefill, 7.2B" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024,4096 \
+        --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill_final.json
+    copy bench/results/decode_h200_prefill_final.json
+    for run in 1 2 3; do
+        step 60 "TTFT repeat $run" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 \
+            --prefill-rows 1 --wkv cuda --no-checks --out "bench/results/ttft_final_repeat_$run.json"
+        copy "bench/results/ttft_final_repeat_$run.json"
+    done
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache

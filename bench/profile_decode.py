@@ -11,6 +11,10 @@ the eager time above it is what issuing the launches from the host costs). Every
 gaps between consecutive kernels (``gaps``: the kernels on either side, µs averaged over the steps).
 
     python bench/profile_decode.py --sizes 7.2b --batches "" --prompts 1x1024 --out bench/results/profile_prefill_h200.json
+
+``--engine cutlass`` (W8A16) or ``gemlite:FORMAT`` quantizes the random weights in memory as bench_decode does.
+
+    python bench/profile_decode.py --engine cutlass --sizes 7.2b --batches 1 --out bench/results/profile_w8_h200.json
 """
 from __future__ import annotations
 
@@ -26,12 +30,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_decode import SIZES, capture, random_weights, static_batch, time_steps  # noqa: E402
+from bench import bench_decode  # noqa: E402
+from bench.bench_decode import ENGINES, capture, data_dir, load_model, static_batch, time_steps  # noqa: E402
 from infer.batch import PackedBatch  # noqa: E402
-from infer.model import RWKV7  # noqa: E402
-from infer.ops.fused import select_fused  # noqa: E402
-from infer.ops.wkv_cuda import select_wkv  # noqa: E402
-from infer.random_model import make_config  # noqa: E402
 
 
 def short_name(name: str) -> str:
@@ -83,17 +84,19 @@ def idle_gaps(kernels: list, steps: int, top: int = 12) -> dict:
             "largest": [{"after_launch": i, "after": a, "before": b, "us": round(us, 2)} for us, i, a, b in largest]}
 
 
-def profile_size(name: str, batches: list[int], prompts: list[tuple[int, int]], steps: int, forward: str) -> list[dict]:
-    L, C = SIZES[name]
-    model = RWKV7.from_state_dict(random_weights(make_config(L, C, 65536), "fp16"), device="cuda", dtype="fp16")
-    model.wkv = select_wkv(model.device, "cuda")
-    select_fused(model, "on" if forward == "fused" else "off")
+def profile_size(name: str, batches: list[int], prompts: list[tuple[int, int]], steps: int, forward: str,
+                 engine: str = "fp16") -> list[dict]:
+    bench_decode.FORWARD.update(fused="on" if forward == "fused" else "off", wkv="cuda")
+    model = load_model(name, engine)
+    if engine.startswith("gemlite"):  # GemLite's kernels tuned for these sizes before they are timed
+        from infer.quant.engines import warm_up_gemlite
+        warm_up_gemlite(model, batches + [count * length for count, length in prompts], data_dir())
     rows = []
     for B in batches:  # decode steps, replayed as CUDA graphs
         pool = model.new_state_pool(B)
         batch = static_batch(torch.randint(1, 65530, (B,)).tolist(), list(range(B)))
         graph, _ = capture(model, batch, pool)
-        rows.append(profile_step(graph.replay, steps, {"size": name, "batch": B, "forward": forward}))
+        rows.append(profile_step(graph.replay, steps, {"size": name, "engine": engine, "batch": B, "forward": forward}))
         del graph, pool
         torch.cuda.empty_cache()
     for count, length in prompts:  # prefill forwards, eager as the engine runs them
@@ -101,7 +104,8 @@ def profile_size(name: str, batches: list[int], prompts: list[tuple[int, int]], 
         batch = PackedBatch.from_rows([torch.randint(1, 65530, (length,)).tolist() for _ in range(count)],
                                       list(range(count)), "cuda")
         row = profile_step(lambda: model.forward(batch, pool), max(2, steps // 4),
-                           {"size": name, "prompts": count, "prompt_tokens": length, "forward": forward})
+                           {"size": name, "engine": engine, "prompts": count, "prompt_tokens": length,
+                            "forward": forward})
         try:  # the same forward as a CUDA graph: no host in the way (and proof that it never syncs the host)
             graph, _ = capture(model, batch, pool)
             row["graph_step_us"] = round(time_steps(graph.replay, max(2, steps // 4) * 3) * 1e6, 1)
@@ -126,8 +130,8 @@ def profile_step(fn, steps: int, row: dict) -> dict:
                 "boundary_us_per_launch": round((step_us - kernel_us) / max(launches, 1), 2),
                 "kernels": kernels, "gaps": gaps, "sequence": sequence})
     what = f"batch {row['batch']}" if "batch" in row else f"prefill {row['prompts']} x {row['prompt_tokens']}"
-    print(f"\n{row['size']} {what} ({row['forward']}): step {step_us:.0f} us, kernels {kernel_us:.0f} us in "
-          f"{launches:.0f} launches, {row['boundary_us_per_launch']} us per boundary", flush=True)
+    print(f"\n{row['size']} {row['engine']} {what} ({row['forward']}): step {step_us:.0f} us, kernels "
+          f"{kernel_us:.0f} us in {launches:.0f} launches, {row['boundary_us_per_launch']} us per boundary", flush=True)
     for kname, v in list(kernels.items())[:14]:
         print(f"  {v['us_per_step']:>9.1f} us {v['launches_per_step']:>6.1f}x  {kname}", flush=True)
     if gaps:
@@ -144,6 +148,7 @@ def main() -> None:
     ap.add_argument("--prompts", default="", help="prefill forwards to profile, ROWSxTOKENS, e.g. 1x1024,16x1024")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--forward", default="fused", choices=("fused", "readable"))
+    ap.add_argument("--engine", default="fp16", choices=ENGINES, help="weights: fp16, W8A16 or a GemLite format")
     ap.add_argument("--out", default="bench/results/profile_h200.json")
     args = ap.parse_args()
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
@@ -151,7 +156,7 @@ def main() -> None:
     for name in args.sizes.split(","):
         batches = [int(b) for b in args.batches.split(",") if b]
         prompts = [tuple(int(n) for n in p.split("x")) for p in args.prompts.split(",") if p]
-        result["profile"] += profile_size(name, batches, prompts, args.steps, args.forward)
+        result["profile"] += profile_size(name, batches, prompts, args.steps, args.forward, args.engine)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
