@@ -401,6 +401,8 @@ b1-bounds)  # where the W8A16 and 4-bit batch-1 steps' time goes (PDL off, as pr
     # fp16), then the 7.2B prompt figures (TTFT three times, 16 rows) on the final code
     tuning_cache
     build
+    step 150 "fused GPU tests of a 4,096-wide model's prompts (the span kernel)" python -m pytest -q -rf --tb=short \
+        -p no:cacheprovider test/test_fused_cuda.py -k wide_model
     step 120 "per-kernel profile, 7.2B W8A16, batch 1, PDL off" env RWKV_PDL=0 python bench/profile_decode.py \
         --engine cutlass --sizes 7.2b --batches 1 --out bench/results/profile_nopdl_w8_h200.json
     copy bench/results/profile_nopdl_w8_h200.json

@@ -135,6 +135,22 @@ def test_prefill_on_two_blocks_per_head_matches_readable(pair, wkv_dtype):
     assert_prefill_matches(pair, rows, list(range(count)), wkv_dtype, num_slots=count)
 
 
+@pytest.fixture(scope="module")
+def wide_pair(kernels):
+    """A one-layer model 4,096 channels wide (7.2B's), twice: its prompts' ln_shift_mix takes the span kernel,
+    which the narrower models' (``pair``) never do."""
+    readable, fused = build(1, 4096, 1024, seed=4), build(1, 4096, 1024, seed=4)
+    assert select_fused(fused, "on") is kernels
+    return readable, fused
+
+
+@pytest.mark.parametrize("lens", [[40], [5, 1, 12], [1, 1, 1]])
+def test_prefill_of_a_wide_model_matches_readable(wide_pair, lens):
+    """Rows averaging 4+ tokens run ln_shift_mix_span_kernel (C > 2,048), decode-like ones the per-token one."""
+    rows = [[(13 * i + 7 * j) % 1024 for j in range(n)] for i, n in enumerate(lens)]
+    assert_prefill_matches(wide_pair, rows, [2 * i + 1 for i in range(len(lens))], torch.float32)
+
+
 def test_chunked_prefill_equals_whole(pair):
     _, fused = pair
     prompt = [(31 * j) % 1024 for j in range(37)]
