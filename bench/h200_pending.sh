@@ -33,6 +33,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-gemm   # 4-bit layers on GemLite's GEMM only: tests x3, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ln-span   # ln_shift_mix on 4 tokens a block: tests, prefill A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-bounds # W8A16 and 4-bit batch-1 steps per kernel; prompts again
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh tc        # prompts' time mix on tensor cores: A/B, GPU tests
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -42,7 +43,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit|tail|streams|w4-cublas|w4-gemm|ln-span|b1-bounds}
+PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit|tail|streams|w4-cublas|w4-gemm|ln-span|b1-bounds|tc}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
@@ -420,6 +421,23 @@ b1-bounds)  # where the W8A16 and 4-bit batch-1 steps' time goes (PDL off, as pr
             --prefill-rows 1 --wkv cuda --no-checks --out "bench/results/ttft_final_repeat_$run.json"
         copy "bench/results/ttft_final_repeat_$run.json"
     done
+    ;;
+tc)  # many-row prompts' time mix on the tensor cores (RWKV_TIME_MIX_TC=1) against the chunked kernel: prefill A/B
+    # first (the device time left may not cover it all), then the fused GPU tests with it, then its profile
+    build_fused
+    step 120 "prefill, tensor-core time mix" env RWKV_TIME_MIX_TC=1 python bench/bench_decode.py --sizes 7.2b,1.5b \
+        --batches "" --prefill 1024,4096 --prefill-rows 16 --wkv cuda --no-checks \
+        --out bench/results/experiment_time_mix_tc_h200.json
+    copy bench/results/experiment_time_mix_tc_h200.json
+    step 120 "A/B: the chunked kernel" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
+        --prefill-rows 16 --wkv cuda --no-checks --out bench/results/experiment_time_mix_chunked_ab_h200.json
+    copy bench/results/experiment_time_mix_chunked_ab_h200.json
+    step 150 "fused GPU tests, tensor-core time mix" env RWKV_TIME_MIX_TC=1 python -m pytest -q -rf --tb=short \
+        -p no:cacheprovider test/test_fused_cuda.py \
+        -k "(prefill or cpu_fp32 or greedy or invariance) and not uint4 and not gemlite"
+    step 90 "prefill profile, 7.2B 16 x 1k, tensor-core time mix" env RWKV_TIME_MIX_TC=1 python bench/profile_decode.py \
+        --sizes 7.2b --batches "" --prompts 16x1024 --out bench/results/profile_prefill_tc_h200.json
+    copy bench/results/profile_prefill_tc_h200.json
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache

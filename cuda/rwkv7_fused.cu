@@ -40,6 +40,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 #include <utility>
 
 namespace fused {
@@ -700,6 +701,21 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 //   C: group norm, bonus and gate per token and channel, the chunk's sums side by side (two barriers).
 // Same math and rounding points as time_mix_kernel; the dot products over the state rows are summed in another
 // order (as in time_mix_prefill_kernel), everything else in the same.
+// d += A b on the tensor cores (one warp): A 16 x 16 fp16, b 16 x 8 fp16, d 16 x 8 fp32. Fragments of lane
+// 4g + t (PTX ISA, mma.m16n8k16, f16x2 registers with the lower k in the lower half):
+//   a[0] A[g][2t, 2t+1]   a[1] A[g+8][2t, 2t+1]   a[2] A[g][2t+8, 2t+9]   a[3] A[g+8][2t+8, 2t+9]
+//   b0 b[2t, 2t+1][g]     b1 b[2t+8, 2t+9][g]     d[0], d[1] d[g][2t, 2t+1]   d[2], d[3] d[g+8][2t, 2t+1]
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(EMU_WARP)
+    emu::mma_16x8x16(d, a, b0, b1);  // the CPU emulation's (test/kernel_emu/emu_device.h)
+#endif
+}
+
 constexpr int kChunkTokens = 8;
 constexpr int kChunkInputs = 8;  // r, k, v, dw, da, g, dv, v_first (layer 0: the first six)
 constexpr int kChunkRows = 4;    // state rows per thread in phase B
@@ -805,6 +821,47 @@ __device__ __forceinline__ void chunk_prepare(const TimeMixArgs& p, const __half
     __syncthreads();
 }
 
+// The inputs of the chunk from token t0 into the inputs' buffer, in two halves: fewer registers.
+__device__ __forceinline__ void load_chunk_inputs(const TimeMixArgs& p, int64_t t0, int64_t last, int64_t C, int h,
+                                                __half (*inputs)[kChunkTokens][N]) {
+    ChunkLoads<0, kChunkInputs / 2> front;
+    load_chunk(p, t0, last, C, h, front);
+    store_chunk(front, inputs);
+    ChunkLoads<kChunkInputs / 2, kChunkInputs> back;
+    load_chunk(p, t0, last, C, h, back);
+    store_chunk(back, inputs);
+}
+
+// C of a chunk (the chunked kernels): group norm over the head (two passes over y, which thread i reads at its
+// channel i of buf.y), bonus, gate, and the `count` tokens' outputs stored. Two barriers.
+__device__ __forceinline__ void chunk_finish(const TimeMixArgs& p, ChunkBuffers& buf, const ChannelParams& params,
+                                             int64_t t0, int count, int64_t C, int64_t col) {
+    const int i = threadIdx.x, warp = threadIdx.x >> 5;
+    float y[kChunkTokens], mean[kChunkTokens], bonus[kChunkTokens];
+#pragma unroll
+    for (int u = 0; u < kChunkTokens; ++u) {
+        y[u] = buf.y[u][i];
+        const float part = warp_sum(y[u]);
+        if ((threadIdx.x & 31) == 0) buf.mean[u][warp] = part;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kChunkTokens; ++u) {
+        mean[u] = (buf.mean[u][0] + buf.mean[u][1]) * (1.0f / N);
+        bonus[u] = buf.bonus[u][0] + buf.bonus[u][1];  // read before the barrier: the next chunk rewrites it
+        const float part = warp_sum((y[u] - mean[u]) * (y[u] - mean[u]));
+        if ((threadIdx.x & 31) == 0) buf.var[u][warp] = part;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kChunkTokens; ++u) {
+        if (u >= count) break;
+        const float var = (buf.var[u][0] + buf.var[u][1]) * (1.0f / N);
+        const float yn = (y[u] - mean[u]) * rsqrtf(var + kGroupNormEps) * params.lnx_w + params.lnx_b;
+        p.out[(t0 + u) * C + col] = __float2half_rn(round_half(yn + bonus[u] * buf.v[u][i]) * buf.g[u][i]);
+    }
+}
+
 template <typename S>
 __global__ void __launch_bounds__(N, 8)
 time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
@@ -813,7 +870,7 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     static_assert(kChunkTokens * 8 == N, "load_chunk: 8 threads per token");
     static_assert(kChunkRows == 4 && N / kChunkRows * 4 == N, "phase B: a quad of threads per 4 rows (float4 of v, y)");
     const int h = blockIdx.x % H;
-    const int i = threadIdx.x, warp = threadIdx.x >> 5;
+    const int i = threadIdx.x;
     const int g = i / 4, q = i % 4;  // phase B: state rows 4g .. 4g + 3, columns 16c + 4q + e (c, e < 4)
     const int64_t C = int64_t(H) * N;
     const int64_t col = int64_t(h) * N + i;
@@ -902,41 +959,9 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
             for (int r = 0; r < kChunkRows; ++r) y[r] = lanes_sum<4>(y[r]);
             if (q == 0) *reinterpret_cast<float4*>(&buf.y[u][kChunkRows * g]) = make_float4(y[0], y[1], y[2], y[3]);
         }
-        if (more) {  // the inputs' buffer is free since the first barrier; in two halves: fewer registers
-            ChunkLoads<0, kChunkInputs / 2> front;
-            load_chunk(p, t0 + kChunkTokens, last, C, h, front);
-            store_chunk(front, inputs);
-            ChunkLoads<kChunkInputs / 2, kChunkInputs> back;
-            load_chunk(p, t0 + kChunkTokens, last, C, h, back);
-            store_chunk(back, inputs);
-        }
-
+        if (more) load_chunk_inputs(p, t0 + kChunkTokens, last, C, h, inputs);  // free since A's first barrier
         __syncthreads();  // y of channel i was written by thread i / 4 * 4
-
-        // C: group norm over the head (two passes over y), bonus, gate
-        float y[kChunkTokens], mean[kChunkTokens], bonus[kChunkTokens];
-#pragma unroll
-        for (int u = 0; u < kChunkTokens; ++u) {
-            y[u] = buf.y[u][i];
-            const float part = warp_sum(y[u]);
-            if ((threadIdx.x & 31) == 0) buf.mean[u][warp] = part;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int u = 0; u < kChunkTokens; ++u) {
-            mean[u] = (buf.mean[u][0] + buf.mean[u][1]) * (1.0f / N);
-            bonus[u] = buf.bonus[u][0] + buf.bonus[u][1];  // read before the barrier: the next chunk rewrites it
-            const float part = warp_sum((y[u] - mean[u]) * (y[u] - mean[u]));
-            if ((threadIdx.x & 31) == 0) buf.var[u][warp] = part;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int u = 0; u < kChunkTokens; ++u) {
-            if (u >= count) break;
-            const float var = (buf.var[u][0] + buf.var[u][1]) * (1.0f / N);
-            const float yn = (y[u] - mean[u]) * rsqrtf(var + kGroupNormEps) * params.lnx_w + params.lnx_b;
-            p.out[(t0 + u) * C + col] = __float2half_rn(round_half(yn + bonus[u] * buf.v[u][i]) * buf.g[u][i]);
-        }
+        chunk_finish(p, buf, params, t0, count, C, col);
     }
 
     __syncthreads();  // the chunk buffers are read for the last time above; the tile takes their memory back
@@ -949,6 +974,283 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     }
     __syncthreads();
     wkv7::tile_to_block(tile, block);
+}
+
+// ------------------------------------------------------------------------------------ time_mix, chunked, tensor cores
+// time_mix_chunked_kernel's phase B walks the chunk's 8 tokens one after another, ~80 % of its instructions. Here
+// B runs in matrix form, most of it on the tensor cores (mma.m16n8k16: fp16 operands, fp32 sums), with the same
+// phases A and C. Per state row i (s: its 64 key columns; the rows share every matrix below), token u of the
+// chunk updates s <- s diag(w_u) + (s . a_u) b_u + v_u[i] k'_u and reads y_u[i] = s . r_u (a = -kk, b = kk * a).
+// With G_u the product of the chunk's decays up to token u (per column; G_-1 = 1; at most 8 factors above 0.545,
+// so 1 / G_u < 128) and x_u = (s before token u) . a_u, from the chunk's starting state S0:
+//   x_u = S0 (a_u G_{u-1}) + sum_{t<u} Aab[u][t] x_t + Aak[u][t] v_t    Aab[u][t] = (a_u G_{u-1}) . (b_t / G_t)
+//   y_u = S0 (r_u G_u) + sum_{t<=u} Arb[u][t] x_t + Ark[u][t] v_t      Aak, Arb, Ark: likewise with k', r
+//   S_end = S0 diag(G_7) + sum_t x_t (b_t G_7 / G_t)^T + v_t (k'_t G_7 / G_t)^T
+// A block's two warps hold the state in mma accumulator fragments (fp32), 32 rows each. Per chunk:
+//   a. thread j (a key column): the decay products and the scaled vectors, in fp32 and (bounded by |a|, |r|,
+//      |b|, |k'|) in fp16 for the tensor cores;
+//   b. the four 8 x 8 matrices, fp32 on the CUDA cores (one entry of each per thread);
+//   c. S0 (a G) and S0 (r G) on the tensor cores, S0 rounded to fp16 from the accumulators;
+//   d. thread i (a state row): the triangular solve for x_u, then y_u, in fp32;
+//   e. the state update on the tensor cores, [x | v'] (fp16) times [b G / G | k' G / G] (fp16) added to the
+//      accumulators scaled by G_7.
+// Tokens past the row's end have zero inputs and decay 1, so they change nothing. The state stays fp32 between
+// chunks; the fp16 operands put the outputs and the update within ~1e-3 relative of the fp32 recurrence, not
+// the last-bit agreement of the other kernels (test_fused_emulated.py holds it to the model's own tolerance).
+// RWKV_TIME_MIX_TC=0 takes time_mix_chunked_kernel instead (A/B).
+#define FUSED_TIME_MIX_TC 1  // (asked by the CPU emulator's harness: the HIP port has no such kernel)
+struct TcOperands {  // phase B's fp16 operands and small matrices, in the inputs' buffer (free during B)
+    __half ag[kChunkTokens][N + 8], rg[kChunkTokens][N + 8];  // B of c (k = column): a_u G_{u-1}, r_u G_u
+    __half bk[N][2 * kChunkTokens];  // B of e, by column j: b_t G_7 / G_t (k = t), k'_t G_7 / G_t (k = 8 + t)
+    __half xv[N][2 * kChunkTokens];  // A of e, by row i: x_t (k = t), v'_t (k = 8 + t)
+    float mat[4][kChunkTokens][kChunkTokens];  // Aab, Aak, Arb, Ark
+    float decay[N];                            // G_7 by column
+};
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+    return uint32_t(__half_as_ushort(__float2half_rn(lo))) | (uint32_t(__half_as_ushort(__float2half_rn(hi))) << 16);
+}
+__device__ __forceinline__ uint32_t half_pair(const __half* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Two adjacent state values S[row][j], S[row][j + 1] <-> fp32 (8 or 4 bytes, aligned)
+__device__ __forceinline__ void load_state2(const float* p, float& a, float& b) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    a = __uint_as_float(u.x);
+    b = __uint_as_float(u.y);
+}
+__device__ __forceinline__ void load_state2(const __half* p, float& a, float& b) {
+    const uint32_t u = half_pair(p);
+    a = h2f(__ushort_as_half(static_cast<unsigned short>(u & 0xffffu)));
+    b = h2f(__ushort_as_half(static_cast<unsigned short>(u >> 16)));
+}
+__device__ __forceinline__ void store_state2(float* p, float a, float b) {
+    uint2 u;
+    u.x = __float_as_uint(a);
+    u.y = __float_as_uint(b);
+    *reinterpret_cast<uint2*>(p) = u;
+}
+__device__ __forceinline__ void store_state2(__half* p, float a, float b) {
+    *reinterpret_cast<uint32_t*>(p) = pack_half2(a, b);
+}
+
+// The fragment layout of the state: lane 4g + t of warp w holds acc[m][n][e] = S[state_row(m, e)][8n + 2t + e % 2]
+// (m < 2, n < 8: the accumulators of mma.m16n8k16, 16 rows x 8 columns each).
+__device__ __forceinline__ int state_row(int m, int e) {
+    return 32 * (threadIdx.x >> 5) + 16 * m + ((threadIdx.x & 31) >> 2) + 8 * (e / 2);
+}
+__device__ __forceinline__ int state_column(int n, int e) { return 8 * n + 2 * (threadIdx.x & 3) + e % 2; }
+
+// The block's state into the fragments. An fp32 state directly (8-byte pairs); an fp16 one through shared memory
+// (`stage`, free until phase A), with 16-byte loads: 32 4-byte loads per lane beside the 64 fragment registers
+// spilled.
+template <typename S>
+__device__ __forceinline__ void load_state_fragments(const S* block, float (&acc)[2][8][4], void* stage) {
+    if constexpr (std::is_same_v<S, float>) {
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; e += 2)
+                    load_state2(block + state_row(m, e) * N + state_column(n, e), acc[m][n][e], acc[m][n][e + 1]);
+    } else {
+        __half(*tile)[N + 8] = static_cast<__half(*)[N + 8]>(stage);  // padded: conflict-free pairs below
+#pragma unroll
+        for (int k = 0; k < N * N / 8 / N; ++k) {  // 16-byte vectors, N per round
+            const int v = threadIdx.x + N * k;
+            *reinterpret_cast<uint4*>(&tile[v / 8][(v % 8) * 8]) = *reinterpret_cast<const uint4*>(block + v * 8);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; e += 2)
+                    load_state2(&tile[state_row(m, e)][state_column(n, e)], acc[m][n][e], acc[m][n][e + 1]);
+        __syncthreads();  // the stage's memory is the chunk buffers'
+    }
+}
+
+template <typename S>
+__device__ __forceinline__ void store_state_fragments(S* block, const float (&acc)[2][8][4]) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2)
+                store_state2(block + state_row(m, e) * N + state_column(n, e), acc[m][n][e], acc[m][n][e + 1]);
+}
+
+// a: thread j (column j) turns buf's r, -kk, kk * a and k' of the chunk's tokens into r G_u, a G_{u-1}, b / G_u and
+// k' / G_u in place (fp32, for b), writes the fp16 operands of c and e and G_7; buf.w is read for the last time.
+__device__ __forceinline__ void tc_scale(ChunkBuffers& buf, TcOperands& op, int count) {
+    const int j = threadIdx.x;
+    float decay = 1.0f;
+#pragma unroll
+    for (int u = 0; u < kChunkTokens; ++u) {
+        const float before = decay;
+        decay *= u < count ? buf.w[u][j] : 1.0f;
+        const float inv = 1.0f / decay;
+        const float ag = buf.a[u][j] * before, rg = buf.r[u][j] * decay;
+        buf.a[u][j] = ag;
+        buf.r[u][j] = rg;
+        buf.b[u][j] *= inv;
+        buf.k[u][j] *= inv;
+        op.ag[u][j] = __float2half_rn(ag);
+        op.rg[u][j] = __float2half_rn(rg);
+    }
+    op.decay[j] = decay;
+    uint32_t packed[kChunkTokens];  // the row bk[j]: 8 pairs (b and k' / G read back: fewer registers held)
+#pragma unroll
+    for (int u = 0; u < kChunkTokens; u += 2) {
+        packed[u / 2] = pack_half2(buf.b[u][j] * decay, buf.b[u + 1][j] * decay);
+        packed[kChunkTokens / 2 + u / 2] = pack_half2(buf.k[u][j] * decay, buf.k[u + 1][j] * decay);
+    }
+    uint4* row = reinterpret_cast<uint4*>(&op.bk[j][0]);
+    row[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    row[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+}
+
+// b: thread (u, t) = (4 warp + lane / 8, lane % 8) computes entry [u][t] of the four matrices (zero above the
+// diagonal, and on it for Aab and Aak). Each lane starts its 64-long dot products at its own column block, so
+// the 8 lanes of a quarter-warp read 8 different banks' float4s.
+__device__ __forceinline__ void tc_matrices(const ChunkBuffers& buf, TcOperands& op) {
+    const int lane = threadIdx.x & 31, u = 4 * (threadIdx.x >> 5) + lane / 8, t = lane % 8;
+    float ab = 0.0f, ak = 0.0f, rb = 0.0f, rk = 0.0f;
+#pragma unroll 4
+    for (int c = 0; c < N / 4; ++c) {
+        const int j = 4 * ((c + t) % (N / 4));
+        const float4 a4 = *reinterpret_cast<const float4*>(&buf.a[u][j]);
+        const float4 r4 = *reinterpret_cast<const float4*>(&buf.r[u][j]);
+        const float4 b4 = *reinterpret_cast<const float4*>(&buf.b[t][j]);
+        const float4 k4 = *reinterpret_cast<const float4*>(&buf.k[t][j]);
+        ab += a4.x * b4.x + a4.y * b4.y + a4.z * b4.z + a4.w * b4.w;
+        ak += a4.x * k4.x + a4.y * k4.y + a4.z * k4.z + a4.w * k4.w;
+        rb += r4.x * b4.x + r4.y * b4.y + r4.z * b4.z + r4.w * b4.w;
+        rk += r4.x * k4.x + r4.y * k4.y + r4.z * k4.z + r4.w * k4.w;
+    }
+    op.mat[0][u][t] = t < u ? ab : 0.0f;
+    op.mat[1][u][t] = t < u ? ak : 0.0f;
+    op.mat[2][u][t] = t <= u ? rb : 0.0f;
+    op.mat[3][u][t] = t <= u ? rk : 0.0f;
+}
+
+// c: S0 (a G) into buf.w and S0 (r G) into buf.y, [token][row], for this warp's 32 rows.
+__device__ __forceinline__ void tc_history(const float (&acc)[2][8][4], const TcOperands& op, ChunkBuffers& buf) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        float x[4] = {0.0f, 0.0f, 0.0f, 0.0f}, y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int ks = 0; ks < N / 16; ++ks) {  // k: columns 16 ks .. 16 ks + 15, two accumulator tiles
+            const uint32_t a[4] = {pack_half2(acc[m][2 * ks][0], acc[m][2 * ks][1]),
+                                   pack_half2(acc[m][2 * ks][2], acc[m][2 * ks][3]),
+                                   pack_half2(acc[m][2 * ks + 1][0], acc[m][2 * ks + 1][1]),
+                                   pack_half2(acc[m][2 * ks + 1][2], acc[m][2 * ks + 1][3])};
+            mma_16x8x16(x, a, half_pair(&op.ag[g][16 * ks + 2 * t]), half_pair(&op.ag[g][16 * ks + 8 + 2 * t]));
+            mma_16x8x16(y, a, half_pair(&op.rg[g][16 * ks + 2 * t]), half_pair(&op.rg[g][16 * ks + 8 + 2 * t]));
+        }
+        const int row = 32 * warp + 16 * m + g;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            buf.w[2 * t + e % 2][row + 8 * (e / 2)] = x[e];
+            buf.y[2 * t + e % 2][row + 8 * (e / 2)] = y[e];
+        }
+    }
+}
+
+// d: thread i (state row i): x_u by forward substitution, y_u (into buf.y), and the row xv[i] for e.
+__device__ __forceinline__ void tc_solve(ChunkBuffers& buf, TcOperands& op) {
+    const int i = threadIdx.x;
+    float x[kChunkTokens], v[kChunkTokens];
+#pragma unroll
+    for (int u = 0; u < kChunkTokens; ++u) {
+        v[u] = buf.v[u][i];
+        float sum = buf.w[u][i];
+#pragma unroll
+        for (int t = 0; t < u; ++t) sum += op.mat[0][u][t] * x[t] + op.mat[1][u][t] * v[t];
+        x[u] = sum;
+    }
+#pragma unroll
+    for (int u = 0; u < kChunkTokens; ++u) {
+        float sum = buf.y[u][i];
+#pragma unroll
+        for (int t = 0; t <= u; ++t) sum += op.mat[2][u][t] * x[t] + op.mat[3][u][t] * v[t];
+        buf.y[u][i] = sum;
+    }
+    uint4* row = reinterpret_cast<uint4*>(&op.xv[i][0]);
+    row[0] = make_uint4(pack_half2(x[0], x[1]), pack_half2(x[2], x[3]), pack_half2(x[4], x[5]), pack_half2(x[6], x[7]));
+    row[1] = make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
+}
+
+// e: acc <- acc diag(G_7) + [x | v'] [b G_7 / G | k' G_7 / G], this warp's 32 rows.
+__device__ __forceinline__ void tc_update(float (&acc)[2][8][4], const TcOperands& op) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        const int row = 32 * warp + 16 * m + g;
+        const uint32_t a[4] = {half_pair(&op.xv[row][2 * t]), half_pair(&op.xv[row + 8][2 * t]),
+                               half_pair(&op.xv[row][8 + 2 * t]), half_pair(&op.xv[row + 8][8 + 2 * t])};
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            const float d0 = op.decay[8 * n + 2 * t], d1 = op.decay[8 * n + 2 * t + 1];
+            acc[m][n][0] *= d0;
+            acc[m][n][1] *= d1;
+            acc[m][n][2] *= d0;
+            acc[m][n][3] *= d1;
+            mma_16x8x16(acc[m][n], a, half_pair(&op.bk[8 * n + g][2 * t]), half_pair(&op.bk[8 * n + g][8 + 2 * t]));
+        }
+    }
+}
+
+template <typename S>
+__global__ void __launch_bounds__(N, 8)
+time_mix_chunked_tc_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state,
+                           const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
+                           const int64_t* __restrict__ lasts, TimeMixArgs p) {
+    static_assert(kChunkTokens == 8 && N == 64, "two warps of 32 state rows; 8-token chunks: one n8 / k8 of mma");
+    const int h = blockIdx.x % H;
+    const int64_t C = int64_t(H) * N;
+    const int64_t col = int64_t(h) * N + threadIdx.x;
+
+    const auto [first, last, slot] = time_mix_row(blockIdx.x / H, slots, starts, lasts);
+    if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
+
+    __shared__ __align__(16) ChunkBuffers buf;
+    __shared__ __align__(16) __half inputs[kChunkInputs][kChunkTokens][N];
+    static_assert(sizeof(TcOperands) <= sizeof(inputs), "phase B's operands must fit in the inputs' buffer");
+    TcOperands& op = *reinterpret_cast<TcOperands*>(&inputs[0][0][0]);
+
+    S* block = state + (slot * H + h) * N * N;
+    float acc[2][8][4];
+    static_assert(sizeof(__half) * N * (N + 8) <= sizeof(ChunkBuffers), "an fp16 state's stage in the buffers");
+    load_state_fragments(block, acc, &buf);  // only this kernel writes the state: safe before the wait
+
+    dependency_wait();
+    load_chunk_inputs(p, first, last, C, h, inputs);  // (in halves: the state's fragments hold 64 registers)
+    __syncthreads();
+
+    for (int64_t t0 = first; t0 <= last; t0 += kChunkTokens) {
+        const int count = chunk_count(t0, last);
+        // (the channel's parameters are read where they are used, not held across B: registers)
+        chunk_prepare(p, inputs, buf, load_channel_params(p, col), t0, count, C, col);  // frees the inputs' buffer
+        tc_scale(buf, op, count);
+        __syncthreads();
+        tc_matrices(buf, op);
+        tc_history(acc, op, buf);
+        __syncthreads();
+        tc_solve(buf, op);
+        __syncthreads();  // xv rows of the other threads
+        tc_update(acc, op);
+        if (t0 + kChunkTokens <= last) {
+            __syncthreads();  // the operands in the inputs' buffer are read
+            load_chunk_inputs(p, t0 + kChunkTokens, last, C, h, inputs);
+        }
+        chunk_finish(p, buf, load_channel_params(p, col), t0, count, C, col);  // y of channel i: thread i's
+    }
+    store_state_fragments(block, acc);
 }
 
 // ------------------------------------------------------------------------------------ time_mix, split
@@ -1459,21 +1761,6 @@ __device__ __forceinline__ void dequant_uint4x8(uint32_t word, __half2 scale, __
     }
 }
 
-// d += A b on the tensor cores (one warp): A 16 x 16 fp16, b 16 x 8 fp16, d 16 x 8 fp32. Fragments of lane
-// 4g + t (PTX ISA, mma.m16n8k16, f16x2 registers with the lower k in the lower half):
-//   a[0] A[g][2t, 2t+1]   a[1] A[g+8][2t, 2t+1]   a[2] A[g][2t+8, 2t+9]   a[3] A[g+8][2t+8, 2t+9]
-//   b0 b[2t, 2t+1][g]     b1 b[2t+8, 2t+9][g]     d[0], d[1] d[g][2t, 2t+1]   d[2], d[3] d[g+8][2t, 2t+1]
-__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#elif defined(EMU_WARP)
-    emu::mma_16x8x16(d, a, b0, b1);  // the CPU emulation's (test/kernel_emu/emu_device.h)
-#endif
-}
-
 // x[m][8c .. 8c + 7] as the B pairs of one row of words: pair i = (x[8c + i], x[8c + i + 4]) (the tensor cores'
 // operands).
 __device__ __forceinline__ void load_x_pairs(const __half* p, uint32_t (&pair)[4]) {
@@ -1947,8 +2234,11 @@ inline int64_t finish_blocks(int64_t B, int64_t H, int64_t max_len) {
 // time_mix_prefill_kernel on one of fewer than kPrefillMaxBlocks, else time_mix_chunked_kernel. The split and
 // chunked kernels' 16-byte loads need 16-byte aligned inputs (else the prefill and decode kernels).
 // RWKV_SPLIT_MAX_BLOCKS and RWKV_PREFILL_MAX_BLOCKS override the two bounds, RWKV_TIME_MIX_CHUNKED=0 takes
-// time_mix_kernel instead of the chunked one (all read once; for A/B timing).
-enum TimeMixKernel : int { kTimeMixDecode = 0, kTimeMixPrefill = 1, kTimeMixChunked = 2, kTimeMixSplit = 3 };
+// time_mix_kernel instead of the chunked one, RWKV_TIME_MIX_TC=1 its tensor-core form (all read once; for A/B
+// timing).
+enum TimeMixKernel : int {
+    kTimeMixDecode = 0, kTimeMixPrefill = 1, kTimeMixChunked = 2, kTimeMixSplit = 3, kTimeMixChunkedTc = 4
+};
 
 // Blocks per (row, head) of the split kernel on a (row, head) grid of `grid` blocks: 2 when that puts one block on
 // each multiprocessor where 4 would put two (a 7.2B prompt alone, 64 heads on 132: 241.3 us per layer against
@@ -1962,13 +2252,15 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
     static const int64_t split_max_blocks = env_int("RWKV_SPLIT_MAX_BLOCKS", kSplitMaxBlocks);
     static const int64_t prefill_max_blocks = env_int("RWKV_PREFILL_MAX_BLOCKS", kPrefillMaxBlocks);
     static const bool chunked = env_flag("RWKV_TIME_MIX_CHUNKED", true);
+    static const bool tensor_cores = env_flag("RWKV_TIME_MIX_TC", false);
     if (!prefill) return kTimeMixDecode;
     bool aligned = true;
     for (int j = 0; j < chunk_inputs(p); ++j)
         aligned = aligned && reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16 == 0;
     if (grid <= split_max_blocks && aligned && reinterpret_cast<uintptr_t>(p.out) % 16 == 0) return kTimeMixSplit;
     if (grid < prefill_max_blocks) return kTimeMixPrefill;
-    return chunked && aligned ? kTimeMixChunked : kTimeMixDecode;
+    if (!chunked || !aligned) return kTimeMixDecode;
+    return tensor_cores ? kTimeMixChunkedTc : kTimeMixChunked;
 }
 
 // Whether gemv_kernel takes a task: k a multiple of one 16-byte load (8 fp16 or 16 int8 weights); 4-bit:
@@ -2220,8 +2512,8 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
         return cudaErrorInvalidConfiguration;
     if (kernel == kTimeMixSplit && (scratch == nullptr || scratch_floats < split_scratch_floats(num_tokens, H)))
         return cudaErrorInvalidValue;
-    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto split2_kernel,
-                   auto split4_kernel) {
+    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto chunked_tc_kernel,
+                   auto split2_kernel, auto split4_kernel) {
         return on_device(device, [&] {
             if (kernel == kTimeMixSplit) {
                 const int parts = split_parts(grid, multiprocessors(device));
@@ -2237,15 +2529,19 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
             if (kernel == kTimeMixPrefill)
                 return launch(prefill_kernel, grid, kPrefillThreads, s, h, num_slots, num_tokens, pool, slots, starts,
                               lasts, p);
-            return launch(kernel == kTimeMixChunked ? chunked_kernel : decode_kernel, grid, N, s, h, num_slots,
-                          num_tokens, pool, slots, starts, lasts, p);
+            return launch(kernel == kTimeMixChunked     ? chunked_kernel
+                          : kernel == kTimeMixChunkedTc ? chunked_tc_kernel
+                                                        : decode_kernel,
+                          grid, N, s, h, num_slots, num_tokens, pool, slots, starts, lasts, p);
         });
     };
     if (state_dtype == wkv7::kFloat32)
         return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_prefill_kernel<float>,
-                   time_mix_chunked_kernel<float>, time_mix_split_kernel<float, 2>, time_mix_split_kernel<float, 4>);
+                   time_mix_chunked_kernel<float>, time_mix_chunked_tc_kernel<float>, time_mix_split_kernel<float, 2>,
+                   time_mix_split_kernel<float, 4>);
     return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_prefill_kernel<__half>,
-               time_mix_chunked_kernel<__half>, time_mix_split_kernel<__half, 2>, time_mix_split_kernel<__half, 4>);
+               time_mix_chunked_kernel<__half>, time_mix_chunked_tc_kernel<__half>, time_mix_split_kernel<__half, 2>,
+               time_mix_split_kernel<__half, 4>);
 }
 
 extern "C" int fused_gemv_max_rows() { return fused::kGemvMaxRows; }

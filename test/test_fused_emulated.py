@@ -326,9 +326,20 @@ def time_mix_inputs(C: int, T: int, layer: int, gen: torch.Generator) -> dict:
     return p
 
 
-TIME_MIX_KERNELS = {"decode": 0, "prefill": 1, "chunked": 2, "split": 3}  # TimeMixKernel
-# the kernels the tests run: the split kernel with 4 blocks per (row, head) ("split") or 2 ("split2")
+TIME_MIX_KERNELS = {"decode": 0, "prefill": 1, "chunked": 2, "split": 3, "tc": 4}  # TimeMixKernel
+# the kernels the tests run: the split kernel with 4 blocks per (row, head) ("split") or 2 ("split2"); "tc" (the
+# chunked kernel on tensor cores) exists in the CUDA source only
 TIME_MIX_RUNS = {**TIME_MIX_KERNELS, "split2": TIME_MIX_KERNELS["split"]}
+# The tensor-core kernel's fp16 operands (the chunk's starting state, x, v', and the decayed key-axis vectors)
+# put its outputs and states ~1e-3 relative from the fp32 recurrence: measured against the fp32-intermediate
+# math, outputs within TC_OUT_ULPS fp16 ulp of the head's largest output and states within TC_STATE_TOL of the
+# largest state value (seen: 2 ulp and 9e-4).
+TC_OUT_ULPS, TC_STATE_TOL = 4, 2e-3
+
+
+def skip_unless_cuda(variant: str, kernel: str) -> None:
+    if kernel == "tc" and variant != "cuda":
+        pytest.skip("the tensor-core time mix has no HIP port")
 
 
 def run_time_mix(so, layer, p, pool, slots, starts, lasts, kernel="decode"):
@@ -406,6 +417,7 @@ def _sub(p: dict, idx: torch.Tensor) -> dict:
 @pytest.mark.parametrize("C,layer,state_dtype", [(128, 0, torch.float32), (192, 3, torch.float16),
                                                  (192, 0, torch.float16), (128, 1, torch.float32)])
 def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
+    skip_unless_cuda(variant, kernel)
     gen = torch.Generator().manual_seed(C * 10 + layer)
     T = sum(TM_LENS)
     p = time_mix_inputs(C, T, layer, gen)
@@ -439,6 +451,9 @@ def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
 
     assert_close(out[idx], want, 1e-2, 1e-2, "output vs RWKV7._time_mix")
     assert_close(got_pool[touched], model_pool[touched], 1e-2, 1e-2, "state vs RWKV7._time_mix")
+    if kernel == "tc":
+        assert_tc_close(out[idx], want32, got_pool[touched], fp32_pool[touched])
+        return
     assert_ulps(out[idx], want32, 2, "output vs the fp32-intermediate math", atol=STATE_ATOL)
     assert (out[idx] == want32).float().mean() > 0.99
     if state_dtype == torch.float32:
@@ -446,6 +461,16 @@ def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
     else:
         assert_ulps(got_pool[touched], fp32_pool[touched], 1, "fp16 state vs the fp32-intermediate math",
                     atol=STATE_ATOL)
+
+
+def assert_tc_close(out: torch.Tensor, want: torch.Tensor, pool: torch.Tensor, want_pool: torch.Tensor) -> None:
+    """The tensor-core kernel against the fp32 recurrence: outputs within TC_OUT_ULPS ulp of the head's largest
+    |output| (token by token), states within TC_STATE_TOL of the largest |state| of their head."""
+    T, C = out.shape
+    head_max = want.float().abs().view(T, C // N, N).amax(-1, keepdim=True).expand(T, C // N, N).reshape(T, C)
+    assert_ulps(out, want, TC_OUT_ULPS, "output vs the fp32-intermediate math", scale=head_max, atol=STATE_ATOL)
+    scale = want_pool.float().abs().amax(dim=(-2, -1), keepdim=True)
+    assert_close(pool.float() / scale, want_pool.float() / scale, TC_STATE_TOL, 0.0, "state vs the fp32 math")
 
 
 def run_kernels_on_rows(so, layer: int, state_dtype: torch.dtype, lens: list[int], slots: list[int], seed: int,
@@ -467,15 +492,21 @@ def run_kernels_on_rows(so, layer: int, state_dtype: torch.dtype, lens: list[int
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("kernel", ["chunked", "split", "split2"])
+@pytest.mark.parametrize("kernel", ["chunked", "split", "split2", "tc"])
 @pytest.mark.parametrize("layer,state_dtype", [(0, torch.float32), (2, torch.float32), (1, torch.float16)])
 def test_time_mix_chunk_kernels_match_decode_kernel(variant, kernel, layer, state_dtype, libs):
     """The chunked and split prefill kernels against time_mix_kernel on rows of whole chunks, partial ones and
-    single tokens: the same math, only the dot products over the state rows summed in another order."""
+    single tokens: the same math, only the dot products over the state rows summed in another order (the
+    tensor-core kernel: the same math in matrix form, within its fp16 operands' tolerance)."""
+    skip_unless_cuda(variant, kernel)
     pool, ((out_d, vf_d, pool_d), (out_c, vf_c, pool_c)) = run_kernels_on_rows(
         libs[f"fused-{variant}"], layer, state_dtype, [8, 3, 16, 1, 9, 13], [4, 0, 2, 5, 1, 3], 99 + layer,
         ("decode", kernel))
     assert torch.equal(vf_d, vf_c), "v_first"
+    if kernel == "tc":
+        assert_tc_close(out_c, out_d, pool_c, pool_d)
+        assert not torch.equal(pool_c, pool), "the state must have been updated"
+        return
     assert_ulps(out_c, out_d, 2, f"output, {kernel} vs decode kernel", atol=STATE_ATOL)
     assert (out_c == out_d).float().mean() > 0.98
     if state_dtype == torch.float32:

@@ -64,6 +64,15 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
                 time_mix_finish_kernel(h, B, num_slots, num_tokens, slots, starts, lasts, p, scratch.data());
             });
         }
+#ifdef FUSED_TIME_MIX_TC
+        if (kernel == 4) {  // kTimeMixChunkedTc (CUDA only)
+            return emu::run_grid(grid, N, [&] {
+                time_mix_chunked_tc_kernel(h, num_slots, num_tokens, pool, slots, starts, lasts, p);
+            });
+        }
+#else
+        if (kernel == 4) return -1;
+#endif
         auto chosen = kernel == kTimeMixPrefill ? prefill_kernel : kernel == kTimeMixChunked ? chunked_kernel : decode_kernel;
         return emu::run_grid(grid, kernel == kTimeMixPrefill ? kPrefillThreads : N, [&] {
             chosen(h, num_slots, num_tokens, pool, slots, starts, lasts, p);
