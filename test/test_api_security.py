@@ -189,19 +189,25 @@ def test_queue_full_is_429_and_health_follows_the_engine(model):
         assert c.get("/health").status_code == 503
 
 
+# Rows the disconnect tests leave running: long enough that no row can finish by length before the server sees the
+# disconnect, however slow the machine (at 8,192 a loaded 2-core CI machine once let two rows finish first).
+ENDLESS = 1_000_000
+ENDLESS_LIMITS = ServerLimits(max_tokens=ENDLESS)
+
+
 def cancelled_rows(server: LiveServer) -> float:
     return server.engine.metrics.registry.get_sample_value("rwkv_finished_rows_total", {"reason": "cancelled"}) or 0
 
 
 @pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {"contents": ["Go on forever", "and ever"], "max_tokens": 8192, "stop_tokens": []}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 8192}),
-    ("/v1/completions", {"prompt": "Go on", "max_tokens": 8192}),
-    ("/big_batch/completions", {"contents": ["Go on"], "max_tokens": 8192, "stop_tokens": []}),
-    ("/FIM/v1/batch-FIM", {"prefix": ["a"], "suffix": ["b"], "max_tokens": 8192}),
+    ("/v1/chat/completions", {"contents": ["Go on forever", "and ever"], "max_tokens": ENDLESS, "stop_tokens": []}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Go on"}], "max_tokens": ENDLESS}),
+    ("/v1/completions", {"prompt": "Go on", "max_tokens": ENDLESS}),
+    ("/big_batch/completions", {"contents": ["Go on"], "max_tokens": ENDLESS, "stop_tokens": []}),
+    ("/FIM/v1/batch-FIM", {"prefix": ["a"], "suffix": ["b"], "max_tokens": ENDLESS}),
 ])
 def test_disconnect_mid_stream_cancels_the_rows(model, path, body):
-    with LiveServer(model, slots=4) as live, live.client() as c:
+    with LiveServer(model, slots=4, limits=ENDLESS_LIMITS) as live, live.client() as c:
         with c.stream("POST", path, json={**body, "stream": True}) as r:
             for n, _ in enumerate(r.iter_lines()):
                 if n >= 6:
@@ -212,8 +218,8 @@ def test_disconnect_mid_stream_cancels_the_rows(model, path, body):
 
 
 def test_disconnect_while_waiting_for_a_non_stream_answer(model):
-    with LiveServer(model, slots=2) as live:
-        sock = live.open_request("/v1/chat/completions", {"contents": ["Keep talking"], "max_tokens": 8192,
+    with LiveServer(model, slots=2, limits=ENDLESS_LIMITS) as live:
+        sock = live.open_request("/v1/chat/completions", {"contents": ["Keep talking"], "max_tokens": ENDLESS,
                                                           "stop_tokens": []})
         wait_until(lambda: live.engine.running_rows == 1, lambda: "row never started")
         sock.close()
@@ -222,8 +228,8 @@ def test_disconnect_while_waiting_for_a_non_stream_answer(model):
 
 
 def test_disconnect_while_queued_leaves_the_queue(model):
-    with LiveServer(model, slots=1) as live:
-        long = {"contents": ["Hold the slot"], "max_tokens": 8192, "stop_tokens": []}
+    with LiveServer(model, slots=1, limits=ENDLESS_LIMITS) as live:
+        long = {"contents": ["Hold the slot"], "max_tokens": ENDLESS, "stop_tokens": []}
         running = live.open_request("/v1/chat/completions", long)
         wait_until(lambda: live.engine.running_rows == 1, lambda: "row never started")
         waiting = live.open_request("/v1/chat/completions", {**long, "stream": True})

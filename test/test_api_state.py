@@ -13,7 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from infer.api.chat_template import TURN_STOPS, render_chat
-from infer.api.context import ServerContext
+from infer.api.context import ServerContext, ServerLimits
 from infer.api.schemas import BatchCompletion, ChatMessage, MultiStateCompletion, StateStatus
 from infer.api.server import create_app
 from infer.checkpoint import DictSource
@@ -242,11 +242,12 @@ def test_busy_session_is_rejected_with_reject_policy(model):
 
 
 def test_cancelled_turn_leaves_the_session_unchanged(model):
-    with LiveServer(model) as server, server.client() as c:
+    # a turn no machine finishes by length before the server sees the disconnect, however loaded
+    with LiveServer(model, limits=ServerLimits(max_tokens=1_000_000)) as server, server.client() as c:
         talk = Conversation(model, server)
         assert content(turn(c, "c", FIRST)) == talk.expect(FIRST, 6)
         sock = server.open_request("/state/chat/completions", {"contents": [SECOND], "session_id": "c", "stream": True,
-                                                               "max_tokens": 4000, "chunk_size": 1, **GREEDY})
+                                                               "max_tokens": 1_000_000, "chunk_size": 1, **GREEDY})
         received = b""
         while b"data: {" not in received:  # the turn is generating
             received += sock.recv(4096)
