@@ -997,7 +997,7 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 // Tokens past the row's end have zero inputs and decay 1, so they change nothing. The state stays fp32 between
 // chunks; the fp16 operands put the outputs and the update within ~1e-3 relative of the fp32 recurrence, not
 // the last-bit agreement of the other kernels (test_fused_emulated.py holds it to the model's own tolerance).
-// RWKV_TIME_MIX_TC=0 takes time_mix_chunked_kernel instead (A/B).
+// The launcher takes it for time_mix_chunked_kernel's grids (RWKV_TIME_MIX_TC=0: that kernel, for A/B).
 #define FUSED_TIME_MIX_TC 1  // (asked by the CPU emulator's harness: the HIP port has no such kernel)
 struct TcOperands {  // phase B's fp16 operands and small matrices, in the inputs' buffer (free during B)
     __half ag[kChunkTokens][N + 8], rg[kChunkTokens][N + 8];  // B of c (k = column): a_u G_{u-1}, r_u G_u
@@ -2233,9 +2233,12 @@ inline int64_t finish_blocks(int64_t B, int64_t H, int64_t max_len) {
 // time_mix_split_kernel (+ time_mix_finish_kernel) on a grid of at most kSplitMaxBlocks (row, head) blocks,
 // time_mix_prefill_kernel on one of fewer than kPrefillMaxBlocks, else time_mix_chunked_kernel. The split and
 // chunked kernels' 16-byte loads need 16-byte aligned inputs (else the prefill and decode kernels).
-// RWKV_SPLIT_MAX_BLOCKS and RWKV_PREFILL_MAX_BLOCKS override the two bounds, RWKV_TIME_MIX_CHUNKED=0 takes
-// time_mix_kernel instead of the chunked one, RWKV_TIME_MIX_TC=1 its tensor-core form (all read once; for A/B
-// timing).
+// The chunked kernel runs in its tensor-core form (time_mix_chunked_tc_kernel): 7.2B 16 x 1,024 and 16 x 4,096
+// 40,595 and 40,652 tok/s against 38,570 and 38,758, 1.5B +5.6-6.3 %, the time mix 60.2 against 88.2 ms per
+// 7.2B 16 x 1,024 forward (H200; bench/results/decode_h200_prefill_tc.json, experiment_time_mix_chunked_ab_h200.json,
+// profile_prefill_tc_h200.json). RWKV_SPLIT_MAX_BLOCKS and RWKV_PREFILL_MAX_BLOCKS override the two bounds,
+// RWKV_TIME_MIX_CHUNKED=0 takes time_mix_kernel instead of the chunked one, RWKV_TIME_MIX_TC=0 the chunked kernel
+// on the CUDA cores (all read once; for A/B timing).
 enum TimeMixKernel : int {
     kTimeMixDecode = 0, kTimeMixPrefill = 1, kTimeMixChunked = 2, kTimeMixSplit = 3, kTimeMixChunkedTc = 4
 };
@@ -2252,7 +2255,7 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
     static const int64_t split_max_blocks = env_int("RWKV_SPLIT_MAX_BLOCKS", kSplitMaxBlocks);
     static const int64_t prefill_max_blocks = env_int("RWKV_PREFILL_MAX_BLOCKS", kPrefillMaxBlocks);
     static const bool chunked = env_flag("RWKV_TIME_MIX_CHUNKED", true);
-    static const bool tensor_cores = env_flag("RWKV_TIME_MIX_TC", false);
+    static const bool tensor_cores = env_flag("RWKV_TIME_MIX_TC", true);
     if (!prefill) return kTimeMixDecode;
     bool aligned = true;
     for (int j = 0; j < chunk_inputs(p); ++j)

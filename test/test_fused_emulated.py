@@ -531,10 +531,11 @@ def test_split_kernel_parts_agree_bit_for_bit(variant, layer, state_dtype, libs)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_time_mix_kernel_choice(variant, libs):
     """Single-token steps take the decode kernel; prefills the split kernel on small grids, the 256-thread kernel
-    on middling ones and the chunked one on large grids; the split and chunked kernels only when every input is
-    16-byte aligned (their 16-byte loads need it), and the split kernel's output too (its finishing kernel stores
-    16 bytes)."""
+    on middling ones and the chunked one on large grids (in CUDA its tensor-core form); the split and chunked
+    kernels only when every input is 16-byte aligned (their 16-byte loads need it), and the split kernel's output
+    too (its finishing kernel stores 16 bytes)."""
     so = libs[f"fused-{variant}"]
+    chunked = "tc" if variant == "cuda" else "chunked"
     buf = torch.zeros(4096, dtype=torch.float16)
     aligned = [buf[8 * j:] for j in range(9)]
 
@@ -548,19 +549,19 @@ def test_time_mix_kernel_choice(variant, libs):
     assert choice(aligned, False, 128, True) == TIME_MIX_KERNELS["split"]
     assert choice(aligned, False, 129, True) == TIME_MIX_KERNELS["prefill"]
     assert choice(aligned, False, 511, True) == TIME_MIX_KERNELS["prefill"]
-    assert choice(aligned, False, 512, True) == TIME_MIX_KERNELS["chunked"]
+    assert choice(aligned, False, 512, True) == TIME_MIX_KERNELS[chunked]
     for j in range(8):  # r, k, v, dw, da, dv, g, v_first
         shifted = list(aligned)
         shifted[j] = buf[8 * j + 1:]
         # layer 0 reads neither dv (5) nor v_first (7): their alignment does not matter there
         reads = j not in (5, 7)
-        assert choice(shifted, True, 512, True) == TIME_MIX_KERNELS["decode" if reads else "chunked"]
+        assert choice(shifted, True, 512, True) == TIME_MIX_KERNELS["decode" if reads else chunked]
         assert choice(shifted, False, 512, True) == TIME_MIX_KERNELS["decode"], j
         assert choice(shifted, True, 64, True) == TIME_MIX_KERNELS["prefill" if reads else "split"]
         assert choice(shifted, False, 64, True) == TIME_MIX_KERNELS["prefill"], j
     shifted_out = aligned[:8] + [buf[8 * 8 + 1:]]
     assert choice(shifted_out, False, 64, True) == TIME_MIX_KERNELS["prefill"]
-    assert choice(shifted_out, False, 512, True) == TIME_MIX_KERNELS["chunked"]
+    assert choice(shifted_out, False, 512, True) == TIME_MIX_KERNELS[chunked]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
