@@ -1040,19 +1040,27 @@ __device__ __forceinline__ int state_row(int m, int e) {
 }
 __device__ __forceinline__ int state_column(int n, int e) { return 8 * n + 2 * (threadIdx.x & 3) + e % 2; }
 
+// Calls f(m, n, e, row, column) for each pair of this lane's fragments, acc[m][n][e] and acc[m][n][e + 1] =
+// S[row][column], S[row][column + 1].
+template <typename F>
+__device__ __forceinline__ void for_state_pairs(F&& f) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) f(m, n, e, state_row(m, e), state_column(n, e));
+}
+
 // The block's state into the fragments. An fp32 state directly (8-byte pairs); an fp16 one through shared memory
 // (`stage`, free until phase A), with 16-byte loads: 32 4-byte loads per lane beside the 64 fragment registers
 // spilled.
 template <typename S>
 __device__ __forceinline__ void load_state_fragments(const S* block, float (&acc)[2][8][4], void* stage) {
     if constexpr (std::is_same_v<S, float>) {
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; e += 2)
-                    load_state2(block + state_row(m, e) * N + state_column(n, e), acc[m][n][e], acc[m][n][e + 1]);
+        for_state_pairs([&](int m, int n, int e, int row, int column) {
+            load_state2(block + row * N + column, acc[m][n][e], acc[m][n][e + 1]);
+        });
     } else {
         __half(*tile)[N + 8] = static_cast<__half(*)[N + 8]>(stage);  // padded: conflict-free pairs below
 #pragma unroll
@@ -1061,26 +1069,18 @@ __device__ __forceinline__ void load_state_fragments(const S* block, float (&acc
             *reinterpret_cast<uint4*>(&tile[v / 8][(v % 8) * 8]) = *reinterpret_cast<const uint4*>(block + v * 8);
         }
         __syncthreads();
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; e += 2)
-                    load_state2(&tile[state_row(m, e)][state_column(n, e)], acc[m][n][e], acc[m][n][e + 1]);
+        for_state_pairs([&](int m, int n, int e, int row, int column) {
+            load_state2(&tile[row][column], acc[m][n][e], acc[m][n][e + 1]);
+        });
         __syncthreads();  // the stage's memory is the chunk buffers'
     }
 }
 
 template <typename S>
 __device__ __forceinline__ void store_state_fragments(S* block, const float (&acc)[2][8][4]) {
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; e += 2)
-                store_state2(block + state_row(m, e) * N + state_column(n, e), acc[m][n][e], acc[m][n][e + 1]);
+    for_state_pairs([&](int m, int n, int e, int row, int column) {
+        store_state2(block + row * N + column, acc[m][n][e], acc[m][n][e + 1]);
+    });
 }
 
 // a: thread j (column j) turns buf's r, -kk, kk * a and k' of the chunk's tokens into r G_u, a G_{u-1}, b / G_u and
