@@ -977,10 +977,11 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 }
 
 // ------------------------------------------------------------------------------------ time_mix, chunked, tensor cores
-// time_mix_chunked_kernel's phase B walks the chunk's 8 tokens one after another, ~80 % of its instructions. Here
-// B runs in matrix form, most of it on the tensor cores (mma.m16n8k16: fp16 operands, fp32 sums), with the same
-// phases A and C. Per state row i (s: its 64 key columns; the rows share every matrix below), token u of the
-// chunk updates s <- s diag(w_u) + (s . a_u) b_u + v_u[i] k'_u and reads y_u[i] = s . r_u (a = -kk, b = kk * a).
+// time_mix_chunked_kernel's phase B walks the chunk's 8 tokens one after another, ~80 % of its instructions by a
+// count of the source. Here B runs in matrix form, most of it on the tensor cores (mma.m16n8k16: fp16 operands,
+// fp32 sums), with the same phases A and C. Per state row i (s: its 64 key columns; the rows share every matrix
+// below), token u of the chunk updates s <- s diag(w_u) + (s . a_u) b_u + v_u[i] k'_u and reads y_u[i] = s . r_u
+// (a = -kk, b = kk * a).
 // With G_u the product of the chunk's decays up to token u (per column; G_-1 = 1; at most 8 factors above 0.545,
 // so 1 / G_u < 128) and x_u = (s before token u) . a_u, from the chunk's starting state S0:
 //   x_u = S0 (a_u G_{u-1}) + sum_{t<u} Aab[u][t] x_t + Aak[u][t] v_t    Aab[u][t] = (a_u G_{u-1}) . (b_t / G_t)
@@ -996,7 +997,7 @@ time_mix_chunked_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 //      accumulators scaled by G_7.
 // Tokens past the row's end have zero inputs and decay 1, so they change nothing. The state stays fp32 between
 // chunks; the fp16 operands put the outputs and the update within ~1e-3 relative of the fp32 recurrence, not
-// the last-bit agreement of the other kernels (test_fused_emulated.py holds it to the model's own tolerance).
+// the last-bit agreement of the other kernels (test_fused_emulated.py gives it tolerances of its own).
 // The launcher takes it for time_mix_chunked_kernel's grids (RWKV_TIME_MIX_TC=0: that kernel, for A/B).
 #define FUSED_TIME_MIX_TC 1  // (asked by the CPU emulator's harness: the HIP port has no such kernel)
 struct TcOperands {  // phase B's fp16 operands and small matrices, in the inputs' buffer (free during B)
@@ -2476,7 +2477,9 @@ extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, 
             return launch(kernel, static_cast<unsigned>((T + kLnSpan - 1) / kLnSpan), kLnThreads, stream_, T,
                           static_cast<int>(C), num_slots, x_, w_, b_, shift_, prev, slots, lasts, args);
         }
-        auto kernel = vecs == 1 ? ln_shift_mix_kernel<1> : vecs == 2 ? ln_shift_mix_kernel<2> : ln_shift_mix_kernel<kMaxVec>;
+        auto kernel = vecs == 1   ? ln_shift_mix_kernel<1>
+                      : vecs == 2 ? ln_shift_mix_kernel<2>
+                                  : ln_shift_mix_kernel<kMaxVec>;
         return launch(kernel, static_cast<unsigned>(T), kLnThreads, stream_, static_cast<int>(C), num_slots, x_, w_,
                       b_, shift_, prev, slots, lasts, args);
     });
