@@ -422,15 +422,16 @@ b1-bounds)  # where the W8A16 and 4-bit batch-1 steps' time goes (PDL off, as pr
         copy "bench/results/ttft_final_repeat_$run.json"
     done
     ;;
-tc)  # many-row prompts' time mix on the tensor cores (RWKV_TIME_MIX_TC=1) against the chunked kernel: prefill A/B
-    # first (the device time left may not cover it all), then the fused GPU tests with it, then its profile
+tc)  # many-row prompts' time mix on the tensor cores (the default since it ran; RWKV_TIME_MIX_TC=1 kept for when it
+    # was not) against the CUDA-core chunked kernel: prefill A/B first, then the fused GPU tests with it, its profile
     build_fused
     step 120 "prefill, tensor-core time mix" env RWKV_TIME_MIX_TC=1 python bench/bench_decode.py --sizes 7.2b,1.5b \
         --batches "" --prefill 1024,4096 --prefill-rows 16 --wkv cuda --no-checks \
         --out bench/results/experiment_time_mix_tc_h200.json
     copy bench/results/experiment_time_mix_tc_h200.json
-    step 120 "A/B: the chunked kernel" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
-        --prefill-rows 16 --wkv cuda --no-checks --out bench/results/experiment_time_mix_chunked_ab_h200.json
+    step 120 "A/B: the chunked kernel on the CUDA cores" env RWKV_TIME_MIX_TC=0 python bench/bench_decode.py \
+        --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 --prefill-rows 16 --wkv cuda --no-checks \
+        --out bench/results/experiment_time_mix_chunked_ab_h200.json
     copy bench/results/experiment_time_mix_chunked_ab_h200.json
     step 150 "fused GPU tests, tensor-core time mix" env RWKV_TIME_MIX_TC=1 python -m pytest -q -rf --tb=short \
         -p no:cacheprovider test/test_fused_cuda.py \
