@@ -682,6 +682,22 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
     if (stager) wkv7::tile_to_block(tile, block);
 }
 
+// ------------------------------------------------------------------------------------ tensor cores
+// d += A b on the tensor cores (one warp): A 16 x 16 fp16, b 16 x 8 fp16, d 16 x 8 fp32. Fragments of lane
+// 4g + t (PTX ISA, mma.m16n8k16, f16x2 registers with the lower k in the lower half):
+//   a[0] A[g][2t, 2t+1]   a[1] A[g+8][2t, 2t+1]   a[2] A[g][2t+8, 2t+9]   a[3] A[g+8][2t+8, 2t+9]
+//   b0 b[2t, 2t+1][g]     b1 b[2t+8, 2t+9][g]     d[0], d[1] d[g][2t, 2t+1]   d[2], d[3] d[g+8][2t, 2t+1]
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(EMU_WARP)
+    emu::mma_16x8x16(d, a, b0, b1);  // the CPU emulation's (test/kernel_emu/emu_device.h)
+#endif
+}
+
 // ------------------------------------------------------------------------------------ time_mix, chunked
 // A prefill of many rows (a grid of kPrefillMaxBlocks blocks or more). time_mix_kernel (a state row per thread)
 // is bound there by shared-memory bandwidth, not by its barriers: every thread reads the token's five key-axis
@@ -701,21 +717,6 @@ time_mix_prefill_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restr
 //   C: group norm, bonus and gate per token and channel, the chunk's sums side by side (two barriers).
 // Same math and rounding points as time_mix_kernel; the dot products over the state rows are summed in another
 // order (as in time_mix_prefill_kernel), everything else in the same.
-// d += A b on the tensor cores (one warp): A 16 x 16 fp16, b 16 x 8 fp16, d 16 x 8 fp32. Fragments of lane
-// 4g + t (PTX ISA, mma.m16n8k16, f16x2 registers with the lower k in the lower half):
-//   a[0] A[g][2t, 2t+1]   a[1] A[g+8][2t, 2t+1]   a[2] A[g][2t+8, 2t+9]   a[3] A[g+8][2t+8, 2t+9]
-//   b0 b[2t, 2t+1][g]     b1 b[2t+8, 2t+9][g]     d[0], d[1] d[g][2t, 2t+1]   d[2], d[3] d[g+8][2t, 2t+1]
-__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#elif defined(EMU_WARP)
-    emu::mma_16x8x16(d, a, b0, b1);  // the CPU emulation's (test/kernel_emu/emu_device.h)
-#endif
-}
-
 constexpr int kChunkTokens = 8;
 constexpr int kChunkInputs = 8;  // r, k, v, dw, da, g, dv, v_first (layer 0: the first six)
 constexpr int kChunkRows = 4;    // state rows per thread in phase B
@@ -1140,7 +1141,7 @@ __device__ __forceinline__ void tc_matrices(const ChunkBuffers& buf, TcOperands&
 
 // c: S0 (a G) into buf.w and S0 (r G) into buf.y, [token][row], for this warp's 32 rows.
 __device__ __forceinline__ void tc_history(const float (&acc)[2][8][4], const TcOperands& op, ChunkBuffers& buf) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
         float x[4] = {0.0f, 0.0f, 0.0f, 0.0f}, y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -1153,11 +1154,10 @@ __device__ __forceinline__ void tc_history(const float (&acc)[2][8][4], const Tc
             mma_16x8x16(x, a, half_pair(&op.ag[g][16 * ks + 2 * t]), half_pair(&op.ag[g][16 * ks + 8 + 2 * t]));
             mma_16x8x16(y, a, half_pair(&op.rg[g][16 * ks + 2 * t]), half_pair(&op.rg[g][16 * ks + 8 + 2 * t]));
         }
-        const int row = 32 * warp + 16 * m + g;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            buf.w[2 * t + e % 2][row + 8 * (e / 2)] = x[e];
-            buf.y[2 * t + e % 2][row + 8 * (e / 2)] = y[e];
+            buf.w[2 * t + e % 2][state_row(m, e)] = x[e];
+            buf.y[2 * t + e % 2][state_row(m, e)] = y[e];
         }
     }
 }
@@ -1188,10 +1188,10 @@ __device__ __forceinline__ void tc_solve(ChunkBuffers& buf, TcOperands& op) {
 
 // e: acc <- acc diag(G_7) + [x | v'] [b G_7 / G | k' G_7 / G], this warp's 32 rows.
 __device__ __forceinline__ void tc_update(float (&acc)[2][8][4], const TcOperands& op) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-        const int row = 32 * warp + 16 * m + g;
+        const int row = state_row(m, 0);
         const uint32_t a[4] = {half_pair(&op.xv[row][2 * t]), half_pair(&op.xv[row + 8][2 * t]),
                                half_pair(&op.xv[row][8 + 2 * t]), half_pair(&op.xv[row + 8][8 + 2 * t])};
 #pragma unroll

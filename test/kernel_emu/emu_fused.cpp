@@ -65,13 +65,13 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
             });
         }
 #ifdef FUSED_TIME_MIX_TC
-        if (kernel == 4) {  // kTimeMixChunkedTc (CUDA only)
+        if (kernel == kTimeMixChunkedTc) {  // (CUDA only)
             return emu::run_grid(grid, N, [&] {
                 time_mix_chunked_tc_kernel(h, num_slots, num_tokens, pool, slots, starts, lasts, p);
             });
         }
 #else
-        if (kernel == 4) return -1;
+        if (kernel == 4) return -1;  // kTimeMixChunkedTc: not in the HIP port's TimeMixKernel
 #endif
         auto chosen = kernel == kTimeMixPrefill ? prefill_kernel : kernel == kTimeMixChunked ? chunked_kernel : decode_kernel;
         return emu::run_grid(grid, kernel == kTimeMixPrefill ? kPrefillThreads : N, [&] {
