@@ -34,6 +34,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ln-span   # ln_shift_mix on 4 tokens a block: tests, prefill A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-bounds # W8A16 and 4-bit batch-1 steps per kernel; prompts again
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh tc        # prompts' time mix on tensor cores: A/B, GPU tests
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-band  # int8 GEMV tasks on the tensor cores: W8 decode A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -439,6 +440,28 @@ tc)  # many-row prompts' time mix on the tensor cores (the default since it ran;
     step 90 "prefill profile, 7.2B 16 x 1k, tensor-core time mix" env RWKV_TIME_MIX_TC=1 python bench/profile_decode.py \
         --sizes 7.2b --batches "" --prompts 16x1024 --out bench/results/profile_prefill_tc_h200.json
     copy bench/results/profile_prefill_tc_h200.json
+    ;;
+int8-band)  # int8 GEMV tasks on the tensor cores (gemv_int8_band; RWKV_GEMV_INT8_TC=0: the per-thread code): W8A16
+    # decode first, its A/B, the GPU tests, up to 8 rows on the GEMV, the batch-1 profile, then TTFT once more
+    tuning_cache
+    build
+    step 90 "W8A16 decode, int8 on the tensor cores" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b \
+        --batches 1,2,4,8 --steps 30 --wkv cuda --no-checks --out bench/results/decode_h200_w8_int8_band.json
+    copy bench/results/decode_h200_w8_int8_band.json
+    step 60 "A/B: per-thread int8" env RWKV_GEMV_INT8_TC=0 python bench/bench_decode.py --engine cutlass --sizes 7.2b \
+        --batches 1,2 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_w8_int8_per_thread_h200.json
+    copy bench/results/experiment_w8_int8_per_thread_h200.json
+    step 120 "GEMV and W8A16 GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
+        test/test_quant_cuda.py -k "((gemv or w8a16 or decode_matches or greedy) and not uint4 and not gemlite) or gemlite_int8_decode"
+    step 60 "W8A16 decode, up to 8 rows on the GEMV" env RWKV_GEMV_ROWS=8 python bench/bench_decode.py --engine cutlass \
+        --sizes 7.2b --batches 4,8 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_w8_gemv_rows8_h200.json
+    copy bench/results/experiment_w8_gemv_rows8_h200.json
+    step 90 "per-kernel profile, 7.2B W8A16, batch 1, PDL off" env RWKV_PDL=0 python bench/profile_decode.py \
+        --engine cutlass --sizes 7.2b --batches 1 --out bench/results/profile_nopdl_w8_band_h200.json
+    copy bench/results/profile_nopdl_w8_band_h200.json
+    step 40 "TTFT, 7.2B 1 x 1,024" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 \
+        --prefill-rows 1 --wkv cuda --no-checks --out bench/results/ttft_int8_band_call.json
+    copy bench/results/ttft_int8_band_call.json
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache

@@ -1580,7 +1580,9 @@ constexpr int kGemvWarps = 8;
 constexpr int kMaxTasks = 8;
 constexpr int kGemvMaxRows = 8;
 
-enum WeightType : int { kWeightHalf = 0, kWeightInt8 = 1, kWeightUint4 = 2 };
+// kWeightInt8Band is the launcher's own: int8 weights read by gemv_int8_band (tensor cores) instead of the
+// per-thread int8 code (which the HIP port and RWKV_GEMV_INT8_TC=0 keep).
+enum WeightType : int { kWeightHalf = 0, kWeightInt8 = 1, kWeightUint4 = 2, kWeightInt8Band = 3 };
 enum Epilogue : int { kEpiNone = 0, kEpiReluSquare = 1, kEpiTanh = 2, kEpiSigmoid = 3 };
 
 struct GemvTask {
@@ -1884,6 +1886,106 @@ __device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
     }
 }
 
+// ---- int8 weights on the tensor cores (kWeightInt8Band). The per-thread int8 code above spends ~4
+// instructions per weight (byte to float, subtract, fp32 fma, x converted per row) and moved 2.3-2.8 TB/s
+// through a 7.2B layer at batch 1, against 3.2-3.8 for fp16 rows (bench/results/profile_b1_w8_h200.json):
+// bound by instructions, not by memory. Here a pair of weights takes one PRMT and one f16x2 subtract (int8
+// is exact in fp16), and one mma.m16n8k16 takes 256 weights times up to 8 rows of x: the products are exact
+// (int8 x fp16) and summed in fp32, as the per-thread code sums them, in another order.
+//
+// Layout of the work: a block takes a band of kInt8Band = 16 output channels (an mma's rows), its 8 warps
+// slices of K (whole quads of 16-byte vectors). Lane (g, t) loads vectors t, t + 4, ... of the slice for
+// channels g and g + 8 (64 contiguous bytes per channel and load), kInt8Loads of each in flight. A vector's
+// 16 k-values of one channel make the lane's k of 4 mmas: mma s takes the vector's bytes 4s .. 4s + 3, its
+// A pairs (2t, 2t + 1) and (2t + 8, 2t + 9) = bytes (4s, 4s + 1) and (4s + 2, 4s + 3), and B the same k of
+// x row g (8 contiguous bytes of x: no shuffling). The warps' sums are added in warp order: deterministic.
+constexpr int kInt8Band = 16;
+constexpr int kInt8Loads = 3;  // vectors per channel and lane in flight: 2 x 3 x 16 bytes (4: a spill at one row)
+
+// Vectors first, first + 4, ... below end of the lane's two channels (none past the task's channels: zero
+// weights, as past end). Read once per step: streamed past the caches.
+__device__ __forceinline__ void load_int8_band(const uint4* lo, const uint4* hi, bool lo_ok, bool hi_ok, int first,
+                                               int end, uint4 (&w)[2][kInt8Loads]) {
+#pragma unroll
+    for (int j = 0; j < kInt8Loads; ++j) {
+        const int v = first + 4 * j;
+        w[0][j] = lo_ok && v < end ? __ldcs(lo + v) : uint4{};
+        w[1][j] = hi_ok && v < end ? __ldcs(hi + v) : uint4{};
+    }
+}
+
+// Two int8 of a word (as b + 128: the word XOR 0x80808080) as an exact f16x2: PRMT puts each byte under the
+// exponent of 1024 (0x64XX = 1024 + XX), and 1152 comes off. selector 0x4140: bytes 0, 1; 0x4342: bytes 2, 3.
+__device__ __forceinline__ uint32_t int8_pair(uint32_t biased, unsigned selector) {
+    const __half2 v = as_half2(__byte_perm(biased, 0x64646464u, selector));
+    return half2_bits(__hsub2(v, as_half2(0x64806480u)));
+}
+
+// d += the batch's products (see above): vectors c + t, c + t + 4, ... below end, x row g (zero past M).
+template <int M>
+__device__ __forceinline__ void mma_int8_band(const GemvTask& task, int c, int end, int g, int t,
+                                              const uint4 (&w)[2][kInt8Loads], float (&d)[4]) {
+#pragma unroll
+    for (int j = 0; j < kInt8Loads; ++j) {
+        if (c + 4 * j >= end) break;  // warp-uniform: every lane reaches every mma
+        const int v = c + 4 * j + t;
+        uint4 xv[2] = {uint4{}, uint4{}};
+        if (g < M && v < end) {
+            const uint4* p = reinterpret_cast<const uint4*>(task.x + int64_t(g) * task.k) + 2 * v;
+            xv[0] = p[0];
+            xv[1] = p[1];
+        }
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const uint32_t lo = word_of(w[0][j], s) ^ 0x80808080u, hi = word_of(w[1][j], s) ^ 0x80808080u;
+            const uint32_t a[4] = {int8_pair(lo, 0x4140u), int8_pair(hi, 0x4140u), int8_pair(lo, 0x4342u),
+                                   int8_pair(hi, 0x4342u)};
+            mma_16x8x16(d, a, word_of(xv[s / 2], 2 * (s % 2)), word_of(xv[s / 2], 2 * (s % 2) + 1));
+        }
+    }
+}
+
+// One block of an int8 band task. Every thread reaches the barrier.
+template <int M>
+__device__ __forceinline__ void gemv_int8_band(const GemvTask& task) {
+    __shared__ float band_sum[kGemvWarps][M][kInt8Band];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int first_col = (int(blockIdx.x) - task.first_block) * kInt8Band;
+    const int count = task.k / 16;  // 16-byte vectors per channel
+    const int slice = (count + 4 * kGemvWarps - 1) / (4 * kGemvWarps) * 4;
+    const int begin = min(warp * slice, count), end = min(begin + slice, count);
+    const bool lo_ok = first_col + g < task.n, hi_ok = first_col + g + 8 < task.n;
+    const uint4* lo = reinterpret_cast<const uint4*>(task.w) + int64_t(first_col + g) * count;
+    const uint4* hi = lo + int64_t(8) * count;
+    uint4 w[2][kInt8Loads];
+    load_int8_band(lo, hi, lo_ok, hi_ok, begin + t, end, w);  // weights: load before the wait
+    dependency_wait();
+
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 1
+    for (int c = begin; c < end;) {
+        mma_int8_band<M>(task, c, end, g, t, w, d);
+        c += 4 * kInt8Loads;
+        if (c < end) load_int8_band(lo, hi, lo_ok, hi_ok, c + t, end, w);
+    }
+    // Lane (g, t) holds rows m = 2t, 2t + 1 of x for channels g (d[0], d[1]) and g + 8 (d[2], d[3]).
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int m = 2 * t + e;
+        if (m >= M) break;
+        band_sum[warp][m][g] = d[e];
+        band_sum[warp][m][g + 8] = d[2 + e];
+    }
+    __syncthreads();
+    // One output per thread: (row m, channel first_col + j), the warps' sums added in warp order.
+    const int m = threadIdx.x / kInt8Band, j = threadIdx.x % kInt8Band;
+    if (m >= M || first_col + j >= task.n) return;
+    float sum = band_sum[0][m][j];
+#pragma unroll
+    for (int k = 1; k < kGemvWarps; ++k) sum += band_sum[k][m][j];
+    store_output(task, m, first_col + j, sum * __half2float(task.scale[first_col + j]));
+}
+
 // Registers capped for occupancy: four blocks per multiprocessor for one row, three for two, else two. (The
 // fp16/int8 code takes 64 registers at one row by itself; the cap keeps the 4-bit code from raising that.)
 template <int M>
@@ -1895,6 +1997,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 ? 4 : M <= 2 ? 3 : 2)
     const GemvTask& task = args.task[t];
     if (task.weight_type == kWeightUint4) {  // block-uniform
         gemv_uint4_block<M>(task);
+        return;
+    }
+    if (task.weight_type == kWeightInt8Band) {
+        gemv_int8_band<M>(task);
         return;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -2272,17 +2378,19 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
 inline bool gemv_takes(int64_t n, int64_t k, int weight_type, int64_t group) {
     if (n <= 0 || k <= 0 || n > INT_MAX / 2 || k > INT_MAX / 2) return false;
     if (weight_type == kWeightUint4) return n % 4 == 0 && group > 0 && group % 8 == 0 && k % group == 0;
-    return (weight_type == kWeightHalf && k % 8 == 0) || (weight_type == kWeightInt8 && k % 16 == 0);
+    return (weight_type == kWeightHalf && k % 8 == 0) ||
+           ((weight_type == kWeightInt8 || weight_type == kWeightInt8Band) && k % 16 == 0);
 }
 
 // 16-byte vectors along K per unit of work: an fp16 row holds 8 weights per vector, an int8 row 16; a
 // 4-bit band's K/8 rows of words hold 8 k-values of 4 channels per vector.
-inline int gemv_vectors(const GemvTask& t) { return t.weight_type == kWeightInt8 ? t.k / 16 : t.k / 8; }
+inline int gemv_vectors(const GemvTask& t) { return t.weight_type == kWeightHalf ? t.k / 8 : t.k / 16; }
 
 // Warps of work (kGemvWarps per block) of a task split `splits` ways: one per (row, slice) for fp16 and
 // int8, whole blocks of kUint4Band / splits channels for 4-bit weights.
 inline int64_t gemv_units(const GemvTask& t, int splits) {
     if (t.weight_type == kWeightUint4) return (int64_t(t.n) * splits + kUint4Band - 1) / kUint4Band * kGemvWarps;
+    if (t.weight_type == kWeightInt8Band) return (int64_t(t.n) + kInt8Band - 1) / kInt8Band * kGemvWarps;
     return (int64_t(t.n) + t.rows_per_warp - 1) / t.rows_per_warp * splits;
 }
 
@@ -2292,7 +2400,7 @@ inline int64_t gemv_units(const GemvTask& t, int splits) {
 // Such a row gets the fewest lanes (a power of two) that keep each lane within one batch of kGemvLoads
 // loads, and a warp takes 32 / lanes rows.
 inline int gemv_rows_per_warp(const GemvTask& t) {
-    if (t.weight_type == kWeightUint4) return 1;
+    if (t.weight_type == kWeightUint4 || t.weight_type == kWeightInt8Band) return 1;
     int lanes = 1;
     while (lanes < 32 && lanes * kGemvLoads < gemv_vectors(t)) lanes *= 2;
     return 32 / lanes;
@@ -2331,8 +2439,8 @@ inline void plan_gemv_splits(GemvArgs& args) {
             const int slice = gemv_vectors(t) / t.splits;
             const bool splittable = t.weight_type == kWeightUint4
                                         ? t.splits < kUint4MaxSplits && t.k >= kUint4SplitMinK
-                                        : t.splits < kGemvWarps && t.rows_per_warp == 1 && slice % 2 == 0 &&
-                                              slice / 2 >= kGemvMinSlice;
+                                        : t.weight_type != kWeightInt8Band && t.splits < kGemvWarps &&
+                                              t.rows_per_warp == 1 && slice % 2 == 0 && slice / 2 >= kGemvMinSlice;
             if (splittable && slice > best_slice) {
                 best = i;
                 best_slice = slice;
@@ -2564,8 +2672,13 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return cudaErrorInvalidValue;
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return cudaErrorInvalidValue;
+    // int8 tasks on the tensor cores (gemv_int8_band); RWKV_GEMV_INT8_TC=0: the per-thread code (A/B timing)
+    static const bool int8_tensor_cores = env_flag("RWKV_GEMV_INT8_TC", true);
+    int types[kMaxTasks];
+    for (int i = 0; i < count; ++i)
+        types[i] = weight_type[i] == kWeightInt8 && int8_tensor_cores ? kWeightInt8Band : weight_type[i];
     GemvArgs args{};
-    const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, epilogue);
+    const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, types, epilogue);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {

@@ -295,6 +295,32 @@ def test_gemv_int8_tasks_match_dequantized(kernels, rows):
     torch.testing.assert_close(z, res + expect, atol=3e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_gemv_int8_matches_the_exact_product_at_7b_shapes(kernels, rows):
+    """int8 tasks of a 7.2B layer's shapes (the launcher puts them on the tensor cores unless
+    RWKV_GEMV_INT8_TC=0): int8 times fp16 is exact and the sums are fp32, so each output is the exact product
+    rounded to fp16, give or take one fp16 step; a row alone gives the same bits as in the batch."""
+    from infer.ops.linear_w8a16 import W8A16Linear
+    gen = torch.Generator(device="cuda").manual_seed(10 + rows)
+    shapes = [(4096, 4096), (16384, 4096), (4096, 16384), (136, 2048)]
+    lins, xs, ys = [], [], []
+    for n, k in shapes:
+        q = torch.randint(-128, 128, (n, k), generator=gen, device="cuda", dtype=torch.int8)
+        scale = ((torch.rand(n, generator=gen, device="cuda") + 0.5) / (127 * k ** 0.5)).half()
+        lins.append(W8A16Linear(q, scale))
+        xs.append(torch.randn(rows, k, generator=gen, device="cuda").half())
+        ys.append(torch.empty(rows, n, device="cuda", dtype=torch.float16))
+    kernels.gemv([(lin, x, y, EPI_NONE, None) for lin, x, y in zip(lins, xs, ys)])
+    for lin, x, y in zip(lins, xs, ys):
+        exact = (x.double() @ lin.qweight.double().T) * lin.scale.double()
+        step = torch.ldexp(torch.ones_like(exact), torch.frexp(exact.abs())[1] - 11).clamp_min(2.0 ** -24)
+        assert ((y.double() - exact).abs() <= 1.5 * step).all(), (y.double() - exact).abs().max()
+        assert (y == exact.half()).float().mean() > 0.97
+        alone = torch.empty(1, y.shape[1], device="cuda", dtype=torch.float16)
+        kernels.gemv([(lin, x[-1:].contiguous(), alone, EPI_NONE, None)])
+        assert torch.equal(alone, y[-1:])
+
+
 def test_w8a16_model_fused_matches_readable(kernels):
     from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
     from infer.quant.export_quant import quantize_matrix

@@ -616,8 +616,9 @@ def test_relu_square_matches_torch(variant, n, libs):
 
 
 # --------------------------------------------------------------------------------------------- gemv
-F16, I8 = "f16", "i8"
-WEIGHT_TYPE = {F16: 0, I8: 1, "u4": 2}
+F16, I8, I8_BAND = "f16", "i8", "i8-band"
+# I8_BAND: int8 weights on the tensor cores (gemv_int8_band); the CUDA launcher gives int8 tasks this type
+WEIGHT_TYPE = {F16: 0, I8: 1, "u4": 2, I8_BAND: 3}
 
 
 def U4(group: int) -> tuple[str, int]:  # noqa: N802 - reads as a weight kind beside F16 and I8
@@ -675,8 +676,8 @@ def uint4_layer(gen, n: int, k: int, group: int) -> tuple[torch.Tensor, ...]:
 
 def gemv_task(gen, M, n, k, kind=F16, epi=EPI_NONE, residual=False) -> dict:
     zero, dense, group = None, None, 0
-    if kind == I8:
-        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    if kind in (I8, I8_BAND):
+        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
         scale = (torch.rand(n, generator=gen) * 0.02 + 0.001).half()
     elif kind == F16:
         w, scale = (torch.randn(n, k, generator=gen) * k ** -0.5).half(), None
@@ -711,7 +712,7 @@ def check_gemv(t: dict, y: torch.Tensor, what: str) -> None:
     dequantized matrix (dequantize_gemlite_uint4)."""
     x = t["x"].double()
     w = t["dense"] if t["dense"] is not None else t["w"].double()
-    scale = t["scale"].double() if t["type"] == WEIGHT_TYPE[I8] else torch.ones(w.shape[0], dtype=torch.float64)
+    scale = t["scale"].double() if t["type"] in (WEIGHT_TYPE[I8], WEIGHT_TYPE[I8_BAND]) else torch.ones(w.shape[0], dtype=torch.float64)
     exact = (x @ w.T) * scale
     K = w.shape[1]
     err = (x.abs() @ w.abs().T) * scale * (K + 4) * 2.0 ** -23 + 1e-30
@@ -831,6 +832,43 @@ def test_gemv(variant, case, libs):
     ys = run_gemv(so, tasks, M)
     for i, (t, y) in enumerate(zip(tasks, ys)):
         check_gemv(t, y, f"task {i}")
+
+
+# int8 bands of 16 channels on the tensor cores (CUDA only): 8 warps per block over slices of whole quads of
+# 16-byte vectors, 3 vectors per lane and channel in flight
+GEMV_INT8_BAND_CASES = {
+    # 37 channels: a band of 5 (rows g + 8 all past n); 9 vectors: warps 0-1 busy, 2 with one vector, 3-7 idle
+    "one-row": (1, [(37, 144, I8_BAND, EPI_NONE, False)]),
+    # 7.2B-like rows at one row: slices of 32 and 128 vectors (batches of 12, the last partial); one channel
+    "long-rows-batch1": (1, [(20, 4096, I8_BAND, EPI_NONE, True), (16, 16384, I8_BAND, EPI_NONE, False),
+                             (1, 2048, I8_BAND, EPI_NONE, True)]),
+    # 100 vectors: slices of 16 (a batch of 12 and one of 4), the last warp idle; one vector per row
+    "two-rows": (2, [(24, 1600, I8_BAND, EPI_RELU_SQUARE, False), (8, 16, I8_BAND, EPI_NONE, True)]),
+    "three-rows": (3, [(33, 272, I8_BAND, EPI_RELU_SQUARE, True)]),
+    "five-rows": (5, [(17, 528, I8_BAND, EPI_NONE, False)]),
+    # beside fp16, per-thread int8 and 4-bit tasks in one launch, with the LoRA epilogues; eight rows
+    "mixed-eight-rows": (8, [(40, 256, U4(64), EPI_RELU_SQUARE, True), (9, 8, F16, EPI_NONE, False),
+                             (48, 512, I8_BAND, EPI_TANH, False), (33, 272, I8, EPI_RELU_SQUARE, False),
+                             (16, 1024, I8_BAND, EPI_SIGMOID, False), (64, 1040, I8_BAND, EPI_NONE, True)]),
+}
+
+
+@pytest.mark.parametrize("case", GEMV_INT8_BAND_CASES)
+def test_gemv_int8_band(case, libs):
+    """int8 tasks on the tensor cores: every output within check_gemv's bound of the exact product (int8 times
+    fp16 is exact, summed in fp32), partial bands and slices, idle warps, 1-8 rows, beside the other kinds."""
+    M, specs = GEMV_INT8_BAND_CASES[case]
+    so = libs["fused-cuda"]
+    gen = torch.Generator().manual_seed(len(case) * 17 + M)
+    tasks = [gemv_task(gen, M, *spec) for spec in specs]
+    ys = run_gemv(so, tasks, M)
+    for i, (t, y) in enumerate(zip(tasks, ys)):
+        check_gemv(t, y, f"task {i}")
+    # a row's outputs do not depend on the other rows of the launch (batch invariance)
+    alone = run_gemv(so, [dict(t, x=t["x"][-1:].clone(), residual=None if t["residual"] is None else
+                               t["residual"][-1:].clone()) for t in tasks], 1)
+    for i, (y, y1) in enumerate(zip(ys, alone)):
+        assert torch.equal(y[-1:], y1), f"task {i}: the last row alone differs from the same row in a batch of {M}"
 
 
 # ------------------------------------------------------------------------------------ sparse-input gemv
