@@ -35,6 +35,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-bounds # W8A16 and 4-bit batch-1 steps per kernel; prompts again
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh tc        # prompts' time mix on tensor cores: A/B, GPU tests
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-band  # int8 GEMV tasks on the tensor cores: W8 decode A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-sums  # int8 bands' rounding per way of summing, W8 decode
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -462,6 +463,27 @@ int8-band)  # int8 GEMV tasks on the tensor cores (gemv_int8_band; RWKV_GEMV_INT
     step 40 "TTFT, 7.2B 1 x 1,024" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 \
         --prefill-rows 1 --wkv cuda --no-checks --out bench/results/ttft_int8_band_call.json
     copy bench/results/ttft_int8_band_call.json
+    ;;
+int8-sums)  # the int8 bands' sums promoted out of the tensor cores per vector (default) against the mma accumulators
+    # only (RWKV_GEMV_INT8_TC=2) and the per-thread code (0): rounding against the exact product, W8A16 decode with
+    # int8 models on the GEMV up to 8 rows, the GPU tests, the batch-1 profile
+    tuning_cache
+    build
+    step 120 "int8 GEMV rounding per way of summing" python bench/experiment_gemv_int8_error.py \
+        --out bench/results/experiment_gemv_int8_error_h200.json
+    copy bench/results/experiment_gemv_int8_error_h200.json
+    step 90 "W8A16 decode (int8 GEMV up to 8 rows)" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b \
+        --batches 1,2,4,8 --steps 30 --wkv cuda --no-checks --out bench/results/decode_h200_w8_int8_sums.json
+    copy bench/results/decode_h200_w8_int8_sums.json
+    step 60 "A/B: mma accumulators only" env RWKV_GEMV_INT8_TC=2 python bench/bench_decode.py --engine cutlass \
+        --sizes 7.2b --batches 1,2,8 --steps 30 --wkv cuda --no-checks \
+        --out bench/results/experiment_w8_int8_mma_sums_h200.json
+    copy bench/results/experiment_w8_int8_mma_sums_h200.json
+    step 120 "GEMV and W8A16 GPU tests" python -m pytest -q -rf --tb=line -p no:cacheprovider test/test_fused_cuda.py \
+        test/test_quant_cuda.py -k "((gemv or w8a16 or decode_matches or greedy) and not uint4 and not gemlite) or gemlite_int8_decode"
+    step 60 "per-kernel profile, 7.2B W8A16, batch 1, PDL off" env RWKV_PDL=0 python bench/profile_decode.py \
+        --engine cutlass --sizes 7.2b --batches 1 --out bench/results/profile_nopdl_w8_sums_h200.json
+    copy bench/results/profile_nopdl_w8_sums_h200.json
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache

@@ -1600,6 +1600,7 @@ struct GemvTask {
     int rows_per_warp;       // output channels per warp (a power of two; short rows), 32 / rows_per_warp lanes
                              // each; 1 with splits > 1 and for 4-bit tasks
     int first_block;         // blocks [first_block, first_block + gemv_units(task) / kGemvWarps) compute this task
+    int promote;             // int8 bands: sums moved out of the tensor cores per vector (see mma_int8_band)
 };
 
 struct GemvArgs {
@@ -1921,7 +1922,21 @@ __device__ __forceinline__ uint32_t int8_pair(uint32_t biased, unsigned selector
     return half2_bits(__hsub2(v, as_half2(0x64806480u)));
 }
 
-// d += the batch's products (see above): vectors c + t, c + t + 4, ... below end, x row g (zero past M).
+// d += one vector's products (see above): its 4 mmas, x row g's 16 values in xv.
+__device__ __forceinline__ void mma_int8_vector(const uint4& lo_w, const uint4& hi_w, const uint4 (&xv)[2],
+                                                float (&d)[4]) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        const uint32_t lo = word_of(lo_w, s) ^ 0x80808080u, hi = word_of(hi_w, s) ^ 0x80808080u;
+        const uint32_t a[4] = {int8_pair(lo, 0x4140u), int8_pair(hi, 0x4140u), int8_pair(lo, 0x4342u),
+                               int8_pair(hi, 0x4342u)};
+        mma_16x8x16(d, a, word_of(xv[s / 2], 2 * (s % 2)), word_of(xv[s / 2], 2 * (s % 2) + 1));
+    }
+}
+
+// d += the batch's products: vectors c + t, c + t + 4, ... below end, x row g (zero past M). promote: each
+// vector's mmas sum from zero and the lane adds that to d in fp32, so the tensor cores never add a product
+// to a long running sum (whose alignment drops the product's low bits); else d accumulates in the mmas.
 template <int M>
 __device__ __forceinline__ void mma_int8_band(const GemvTask& task, int c, int end, int g, int t,
                                               const uint4 (&w)[2][kInt8Loads], float (&d)[4]) {
@@ -1935,12 +1950,13 @@ __device__ __forceinline__ void mma_int8_band(const GemvTask& task, int c, int e
             xv[0] = p[0];
             xv[1] = p[1];
         }
+        if (task.promote) {  // task-uniform
+            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_int8_vector(w[0][j], w[1][j], xv, part);
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            const uint32_t lo = word_of(w[0][j], s) ^ 0x80808080u, hi = word_of(w[1][j], s) ^ 0x80808080u;
-            const uint32_t a[4] = {int8_pair(lo, 0x4140u), int8_pair(hi, 0x4140u), int8_pair(lo, 0x4342u),
-                                   int8_pair(hi, 0x4342u)};
-            mma_16x8x16(d, a, word_of(xv[s / 2], 2 * (s % 2)), word_of(xv[s / 2], 2 * (s % 2) + 1));
+            for (int e = 0; e < 4; ++e) d[e] += part[e];
+        } else {
+            mma_int8_vector(w[0][j], w[1][j], xv, d);
         }
     }
 }
@@ -2473,6 +2489,7 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
         t.group = static_cast<int>(group[i]);
         t.weight_type = weight_type[i];
         t.epilogue = epilogue[i];
+        t.promote = 1;
     }
     args.count = count;
     plan_gemv_splits(args);
@@ -2672,13 +2689,16 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return cudaErrorInvalidValue;
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return cudaErrorInvalidValue;
-    // int8 tasks on the tensor cores (gemv_int8_band); RWKV_GEMV_INT8_TC=0: the per-thread code (A/B timing)
-    static const bool int8_tensor_cores = env_flag("RWKV_GEMV_INT8_TC", true);
+    // int8 tasks on the tensor cores (gemv_int8_band), their sums promoted per vector; RWKV_GEMV_INT8_TC=0: the
+    // per-thread code, 2: bands summed in the tensor cores' accumulators throughout (both for A/B runs)
+    static const int64_t int8_mode = env_int("RWKV_GEMV_INT8_TC", 1);
     int types[kMaxTasks];
     for (int i = 0; i < count; ++i)
-        types[i] = weight_type[i] == kWeightInt8 && int8_tensor_cores ? kWeightInt8Band : weight_type[i];
+        types[i] = weight_type[i] == kWeightInt8 && int8_mode != 0 ? kWeightInt8Band : weight_type[i];
     GemvArgs args{};
     const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, types, epilogue);
+    if (int8_mode == 2)
+        for (int i = 0; i < count; ++i) args.task[i].promote = 0;
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {

@@ -331,8 +331,10 @@ def test_w8a16_model_fused_matches_readable(kernels):
     sd[W8A16_MARKER] = torch.tensor(W8A16_VERSION, dtype=torch.int32)
     models = [RWKV7.from_state_dict(dict(sd), device="cuda", dtype="fp16", engine="cutlass") for _ in range(2)]
     select_fused(models[1], "on")
-    for rows in ([[5], [9]], [[5, 6, 7], [9]], [[1], [2], [3], [4]]):  # GEMV, sequential prefill, matmuls
-        pools = [m.new_state_pool(4) for m in models]
+    assert models[1].fused.rows_for(models[1]) == 8  # int8 models take the GEMV up to 8 rows
+    # GEMV at 2 and 4 rows, sequential prefill, matmuls (12 rows)
+    for rows in ([[5], [9]], [[5, 6, 7], [9]], [[1], [2], [3], [4]], [[t] for t in range(12)]):
+        pools = [m.new_state_pool(len(rows)) for m in models]
         ref, got = (m.forward(PackedBatch.from_rows(rows, list(range(len(rows))), "cuda"), p)
                     for m, p in zip(models, pools))
         assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
@@ -499,7 +501,7 @@ def test_gemlite_uint4_decode_runs_on_the_fused_gemv(uint4_model, batch, monkeyp
     step of up to gemv_rows rows takes it for every matrix and agrees with the same step through GemLite's
     own kernels."""
     model, fused = uint4_model, uint4_model.fused
-    assert fused.rows_for(model) == fused.uint4_gemv_rows == 8 and fused.gemv_covers(model) == 8
+    assert fused.rows_for(model) == fused.quantized_gemv_rows == 8 and fused.gemv_covers(model) == 8
     assert all(lin.uint4_groups[0].data_ptr() == lin._args[0].data_ptr() for lin in model.projections())
     gen = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(1, 1024, (5 + 3 * i,), generator=gen).tolist() for i in range(batch)]
@@ -512,7 +514,7 @@ def test_gemlite_uint4_decode_runs_on_the_fused_gemv(uint4_model, batch, monkeyp
         assert all(torch.isfinite(t).all() for t in (pool.wkv, pool.att_shift, pool.ffn_shift)), "prefill: non-finite"
     tokens = [(7 * i + 9) % 1024 for i in range(batch)]
     on_gemv = model.decode(tokens, slots, pools[0])
-    monkeypatch.setattr(fused, "uint4_gemv_rows", 0)  # the same step through GemLite's kernels
+    monkeypatch.setattr(fused, "quantized_gemv_rows", 0)  # the same step through GemLite's kernels
     on_gemlite = model.decode(tokens, slots, pools[1])
     # H200, 2026-12-01/02: intermittently NaN on GemLite's side at batch 8 (split-K then): say which side it is
     for name, logits in (("fused GEMV", on_gemv), ("GemLite", on_gemlite)):

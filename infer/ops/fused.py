@@ -176,9 +176,11 @@ class FusedKernels:
         # Batches of at most this many tokens take the grouped GEMV (weights read once, CUDA cores),
         # larger ones the model's linears (tensor cores); set from the decode grid in BENCHMARKS.md.
         self.gemv_rows: int = min(env_int("RWKV_GEMV_ROWS", DEFAULT_GEMV_ROWS), module.gemv_max_rows())
-        # The same for models of 4-bit GemLite matrices, whose other kernels are GemLite's own: the 4-bit
-        # GEMV took 4.4 ms for the matrices of a 7.2B step at 8 rows on an H200, GemLite's whole step 7.9.
-        self.uint4_gemv_rows: int = min(env_int("RWKV_GEMV_ROWS", module.gemv_max_rows()), module.gemv_max_rows())
+        # The same for models of quantized matrices, whose GEMV tasks run on the tensor cores at any row count
+        # up to the GEMV's largest. H200, 7.2B at 8 rows: the 4-bit GEMV took 4.4 ms for a step's matrices,
+        # GemLite's whole step 7.9; W8A16 ran 2,250 tok/s on the int8 GEMV against 1,017 on its own kernels
+        # (bench/results/experiment_w8_gemv_rows8_h200.json). The HIP port's int8 tasks are per-thread code.
+        self.quantized_gemv_rows: int = min(env_int("RWKV_GEMV_ROWS", module.gemv_max_rows()), module.gemv_max_rows())
         # Whether 4-bit tasks are taken: switched off alone (those layers then use GemLite's kernels) if
         # they fail their self-test, so the fp16 and int8 paths do not depend on them.
         self.uint4: bool = True
@@ -355,10 +357,12 @@ class FusedKernels:
         return 0
 
     def rows_for(self, model: "RWKV7") -> int:
-        """Steps of up to this many tokens take the grouped GEMV: ``uint4_gemv_rows`` for a model of 4-bit
-        matrices (one checkpoint has one format, so its head tells), else ``gemv_rows``."""
+        """Steps of up to this many tokens take the grouped GEMV: ``quantized_gemv_rows`` for a model of 4-bit
+        or (CUDA) int8 matrices (one checkpoint has one format, so its head tells), else ``gemv_rows``."""
         head = self.operands(model.head)
-        return self.uint4_gemv_rows if head is not None and head.weight.dtype == torch.int32 else self.gemv_rows
+        quantized = head is not None and (head.weight.dtype == torch.int32 or
+                                          (head.weight.dtype == torch.int8 and torch.version.hip is None))
+        return self.quantized_gemv_rows if quantized else self.gemv_rows
 
     def operands(self, linear) -> GemvOperands | None:
         """:func:`gemv_operands`, unless they are 4-bit words and the 4-bit tasks are switched off."""
