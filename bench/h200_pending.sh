@@ -36,6 +36,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh tc        # prompts' time mix on tensor cores: A/B, GPU tests
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-band  # int8 GEMV tasks on the tensor cores: W8 decode A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-sums  # int8 bands' rounding per way of summing, W8 decode
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-final  # W8A16 decode against per-thread int8, GPU tests
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -484,6 +485,22 @@ int8-sums)  # the int8 bands' sums promoted out of the tensor cores per vector (
     step 60 "per-kernel profile, 7.2B W8A16, batch 1, PDL off" env RWKV_PDL=0 python bench/profile_decode.py \
         --engine cutlass --sizes 7.2b --batches 1 --out bench/results/profile_nopdl_w8_sums_h200.json
     copy bench/results/profile_nopdl_w8_sums_h200.json
+    ;;
+int8-final)  # the int8 bands as merged: W8A16 decode and its A/B against the per-thread int8 code in one call, the
+    # fused, graph and W8A16/GemLite-int8 GPU tests, TTFT once more
+    tuning_cache
+    build
+    step 60 "W8A16 decode" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b --batches 1,2,4,8 \
+        --steps 30 --wkv cuda --no-checks --out bench/results/decode_h200_w8_int8_final.json
+    copy bench/results/decode_h200_w8_int8_final.json
+    step 40 "A/B: per-thread int8" env RWKV_GEMV_INT8_TC=0 python bench/bench_decode.py --engine cutlass --sizes 7.2b \
+        --batches 1,2 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_w8_int8_per_thread_final_h200.json
+    copy bench/results/experiment_w8_int8_per_thread_final_h200.json
+    step 200 "fused, graph, W8A16 and GemLite int8 GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider \
+        test/test_fused_cuda.py test/test_graphs_cuda.py test/test_quant_cuda.py -k "not uint4 and (not gemlite or gemlite_int8)"
+    step 40 "TTFT, 7.2B 1 x 1,024" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 \
+        --prefill-rows 1 --wkv cuda --no-checks --out bench/results/decode_h200_ttft_twelfth.json
+    copy bench/results/decode_h200_ttft_twelfth.json
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache

@@ -185,18 +185,18 @@ def test_gemlite_int8_decode_runs_on_the_fused_gemv(tmp_path):
     export_quant_gemlite.main([str(path), str(out), "--format", "A16W8_INT8"])
     quant = RWKV7.load(str(out), device="cuda", dtype="fp16", engine="gemlite", progress=False)
     fused = select_fused(quant, "on")
-    assert fused.gemv_covers(quant) == fused.gemv_rows > 0
+    assert fused.gemv_covers(quant) == fused.quantized_gemv_rows == 8  # int8 models: the GEMV up to 8 rows
     assert all(lin.int8_rows[0].data_ptr() == lin._args[0].data_ptr() for lin in quant.projections())
     prompt = torch.randint(1, 1024, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     pools = [quant.new_state_pool(1) for _ in range(2)]
     for pool in pools:
         quant.prefill([prompt], [0], pool)
     on_gemv = quant.decode([9], [0], pools[0])
-    rows, fused.gemv_rows = fused.gemv_rows, 0  # the same step through GemLite's kernels
+    rows, fused.quantized_gemv_rows = fused.quantized_gemv_rows, 0  # the same step through GemLite's kernels
     try:
         on_gemlite = quant.decode([9], [0], pools[1])
     finally:
-        fused.gemv_rows = rows
+        fused.quantized_gemv_rows = rows
     assert 0 < relative_error(on_gemv, on_gemlite) <= 1e-2
 
 
