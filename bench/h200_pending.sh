@@ -502,6 +502,15 @@ int8-final)  # the int8 bands as merged: W8A16 decode and its A/B against the pe
         --prefill-rows 1 --wkv cuda --no-checks --out bench/results/decode_h200_ttft_twelfth.json
     copy bench/results/decode_h200_ttft_twelfth.json
     ;;
+int8-profile)  # where the W8A16 batch-1 step goes with the int8 bands and with the per-thread int8 code, one machine
+    build
+    step 60 "per-kernel profile, 7.2B W8A16, batch 1, PDL off, int8 bands" env RWKV_PDL=0 python bench/profile_decode.py \
+        --engine cutlass --sizes 7.2b --batches 1,2 --out bench/results/profile_nopdl_w8_bands_h200.json
+    copy bench/results/profile_nopdl_w8_bands_h200.json
+    step 60 "the same, per-thread int8" env RWKV_PDL=0 RWKV_GEMV_INT8_TC=0 python bench/profile_decode.py \
+        --engine cutlass --sizes 7.2b --batches 1,2 --out bench/results/profile_nopdl_w8_per_thread_h200.json
+    copy bench/results/profile_nopdl_w8_per_thread_h200.json
+    ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache
     build
