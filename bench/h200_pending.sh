@@ -511,6 +511,15 @@ int8-profile)  # where the W8A16 batch-1 step goes with the int8 bands and with 
         --engine cutlass --sizes 7.2b --batches 1,2 --out bench/results/profile_nopdl_w8_per_thread_h200.json
     copy bench/results/profile_nopdl_w8_per_thread_h200.json
     ;;
+int8-rule)  # one-row int8 tasks on bands only for >= 256 blocks of rows <= 4,096 (int8_band_takes): 1.5B A/B, 7.2B
+    build
+    step 40 "W8A16 decode, batch 1" python bench/bench_decode.py --engine cutlass --sizes 1.5b,7.2b --batches 1 \
+        --steps 30 --wkv cuda --no-checks --out bench/results/decode_h200_w8_int8_rule.json
+    copy bench/results/decode_h200_w8_int8_rule.json
+    step 30 "A/B: per-thread int8" env RWKV_GEMV_INT8_TC=0 python bench/bench_decode.py --engine cutlass --sizes 1.5b \
+        --batches 1 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_w8_int8_rule_per_thread_h200.json
+    copy bench/results/experiment_w8_int8_rule_per_thread_h200.json
+    ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache
     build

@@ -2433,6 +2433,15 @@ inline int gemv_rows_per_warp(const GemvTask& t) {
 constexpr int kGemvSplitRows = 32768;
 constexpr int kGemvMinSlice = 32 * kGemvLoads;
 
+// Whether an int8 task of M rows runs on bands (gemv_int8_band) rather than the per-thread code. At one row a band
+// task has only n / 16 blocks, each warp summing a slice of K alone, where the per-thread code splits long rows
+// over many warps: 7.2B at batch 1, per launch (bench/results/profile_nopdl_w8_bands_h200.json against
+// profile_nopdl_w8_per_thread_h200.json, one machine): r/k/v 19.7 against 22.7 us, output (256 blocks) 8.7
+// against 9.1, FFN key 22.3 against 24.0, head 71.4 against 77.3, but the FFN value (256 blocks, K = 16,384)
+// 27.0 against 26.1. So one row takes bands for at least 256 blocks of rows no longer than 4,096; two or more
+// rows always (2 rows: every launch faster, the step 3,539 against 4,256 us).
+inline bool int8_band_takes(int64_t M, int64_t n, int64_t k) { return M > 1 || (n >= 4096 && k <= 4096); }
+
 // The (row, slice) units a launch is split to: kGemvSplitRows, RWKV_GEMV_SPLIT_ROWS instead if set, 0 (no
 // splitting) with RWKV_GEMV_SPLIT=0 (read once; for A/B timing).
 inline int64_t gemv_split_rows() {
@@ -2694,7 +2703,9 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
     static const int64_t int8_mode = env_int("RWKV_GEMV_INT8_TC", 1);
     int types[kMaxTasks];
     for (int i = 0; i < count; ++i)
-        types[i] = weight_type[i] == kWeightInt8 && int8_mode != 0 ? kWeightInt8Band : weight_type[i];
+        types[i] = weight_type[i] == kWeightInt8 && int8_mode != 0 && int8_band_takes(M, n[i], k[i])
+                       ? kWeightInt8Band
+                       : weight_type[i];
     GemvArgs args{};
     const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, types, epilogue);
     if (int8_mode == 2)
