@@ -871,6 +871,17 @@ def test_gemv_int8_band(case, libs):
         assert torch.equal(y[-1:], y1), f"task {i}: the last row alone differs from the same row in a batch of {M}"
 
 
+def test_int8_band_routing(libs):
+    """One-row int8 tasks take bands for >= 256 blocks of rows <= 4,096 (7.2B: all but the FFN value; 1.5B: the FFN
+    key and the head), more rows always (int8_band_takes, from per-launch H200 profiles)."""
+    takes = libs["fused-cuda"].emu_int8_band_takes
+    takes.argtypes = [ctypes.c_int64] * 3
+    one_row = {(4096, 4096): 1, (16384, 4096): 1, (4096, 16384): 0, (65536, 4096): 1,
+               (2048, 2048): 0, (8192, 2048): 1, (2048, 8192): 0, (65536, 2048): 1}
+    assert {shape: takes(1, *shape) for shape in one_row} == one_row
+    assert all(takes(rows, *shape) for rows in (2, 8) for shape in one_row)
+
+
 # ------------------------------------------------------------------------------------ sparse-input gemv
 SPARSE_MIN_BLOCKS = 256  # the launcher's threshold for two ballots (64 input rows) per warp
 

@@ -171,6 +171,11 @@ EMU_EXPORT void emu_fused_gemv_splits(int count, const int64_t* n, const int64_t
     }
 }
 
+#ifdef FUSED_TIME_MIX_TC
+// Whether the CUDA launcher puts an int8 task of M rows and shape [n, k] on bands (CUDA only).
+EMU_EXPORT int emu_int8_band_takes(int64_t M, int64_t n, int64_t k) { return fused::int8_band_takes(M, n, k); }
+#endif
+
 // The emulation's fp16 conversions, for the test that holds them to torch's, and its fp16 fma (__hfma2).
 EMU_EXPORT void emu_f32_to_f16(const float* in, uint16_t* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = __half_as_ushort(__float2half_rn(in[i]));
