@@ -1693,6 +1693,19 @@ __device__ __forceinline__ void store_output(const GemvTask& task, int m, int n,
     store_rounded(task.y, task.residual, int64_t(m) * task.n + n, product, task.epilogue);
 }
 
+// A band's outputs after the barrier, one per thread: (row m, channel first_col + j) for j below `band`, the
+// warps' sums added in warp order (deterministic), times the channel's scale if `scaled` (int8).
+template <int M, int kWidth>
+__device__ __forceinline__ void store_band_sums(const GemvTask& task, const float (&band_sum)[kGemvWarps][M][kWidth],
+                                                int band, int first_col, bool scaled) {
+    const int m = threadIdx.x / band, j = threadIdx.x % band;
+    if (m >= M || first_col + j >= task.n) return;
+    float sum = band_sum[0][m][j];
+#pragma unroll
+    for (int w = 1; w < kGemvWarps; ++w) sum += band_sum[w][m][j];
+    store_output(task, m, first_col + j, scaled ? sum * __half2float(task.scale[first_col + j]) : sum);
+}
+
 // ---- 4-bit weights: GemLite's A16W4_HQQ_INT layers, read where GemLite's own kernels read them.
 // gemlite 0.6 GemLiteLinearTriton.pack (32-bit packing, fma mode, group < in_features) stores
 //   w            [K/8, N] int32, contiguous: word (c, n) holds W[n][8c + j] in bits 4j..4j+3 (j = 0..7)
@@ -1868,13 +1881,7 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
         for (int i = 0; i < kWords; ++i) band_sum[warp][m][kWords * g + i] = d[i / 2][i % 2 * 2 + e];
     }
     __syncthreads();
-    // One output per thread: (row m, channel first_col + j), the warps' sums added in warp order.
-    const int m = threadIdx.x / kBand, j = threadIdx.x % kBand;
-    if (m >= M || first_col + j >= task.n) return;
-    float sum = band_sum[0][m][j];
-#pragma unroll
-    for (int w = 1; w < kGemvWarps; ++w) sum += band_sum[w][m][j];
-    store_output(task, m, first_col + j, sum);
+    store_band_sums<M>(task, band_sum, kBand, first_col, false);
 }
 
 template <int M>
@@ -1993,13 +2000,7 @@ __device__ __forceinline__ void gemv_int8_band(const GemvTask& task) {
         band_sum[warp][m][g + 8] = d[2 + e];
     }
     __syncthreads();
-    // One output per thread: (row m, channel first_col + j), the warps' sums added in warp order.
-    const int m = threadIdx.x / kInt8Band, j = threadIdx.x % kInt8Band;
-    if (m >= M || first_col + j >= task.n) return;
-    float sum = band_sum[0][m][j];
-#pragma unroll
-    for (int k = 1; k < kGemvWarps; ++k) sum += band_sum[k][m][j];
-    store_output(task, m, first_col + j, sum * __half2float(task.scale[first_col + j]));
+    store_band_sums<M>(task, band_sum, kInt8Band, first_col, true);
 }
 
 // Registers capped for occupancy: four blocks per multiprocessor for one row, three for two, else two. (The
