@@ -1896,7 +1896,7 @@ __device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
 
 // ---- int8 weights on the tensor cores (kWeightInt8Band). The per-thread int8 code above spends ~4
 // instructions per weight (byte to float, subtract, fp32 fma, x converted per row) and moved 2.3-2.8 TB/s
-// through a 7.2B layer at batch 1, against 3.2-3.8 for fp16 rows (bench/results/profile_b1_w8_h200.json):
+// through a 7.2B layer at batch 1, against 3.2-3.8 for fp16 rows (bench/results/profile_nopdl_w8_h200.json):
 // bound by instructions, not by memory. Here a pair of weights takes one PRMT and one f16x2 subtract (int8
 // is exact in fp16), and one mma.m16n8k16 takes 256 weights times up to 8 rows of x: the products are exact
 // (int8 x fp16) and summed in fp32, as the per-thread code sums them, in another order.
