@@ -37,6 +37,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-band  # int8 GEMV tasks on the tensor cores: W8 decode A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-sums  # int8 bands' rounding per way of summing, W8 decode
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-final  # W8A16 decode against per-thread int8, GPU tests
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-profile  # W8A16 batch-1/2 steps per kernel, bands and per-thread
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-rule  # one-row int8 routing (int8_band_takes): 1.5B A/B, 7.2B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -79,6 +81,29 @@ prefill_bench() {
     step 200 "prefill" python bench/bench_decode.py --sizes 7.2b,1.5b --batches "" --prefill 1024,4096 \
         --prefill-rows "$1" --wkv cuda --no-checks --out "bench/results/$2"
     copy "bench/results/$2"
+}
+
+# w8_decode LIMIT NAME SIZES BATCHES OUT [VAR=VALUE ...]: W8A16 decode (30 steps, CUDA graphs) of the SIZES at the
+# BATCHES with those environment variables, into bench/results/OUT
+w8_decode() {
+    local limit=$1 name=$2 sizes=$3 batches=$4 out=$5
+    shift 5
+    step "$limit" "$name" env "$@" python bench/bench_decode.py --engine cutlass --sizes "$sizes" --batches "$batches" \
+        --steps 30 --wkv cuda --no-checks --out "bench/results/$out"
+    copy "bench/results/$out"
+}
+
+# ttft LIMIT NAME OUT: one forward over a 7.2B prompt of 1,024 tokens, into bench/results/OUT
+ttft() {
+    step "$1" "$2" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 --prefill-rows 1 --wkv cuda \
+        --no-checks --out "bench/results/$3"
+    copy "bench/results/$3"
+}
+
+# The GPU tests of the int8 GEMV: the fused GEMV ones, the fused W8A16 model, decode and greedy, GemLite int8 decode
+int8_tests() {
+    step 120 "GEMV and W8A16 GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
+        test/test_quant_cuda.py -k "((gemv or w8a16 or decode_matches or greedy) and not uint4 and not gemlite) or gemlite_int8_decode"
 }
 
 # time_mix_layouts NAME: the split time mix's variants alone on a 7.2B and a 1.5B prompt's shape
@@ -420,9 +445,7 @@ b1-bounds)  # where the W8A16 and 4-bit batch-1 steps' time goes (PDL off, as pr
         --prefill-rows 1,16 --wkv cuda --no-checks --out bench/results/decode_h200_prefill_final.json
     copy bench/results/decode_h200_prefill_final.json
     for run in 1 2 3; do
-        step 60 "TTFT repeat $run" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 \
-            --prefill-rows 1 --wkv cuda --no-checks --out "bench/results/ttft_final_repeat_$run.json"
-        copy "bench/results/ttft_final_repeat_$run.json"
+        ttft 60 "TTFT repeat $run" "ttft_final_repeat_$run.json"
     done
     ;;
 tc)  # many-row prompts' time mix on the tensor cores (the default since it ran; RWKV_TIME_MIX_TC=1 kept for when it
@@ -447,23 +470,14 @@ int8-band)  # int8 GEMV tasks on the tensor cores (gemv_int8_band; RWKV_GEMV_INT
     # decode first, its A/B, the GPU tests, up to 8 rows on the GEMV, the batch-1 profile, then TTFT once more
     tuning_cache
     build
-    step 90 "W8A16 decode, int8 on the tensor cores" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b \
-        --batches 1,2,4,8 --steps 30 --wkv cuda --no-checks --out bench/results/decode_h200_w8_int8_band.json
-    copy bench/results/decode_h200_w8_int8_band.json
-    step 60 "A/B: per-thread int8" env RWKV_GEMV_INT8_TC=0 python bench/bench_decode.py --engine cutlass --sizes 7.2b \
-        --batches 1,2 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_w8_int8_per_thread_h200.json
-    copy bench/results/experiment_w8_int8_per_thread_h200.json
-    step 120 "GEMV and W8A16 GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
-        test/test_quant_cuda.py -k "((gemv or w8a16 or decode_matches or greedy) and not uint4 and not gemlite) or gemlite_int8_decode"
-    step 60 "W8A16 decode, up to 8 rows on the GEMV" env RWKV_GEMV_ROWS=8 python bench/bench_decode.py --engine cutlass \
-        --sizes 7.2b --batches 4,8 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_w8_gemv_rows8_h200.json
-    copy bench/results/experiment_w8_gemv_rows8_h200.json
+    w8_decode 90 "W8A16 decode, int8 on the tensor cores" 7.2b,1.5b 1,2,4,8 decode_h200_w8_int8_band.json
+    w8_decode 60 "A/B: per-thread int8" 7.2b 1,2 experiment_w8_int8_per_thread_h200.json RWKV_GEMV_INT8_TC=0
+    int8_tests
+    w8_decode 60 "W8A16 decode, up to 8 rows on the GEMV" 7.2b 4,8 experiment_w8_gemv_rows8_h200.json RWKV_GEMV_ROWS=8
     step 90 "per-kernel profile, 7.2B W8A16, batch 1, PDL off" env RWKV_PDL=0 python bench/profile_decode.py \
         --engine cutlass --sizes 7.2b --batches 1 --out bench/results/profile_nopdl_w8_band_h200.json
     copy bench/results/profile_nopdl_w8_band_h200.json
-    step 40 "TTFT, 7.2B 1 x 1,024" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 \
-        --prefill-rows 1 --wkv cuda --no-checks --out bench/results/ttft_int8_band_call.json
-    copy bench/results/ttft_int8_band_call.json
+    ttft 40 "TTFT, 7.2B 1 x 1,024" ttft_int8_band_call.json
     ;;
 int8-sums)  # the int8 bands' sums promoted out of the tensor cores per vector (default) against the mma accumulators
     # only (RWKV_GEMV_INT8_TC=2) and the per-thread code (0): rounding against the exact product, W8A16 decode with
@@ -473,15 +487,9 @@ int8-sums)  # the int8 bands' sums promoted out of the tensor cores per vector (
     step 120 "int8 GEMV rounding per way of summing" python bench/experiment_gemv_int8_error.py \
         --out bench/results/experiment_gemv_int8_error_h200.json
     copy bench/results/experiment_gemv_int8_error_h200.json
-    step 90 "W8A16 decode (int8 GEMV up to 8 rows)" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b \
-        --batches 1,2,4,8 --steps 30 --wkv cuda --no-checks --out bench/results/decode_h200_w8_int8_sums.json
-    copy bench/results/decode_h200_w8_int8_sums.json
-    step 60 "A/B: mma accumulators only" env RWKV_GEMV_INT8_TC=2 python bench/bench_decode.py --engine cutlass \
-        --sizes 7.2b --batches 1,2,8 --steps 30 --wkv cuda --no-checks \
-        --out bench/results/experiment_w8_int8_mma_sums_h200.json
-    copy bench/results/experiment_w8_int8_mma_sums_h200.json
-    step 120 "GEMV and W8A16 GPU tests" python -m pytest -q -rf --tb=line -p no:cacheprovider test/test_fused_cuda.py \
-        test/test_quant_cuda.py -k "((gemv or w8a16 or decode_matches or greedy) and not uint4 and not gemlite) or gemlite_int8_decode"
+    w8_decode 90 "W8A16 decode (int8 GEMV up to 8 rows)" 7.2b,1.5b 1,2,4,8 decode_h200_w8_int8_sums.json
+    w8_decode 60 "A/B: mma accumulators only" 7.2b 1,2,8 experiment_w8_int8_mma_sums_h200.json RWKV_GEMV_INT8_TC=2
+    int8_tests
     step 60 "per-kernel profile, 7.2B W8A16, batch 1, PDL off" env RWKV_PDL=0 python bench/profile_decode.py \
         --engine cutlass --sizes 7.2b --batches 1 --out bench/results/profile_nopdl_w8_sums_h200.json
     copy bench/results/profile_nopdl_w8_sums_h200.json
@@ -490,17 +498,11 @@ int8-final)  # the int8 bands as merged: W8A16 decode and its A/B against the pe
     # fused, graph and W8A16/GemLite-int8 GPU tests, TTFT once more
     tuning_cache
     build
-    step 60 "W8A16 decode" python bench/bench_decode.py --engine cutlass --sizes 7.2b,1.5b --batches 1,2,4,8 \
-        --steps 30 --wkv cuda --no-checks --out bench/results/decode_h200_w8_int8_final.json
-    copy bench/results/decode_h200_w8_int8_final.json
-    step 40 "A/B: per-thread int8" env RWKV_GEMV_INT8_TC=0 python bench/bench_decode.py --engine cutlass --sizes 7.2b \
-        --batches 1,2 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_w8_int8_per_thread_final_h200.json
-    copy bench/results/experiment_w8_int8_per_thread_final_h200.json
+    w8_decode 60 "W8A16 decode" 7.2b,1.5b 1,2,4,8 decode_h200_w8_int8_final.json
+    w8_decode 40 "A/B: per-thread int8" 7.2b 1,2 experiment_w8_int8_per_thread_final_h200.json RWKV_GEMV_INT8_TC=0
     step 200 "fused, graph, W8A16 and GemLite int8 GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider \
         test/test_fused_cuda.py test/test_graphs_cuda.py test/test_quant_cuda.py -k "not uint4 and (not gemlite or gemlite_int8)"
-    step 40 "TTFT, 7.2B 1 x 1,024" python bench/bench_decode.py --sizes 7.2b --batches "" --prefill 1024 \
-        --prefill-rows 1 --wkv cuda --no-checks --out bench/results/decode_h200_ttft_twelfth.json
-    copy bench/results/decode_h200_ttft_twelfth.json
+    ttft 40 "TTFT, 7.2B 1 x 1,024" decode_h200_ttft_twelfth.json
     ;;
 int8-profile)  # where the W8A16 batch-1 step goes with the int8 bands and with the per-thread int8 code, one machine
     build
@@ -513,12 +515,8 @@ int8-profile)  # where the W8A16 batch-1 step goes with the int8 bands and with 
     ;;
 int8-rule)  # one-row int8 tasks on bands only for >= 256 blocks of rows <= 4,096 (int8_band_takes): 1.5B A/B, 7.2B
     build
-    step 40 "W8A16 decode, batch 1" python bench/bench_decode.py --engine cutlass --sizes 1.5b,7.2b --batches 1 \
-        --steps 30 --wkv cuda --no-checks --out bench/results/decode_h200_w8_int8_rule.json
-    copy bench/results/decode_h200_w8_int8_rule.json
-    step 30 "A/B: per-thread int8" env RWKV_GEMV_INT8_TC=0 python bench/bench_decode.py --engine cutlass --sizes 1.5b \
-        --batches 1 --steps 30 --wkv cuda --no-checks --out bench/results/experiment_w8_int8_rule_per_thread_h200.json
-    copy bench/results/experiment_w8_int8_rule_per_thread_h200.json
+    w8_decode 40 "W8A16 decode, batch 1" 1.5b,7.2b 1 decode_h200_w8_int8_rule.json
+    w8_decode 30 "A/B: per-thread int8" 1.5b 1 experiment_w8_int8_rule_per_thread_h200.json RWKV_GEMV_INT8_TC=0
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache
