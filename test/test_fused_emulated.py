@@ -712,7 +712,8 @@ def check_gemv(t: dict, y: torch.Tensor, what: str) -> None:
     dequantized matrix (dequantize_gemlite_uint4)."""
     x = t["x"].double()
     w = t["dense"] if t["dense"] is not None else t["w"].double()
-    scale = t["scale"].double() if t["type"] in (WEIGHT_TYPE[I8], WEIGHT_TYPE[I8_BAND]) else torch.ones(w.shape[0], dtype=torch.float64)
+    int8 = t["type"] in (WEIGHT_TYPE[I8], WEIGHT_TYPE[I8_BAND])
+    scale = t["scale"].double() if int8 else torch.ones(w.shape[0], dtype=torch.float64)
     exact = (x @ w.T) * scale
     K = w.shape[1]
     err = (x.abs() @ w.abs().T) * scale * (K + 4) * 2.0 ** -23 + 1e-30
