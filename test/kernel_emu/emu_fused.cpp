@@ -107,13 +107,18 @@ int run_gemv(const fused::GemvArgs& args, int blocks) {
 EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const void* const* scale,
                               const void* const* zero, const void* const* x, void* const* y,
                               const void* const* residual, const int64_t* n, const int64_t* k, const int64_t* group,
-                              const int* weight_type, const int* epilogue) {
+                              const int* weight_type, const int* epilogue, int ring) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return -1;
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return -1;
     GemvArgs args{};
     const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, epilogue);
+#ifdef FUSED_GEMV_RING
+    args.ring = ring;  // int8 bands through shared memory (mma_int8_ring); the CUDA launcher sets it for them
+#else
+    (void)ring;
+#endif
     switch (M) {
         case 1: return run_gemv<1>(args, blocks);
         case 2: return run_gemv<2>(args, blocks);
