@@ -39,7 +39,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-final  # W8A16 decode against per-thread int8, GPU tests
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-profile  # W8A16 batch-1/2 steps per kernel, bands and per-thread
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-rule  # one-row int8 routing (int8_band_takes): 1.5B A/B, 7.2B
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh ring      # int8 bands through a shared-memory ring: launches, W8 A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh warps16   # int8 routing by shape: tests, W8 A/B; 16-warp GEMV blocks
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -519,29 +519,39 @@ int8-rule)  # one-row int8 tasks on bands only for >= 256 blocks of rows <= 4,09
     w8_decode 40 "W8A16 decode, batch 1" 1.5b,7.2b 1 decode_h200_w8_int8_rule.json
     w8_decode 30 "A/B: per-thread int8" 1.5b 1 experiment_w8_int8_rule_per_thread_h200.json RWKV_GEMV_INT8_TC=0
     ;;
-ring)  # int8 bands streaming their weights through a cp.async ring in shared memory (RWKV_GEMV_RING=0: registers):
-    # 7.2B launches alone, W8A16 decode A/B (and bands for every int8 task), the int8 routing's 1.5B A/B, GPU tests,
-    # then the 4-bit launches as they are and where their time goes (ncu)
+warps16)  # int8 routing by shape alone (batch invariance): GPU tests, W8A16 decode and its A/B (bands everywhere,
+    # per-thread); then gemv_kernel with 16 warps a block (a build of its own, sed on this copy): launches alone, decode
     build
-    for mode in ring registers bands-everywhere; do
-        case $mode in ring) vars=();; registers) vars=(RWKV_GEMV_RING=0);; *) vars=(RWKV_GEMV_INT8_TC=3);; esac
-        step 60 "int8 launches alone, 7.2B, 1 row, $mode" env "${vars[@]}" python bench/bench_gemv.py --weights int8 \
-            --only "rkv+lora (forward),output,ffn key,ffn value" --out "bench/results/experiment_gemv_int8_${mode}_h200.json"
-        copy "bench/results/experiment_gemv_int8_${mode}_h200.json"
-    done
-    w8_decode 60 "W8A16 decode, ring" 7.2b,1.5b 1,2,8 decode_h200_w8_ring.json
-    w8_decode 40 "A/B: registers" 7.2b,1.5b 1,2 experiment_w8_ring_registers_h200.json RWKV_GEMV_RING=0
-    w8_decode 30 "A/B: bands for every int8 task, ring" 7.2b,1.5b 1 experiment_w8_ring_bands_everywhere_h200.json \
-        RWKV_GEMV_INT8_TC=3
-    w8_decode 25 "A/B: per-thread int8" 1.5b 1 experiment_w8_ring_per_thread_h200.json RWKV_GEMV_INT8_TC=0
     int8_tests
-    step 60 "4-bit launches alone, 7.2B, 1 row" python bench/bench_gemv.py --weights uint4 \
-        --only "rkv+lora (forward),output,ffn key,ffn value" --out bench/results/experiment_gemv_uint4_h200.json
-    copy bench/results/experiment_gemv_uint4_h200.json
-    step 90 "ncu: 4-bit and int8 launches, 7.2B, 1 row" bash -c 'for w in uint4 int8; do ncu --clock-control none \
-        --kernel-name regex:gemv_kernel --launch-count 4 --section SpeedOfLight --section Occupancy \
-        --section WarpStateStats --section LaunchStats python bench/bench_gemv.py --weights $w --once \
-        --only "output,ffn value"; done' 
+    w8_decode 50 "W8A16 decode, bands for >= 4,096 channels" 7.2b,1.5b 1,2,8 decode_h200_w8_shape_rule.json
+    w8_decode 30 "A/B: bands for every int8 task" 1.5b 1,2,8 experiment_w8_bands_everywhere_h200.json RWKV_GEMV_INT8_TC=3
+    w8_decode 30 "A/B: per-thread int8" 1.5b 1,2,8 experiment_w8_per_thread_h200.json RWKV_GEMV_INT8_TC=0
+    step 40 "fp16 decode, batch 1" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1 --steps 30 --wkv cuda \
+        --no-checks --out bench/results/experiment_warps8_fp16_h200.json
+    copy bench/results/experiment_warps8_fp16_h200.json
+    for w in int8 uint4; do
+        step 40 "$w launches alone, 7.2B and 1.5B, 1 row, 8 warps" bash -c "python bench/bench_gemv.py --weights $w \
+            --only 'rkv+lora (forward),output,ffn key,ffn value' --out bench/results/experiment_gemv_${w}_warps8_h200.json \
+            && python bench/bench_gemv.py --size 1.5b --weights $w --only 'rkv+lora (forward),output,ffn key,ffn value' \
+            --out bench/results/experiment_gemv_${w}_warps8_1.5b_h200.json"
+        copy "bench/results/experiment_gemv_${w}_warps8_h200.json" "bench/results/experiment_gemv_${w}_warps8_1.5b_h200.json"
+    done
+    cp cuda/rwkv7_fused.cu /tmp/rwkv7_fused_8warps.cu
+    sed -i 's/^constexpr int kGemvWarps = 8;/constexpr int kGemvWarps = 16;/' cuda/rwkv7_fused.cu
+    grep -c "kGemvWarps = 16" cuda/rwkv7_fused.cu
+    build_fused
+    for w in int8 uint4; do
+        step 40 "$w launches alone, 7.2B and 1.5B, 1 row, 16 warps" bash -c "python bench/bench_gemv.py --weights $w \
+            --only 'rkv+lora (forward),output,ffn key,ffn value' --out bench/results/experiment_gemv_${w}_warps16_h200.json \
+            && python bench/bench_gemv.py --size 1.5b --weights $w --only 'rkv+lora (forward),output,ffn key,ffn value' \
+            --out bench/results/experiment_gemv_${w}_warps16_1.5b_h200.json"
+        copy "bench/results/experiment_gemv_${w}_warps16_h200.json" "bench/results/experiment_gemv_${w}_warps16_1.5b_h200.json"
+    done
+    w8_decode 40 "W8A16 decode, 16 warps" 7.2b,1.5b 1,2 experiment_w8_warps16_h200.json
+    step 40 "fp16 decode, batch 1, 16 warps" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1 --steps 30 \
+        --wkv cuda --no-checks --out bench/results/experiment_warps16_fp16_h200.json
+    copy bench/results/experiment_warps16_fp16_h200.json
+    cp /tmp/rwkv7_fused_8warps.cu cuda/rwkv7_fused.cu
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache

@@ -1606,7 +1606,6 @@ struct GemvTask {
 struct GemvArgs {
     GemvTask task[kMaxTasks];
     int count;
-    int ring;  // the launch has kRingBytes of dynamic shared memory for int8 bands (mma_int8_ring)
 };
 
 // Each lane keeps kGemvLoads 16-byte weight loads in flight: the GEMV is a stream of the weights, and at
@@ -1850,8 +1849,8 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
     const int first_col = (int(blockIdx.x) - task.first_block) * kBand;
     const int col = first_col + kWords * g;
     const int rows = task.k / 8, group_rows = task.group / 8;
-    // 32 slices of whole groups; a batch of rows divides a group (the largest power of two that does)
-    const int slice = (rows + 32 * group_rows - 1) / (32 * group_rows) * group_rows;
+    // 4 * kGemvWarps slices of whole groups; a batch of rows divides a group (the largest power of two that does)
+    const int slice = (rows + 4 * kGemvWarps * group_rows - 1) / (4 * kGemvWarps * group_rows) * group_rows;
     const int begin = min((4 * warp + t) * slice, rows), end = min(begin + slice, rows);
     const int count = min(Uint4Batch<kWords>::kLoads, group_rows & -group_rows);
     const bool busy = 4 * warp * slice < rows;  // warp-uniform: a warp past the last row has nothing to add
@@ -1911,46 +1910,6 @@ __device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
 constexpr int kInt8Band = 16;
 constexpr int kInt8Loads = 3;  // vectors per channel and lane in flight: 2 x 3 x 16 bytes (4: a spill at one row)
 
-// The ring (mma_int8_ring): kRingStages stages of kRingSlots 16-byte slots per thread, slot-major so that a
-// warp's copies and reads of one slot are 512 contiguous bytes. 48 KB: four blocks still fit a multiprocessor
-// at one row (the launch bounds of gemv_kernel).
-#define FUSED_GEMV_RING 1  // (asked by the CPU emulation's harness: the HIP port has no ring)
-constexpr int kRingStages = 3;
-constexpr int kRingLoads = 2;  // vectors per channel and lane in a stage
-constexpr int kRingSlots = 2 * kRingLoads;
-constexpr int kRingBytes = kRingStages * kRingSlots * kGemvWarps * 32 * 16;
-
-__device__ __forceinline__ uint4* ring_slot(uint4* ring, int slot) { return ring + slot * kGemvWarps * 32 + threadIdx.x; }
-
-// 16 bytes from global to shared memory without passing through registers (zeros where !valid: nothing is
-// read); complete once a later copy_async_wait lets this thread's group go. Bypasses L1 (.cg).
-__device__ __forceinline__ void copy_async_16(uint4* dst, const uint4* src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const unsigned shared = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-#elif defined(EMU_WARP)
-    emu::copy_async(dst, src, 16, valid);  // lands at a later copy_async_wait (test/kernel_emu/emu_device.h)
-#else
-    *dst = valid ? *src : uint4{};
-#endif
-}
-__device__ __forceinline__ void copy_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#elif defined(EMU_WARP)
-    emu::copy_async_commit();
-#endif
-}
-template <int PENDING>  // wait until at most PENDING of this thread's latest groups are still in flight
-__device__ __forceinline__ void copy_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-#elif defined(EMU_WARP)
-    emu::copy_async_wait(PENDING);
-#endif
-}
-
 // Vectors first, first + 4, ... below end of the lane's two channels (none past the task's channels: zero
 // weights, as past end). Read once per step: streamed past the caches.
 __device__ __forceinline__ void load_int8_band(const uint4* lo, const uint4* hi, bool lo_ok, bool hi_ok, int first,
@@ -1985,11 +1944,11 @@ __device__ __forceinline__ void mma_int8_vector(const uint4& lo_w, const uint4& 
 // d += the batch's products: vectors c + t, c + t + 4, ... below end, x row g (zero past M). promote: each
 // vector's mmas sum from zero and the lane adds that to d in fp32, so the tensor cores never add a product
 // to a long running sum (whose alignment drops the product's low bits); else d accumulates in the mmas.
-template <int M, int LOADS>
+template <int M>
 __device__ __forceinline__ void mma_int8_band(const GemvTask& task, int c, int end, int g, int t,
-                                              const uint4 (&w)[2][LOADS], float (&d)[4]) {
+                                              const uint4 (&w)[2][kInt8Loads], float (&d)[4]) {
 #pragma unroll
-    for (int j = 0; j < LOADS; ++j) {
+    for (int j = 0; j < kInt8Loads; ++j) {
         if (c + 4 * j >= end) break;  // warp-uniform: every lane reaches every mma
         const int v = c + 4 * j + t;
         uint4 xv[2] = {uint4{}, uint4{}};
@@ -2009,52 +1968,9 @@ __device__ __forceinline__ void mma_int8_band(const GemvTask& task, int c, int e
     }
 }
 
-// A band's weights through a ring in shared memory (ring != null; CUDA): each lane copies its own vectors
-// into its own slots with cp.async and reads back only those (no barrier), kRingStages - 1 stages of
-// kRingLoads vectors per channel in flight while it multiplies the one before. The loop over registers
-// (ring == null: the HIP port's way, RWKV_GEMV_RING=0) waits out a round trip to memory per batch of
-// kInt8Loads; a launch of few blocks (the 7.2B output projection and FFN value: 256) then left the memory
-// idle between batches.
-template <int M>
-__device__ __forceinline__ void mma_int8_ring(const GemvTask& task, uint4* ring, const uint4* lo, const uint4* hi,
-                                              bool lo_ok, bool hi_ok, int begin, int end, int g, int t,
-                                              float (&d)[4]) {
-    const int stages = (end - begin + 4 * kRingLoads - 1) / (4 * kRingLoads);  // warp-uniform
-    const uint4* any = static_cast<const uint4*>(task.w);  // a valid address for the copies of nothing
-    auto issue = [&](int stage) {
-        const int slot = stage % kRingStages * kRingSlots;
-#pragma unroll
-        for (int j = 0; j < kRingLoads; ++j) {
-            const int v = begin + t + 4 * (stage * kRingLoads + j);
-            copy_async_16(ring_slot(ring, slot + j), lo_ok && v < end ? lo + v : any, lo_ok && v < end);
-            copy_async_16(ring_slot(ring, slot + kRingLoads + j), hi_ok && v < end ? hi + v : any, hi_ok && v < end);
-        }
-    };
-#pragma unroll
-    for (int stage = 0; stage < kRingStages - 1; ++stage) {
-        if (stage < stages) issue(stage);
-        copy_async_commit();  // empty groups too: the wait below counts groups
-    }
-    dependency_wait();
-#pragma unroll 1
-    for (int stage = 0; stage < stages; ++stage) {
-        copy_async_wait<kRingStages - 2>();  // this stage's group is complete
-        const int slot = stage % kRingStages * kRingSlots;
-        uint4 w[2][kRingLoads];
-#pragma unroll
-        for (int j = 0; j < kRingLoads; ++j) {
-            w[0][j] = *ring_slot(ring, slot + j);
-            w[1][j] = *ring_slot(ring, slot + kRingLoads + j);
-        }
-        if (stage + kRingStages - 1 < stages) issue(stage + kRingStages - 1);  // into the slots read last time
-        copy_async_commit();
-        mma_int8_band<M, kRingLoads>(task, begin + 4 * kRingLoads * stage, end, g, t, w, d);
-    }
-}
-
 // One block of an int8 band task. Every thread reaches the barrier.
 template <int M>
-__device__ __forceinline__ void gemv_int8_band(const GemvTask& task, uint4* ring) {
+__device__ __forceinline__ void gemv_int8_band(const GemvTask& task) {
     __shared__ float band_sum[kGemvWarps][M][kInt8Band];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int first_col = (int(blockIdx.x) - task.first_block) * kInt8Band;
@@ -2064,19 +1980,16 @@ __device__ __forceinline__ void gemv_int8_band(const GemvTask& task, uint4* ring
     const bool lo_ok = first_col + g < task.n, hi_ok = first_col + g + 8 < task.n;
     const uint4* lo = reinterpret_cast<const uint4*>(task.w) + int64_t(first_col + g) * count;
     const uint4* hi = lo + int64_t(8) * count;
+    uint4 w[2][kInt8Loads];
+    load_int8_band(lo, hi, lo_ok, hi_ok, begin + t, end, w);  // weights: load before the wait
+    dependency_wait();
+
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (ring) {  // launch-uniform
-        mma_int8_ring<M>(task, ring, lo, hi, lo_ok, hi_ok, begin, end, g, t, d);
-    } else {
-        uint4 w[2][kInt8Loads];
-        load_int8_band(lo, hi, lo_ok, hi_ok, begin + t, end, w);  // weights: load before the wait
-        dependency_wait();
 #pragma unroll 1
-        for (int c = begin; c < end;) {
-            mma_int8_band<M, kInt8Loads>(task, c, end, g, t, w, d);
-            c += 4 * kInt8Loads;
-            if (c < end) load_int8_band(lo, hi, lo_ok, hi_ok, c + t, end, w);
-        }
+    for (int c = begin; c < end;) {
+        mma_int8_band<M>(task, c, end, g, t, w, d);
+        c += 4 * kInt8Loads;
+        if (c < end) load_int8_band(lo, hi, lo_ok, hi_ok, c + t, end, w);
     }
     // Lane (g, t) holds rows m = 2t, 2t + 1 of x for channels g (d[0], d[1]) and g + 8 (d[2], d[3]).
 #pragma unroll
@@ -2090,16 +2003,11 @@ __device__ __forceinline__ void gemv_int8_band(const GemvTask& task, uint4* ring
     store_band_sums<M>(task, band_sum, kInt8Band, first_col, true);
 }
 
-// Registers capped for occupancy: four blocks per multiprocessor for one row, three for two, else two. (The
+// Registers capped for occupancy: 32 warps per multiprocessor for one row (four blocks), 24 for two, else 16. (The
 // fp16/int8 code takes 64 registers at one row by itself; the cap keeps the 4-bit code from raising that.)
 template <int M>
-__global__ void __launch_bounds__(kGemvWarps * 32, M == 1 ? 4 : M <= 2 ? 3 : 2)
+__global__ void __launch_bounds__(kGemvWarps * 32, (M == 1 ? 32 : M <= 2 ? 24 : 16) / kGemvWarps)
     gemv_kernel(GemvArgs args) {
-#if defined(EMU_WARP)
-    __shared__ uint4 ring_memory[kRingBytes / 16];  // (the CPU emulation has no dynamic shared memory)
-#else
-    extern __shared__ uint4 ring_memory[];  // kRingBytes when args.ring, else none
-#endif
     int t = 0;
 #pragma unroll 1
     while (t + 1 < args.count && int(blockIdx.x) >= args.task[t + 1].first_block) ++t;
@@ -2109,7 +2017,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 ? 4 : M <= 2 ? 3 : 2)
         return;
     }
     if (task.weight_type == kWeightInt8Band) {
-        gemv_int8_band<M>(task, args.ring ? ring_memory : nullptr);
+        gemv_int8_band<M>(task);
         return;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -2196,6 +2104,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 ? 4 : M <= 2 ? 3 : 2)
 // strip and add their sums in warp order; each block writes that sum to `partial`, and the block that
 // arrives last at its strip (a counter per strip, left at zero again) adds the blocks' sums in slice order
 // and stores the outputs: deterministic. Nothing can be loaded before the PDL wait (x says which rows).
+constexpr int kSparseWarps = 8;      // warps per block (one thread per output channel of a strip)
 constexpr int kSparseStrip = 256;    // output channels per warp and block
 constexpr int kSparseMaxRows = 4;    // rows of x (the union of their nonzeros is read)
 constexpr int kSparseMaxBallots = 2;
@@ -2213,13 +2122,13 @@ struct SparseGemvArgs {
 
 // One block: strip blockIdx.x % strips, input rows of slice blockIdx.x / strips.
 template <int M>
-__global__ void __launch_bounds__(kGemvWarps * 32, M == 1 ? 4 : 2) sparse_gemv_kernel(SparseGemvArgs args) {
+__global__ void __launch_bounds__(kSparseWarps * 32, M == 1 ? 4 : 2) sparse_gemv_kernel(SparseGemvArgs args) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int strip = int(blockIdx.x) % args.strips, slice = int(blockIdx.x) / args.strips;
     const int col = strip * kSparseStrip + 8 * lane;  // this lane's 8 output channels
     const bool mine = col < args.n;                   // n % 8 == 0: all 8 in or all out
     const int rows = 32 * args.ballots;
-    const int k0 = (slice * kGemvWarps + warp) * rows;
+    const int k0 = (slice * kSparseWarps + warp) * rows;
     dependency_wait();
 
     // x at rows k0 + 32b + lane, and which rows have a nonzero x in any row of the batch
@@ -2271,7 +2180,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 ? 4 : 2) sparse_gemv_k
     }
 
     // The block's sum over its warps, in warp order, to partial[slice]
-    __shared__ float warp_acc[kGemvWarps][M][kSparseStrip];
+    __shared__ float warp_acc[kSparseWarps][M][kSparseStrip];
     __shared__ bool last;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -2286,7 +2195,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, M == 1 ? 4 : 2) sparse_gemv_k
         for (int m = 0; m < M; ++m) {
             float sum = warp_acc[0][m][threadIdx.x];
 #pragma unroll
-            for (int v = 1; v < kGemvWarps; ++v) sum += warp_acc[v][m][threadIdx.x];
+            for (int v = 1; v < kSparseWarps; ++v) sum += warp_acc[v][m][threadIdx.x];
             args.partial[(int64_t(slice) * M + m) * args.n + c] = sum;
         }
     }
@@ -2368,17 +2277,14 @@ inline int multiprocessors(int device) {
     return cached[device] - 1;
 }
 
-// `kernel` on `stream` with `smem` bytes of dynamic shared memory (PDL where use_pdl).
 template <typename... KernelArgs, typename... Args>
-cudaError_t launch_smem(void (*kernel)(KernelArgs...), unsigned grid, unsigned block, size_t smem,
-                        cudaStream_t stream, Args&&... args) {
+cudaError_t launch(void (*kernel)(KernelArgs...), unsigned grid, unsigned block, cudaStream_t stream, Args&&... args) {
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(grid);
     config.blockDim = dim3(block);
-    config.dynamicSmemBytes = smem;
     config.stream = stream;
     cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -2388,28 +2294,9 @@ cudaError_t launch_smem(void (*kernel)(KernelArgs...), unsigned grid, unsigned b
     return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-template <typename... KernelArgs, typename... Args>
-cudaError_t launch(void (*kernel)(KernelArgs...), unsigned grid, unsigned block, cudaStream_t stream, Args&&... args) {
-    return launch_smem(kernel, grid, block, 0, stream, std::forward<Args>(args)...);
-}
-
 template <int M>
 cudaError_t launch_gemv(const GemvArgs& args, int blocks, cudaStream_t stream) {
-    size_t smem = 0;
-    if (args.ring) {  // more than the 48 KB a kernel gets without asking, once per device
-        static bool allowed[64] = {false};
-        int device = 0;
-        cudaError_t err = cudaGetDevice(&device);
-        if (err != cudaSuccess) return err;
-        if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
-        if (!allowed[device]) {
-            err = cudaFuncSetAttribute(gemv_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes);
-            if (err != cudaSuccess) return err;
-            allowed[device] = true;
-        }
-        smem = kRingBytes;
-    }
-    return launch_smem(gemv_kernel<M>, static_cast<unsigned>(blocks), kGemvWarps * 32, smem, stream, args);
+    return launch(gemv_kernel<M>, static_cast<unsigned>(blocks), kGemvWarps * 32, stream, args);
 }
 
 template <typename F>
@@ -2548,14 +2435,16 @@ inline int gemv_rows_per_warp(const GemvTask& t) {
 constexpr int kGemvSplitRows = 32768;
 constexpr int kGemvMinSlice = 32 * kGemvLoads;
 
-// Whether an int8 task of M rows runs on bands (gemv_int8_band) rather than the per-thread code. At one row a band
-// task has only n / 16 blocks, each warp summing a slice of K alone, where the per-thread code splits long rows
-// over many warps: 7.2B at batch 1, per launch (bench/results/profile_nopdl_w8_bands_h200.json against
-// profile_nopdl_w8_per_thread_h200.json, one machine): r/k/v 19.7 against 22.7 us, output (256 blocks) 8.7
-// against 9.1, FFN key 22.3 against 24.0, head 71.4 against 77.3, but the FFN value (256 blocks, K = 16,384)
-// 27.0 against 26.1. So one row takes bands for at least 256 blocks of rows no longer than 4,096; two or more
-// rows always (2 rows: every launch faster, the step 3,539 against 4,256 us).
-inline bool int8_band_takes(int64_t M, int64_t n, int64_t k) { return M > 1 || (n >= 4096 && k <= 4096); }
+// Whether an int8 task runs on bands (gemv_int8_band) rather than the per-thread code: by its shape only, never by
+// the rows of x, so that a row's output is the same alone or in a batch (the two ways add in different orders).
+// At one row a band task has only n / 16 blocks, each warp summing a slice of K alone, where the per-thread code
+// splits long rows over many warps: 1.5B (n = 2,048: 128 blocks) at batch 1 took 1,033.6 tok/s on bands everywhere
+// against 1,141.1 per-thread (bench/results/decode_h200_w8_int8_final.json, eleventh session's per-thread run);
+// 7.2B per launch at batch 1 (profile_nopdl_w8_bands_h200.json against profile_nopdl_w8_per_thread_h200.json): r/k/v
+// 19.7 against 22.7 us, output 8.7 against 9.1, FFN key 22.3 against 24.0, head 71.4 against 77.3, FFN value 27.0
+// against 26.1; at two rows and more bands win everywhere (7.2B step 3,539 against 4,256 us). So: bands for
+// matrices of at least 4,096 output channels (7.2B: all; 1.5B: the FFN key and the head).
+inline bool int8_band_takes(int64_t n) { return n >= 4096; }
 
 // The (row, slice) units a launch is split to: kGemvSplitRows, RWKV_GEMV_SPLIT_ROWS instead if set, 0 (no
 // splitting) with RWKV_GEMV_SPLIT=0 (read once; for A/B timing).
@@ -2640,7 +2529,7 @@ inline SparseGemvArgs plan_sparse_gemv(int64_t n, int64_t k, int64_t min_blocks 
     args.k = static_cast<int>(k);
     args.strips = static_cast<int>((n + kSparseStrip - 1) / kSparseStrip);
     for (args.ballots = kSparseMaxBallots;; --args.ballots) {
-        const int64_t rows = int64_t(kGemvWarps) * 32 * args.ballots;
+        const int64_t rows = int64_t(kSparseWarps) * 32 * args.ballots;
         args.slices = static_cast<int>((k + rows - 1) / rows);
         if (args.ballots == 1 || int64_t(args.strips) * args.slices >= min_blocks) break;
     }
@@ -2813,23 +2702,19 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return cudaErrorInvalidValue;
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return cudaErrorInvalidValue;
-    // int8 tasks on the tensor cores (gemv_int8_band), their sums promoted per vector; RWKV_GEMV_INT8_TC=0: the
-    // per-thread code, 2: bands summed in the tensor cores' accumulators throughout, 3: bands for every int8
-    // task, whatever int8_band_takes says (all for A/B runs)
+    // int8 tasks on the tensor cores (gemv_int8_band) by int8_band_takes, their sums promoted per vector;
+    // RWKV_GEMV_INT8_TC=0: the per-thread code, 2: bands summed in the tensor cores' accumulators throughout,
+    // 3: bands for every int8 task (all for A/B runs)
     static const int64_t int8_mode = env_int("RWKV_GEMV_INT8_TC", 1);
     int types[kMaxTasks];
     for (int i = 0; i < count; ++i)
-        types[i] = weight_type[i] == kWeightInt8 && int8_mode != 0 && (int8_band_takes(M, n[i], k[i]) || int8_mode == 3)
+        types[i] = weight_type[i] == kWeightInt8 && int8_mode != 0 && (int8_band_takes(n[i]) || int8_mode == 3)
                        ? kWeightInt8Band
                        : weight_type[i];
     GemvArgs args{};
     const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, types, epilogue);
     if (int8_mode == 2)
         for (int i = 0; i < count; ++i) args.task[i].promote = 0;
-    // int8 bands stream their weights through shared memory (mma_int8_ring); RWKV_GEMV_RING=0: through
-    // registers, a batch at a time (A/B)
-    static const bool ring = env_flag("RWKV_GEMV_RING", true);
-    for (int i = 0; i < count; ++i) args.ring |= ring && types[i] == kWeightInt8Band;
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {
@@ -2873,10 +2758,10 @@ extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, c
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {
-            case 1: return launch(sparse_gemv_kernel<1>, grid, kGemvWarps * 32, s, args);
-            case 2: return launch(sparse_gemv_kernel<2>, grid, kGemvWarps * 32, s, args);
-            case 3: return launch(sparse_gemv_kernel<3>, grid, kGemvWarps * 32, s, args);
-            default: return launch(sparse_gemv_kernel<4>, grid, kGemvWarps * 32, s, args);
+            case 1: return launch(sparse_gemv_kernel<1>, grid, kSparseWarps * 32, s, args);
+            case 2: return launch(sparse_gemv_kernel<2>, grid, kSparseWarps * 32, s, args);
+            case 3: return launch(sparse_gemv_kernel<3>, grid, kSparseWarps * 32, s, args);
+            default: return launch(sparse_gemv_kernel<4>, grid, kSparseWarps * 32, s, args);
         }
     });
 }

@@ -19,12 +19,10 @@ enum cudaError_t : int {
     cudaSuccess = 0,
     cudaErrorInvalidValue = 1,
     cudaErrorInvalidConfiguration = 9,
-    cudaErrorInvalidDevice = 101,
     cudaErrorNotSupported = 801,
 };
 typedef struct CUstream_st* cudaStream_t;
 enum cudaDeviceAttr : int { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrComputeCapabilityMajor = 75 };
-enum cudaFuncAttribute : int { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 enum cudaLaunchAttributeID : int { cudaLaunchAttributeProgrammaticStreamSerialization = 5 };
 struct cudaLaunchAttributeValue {
     int programmaticStreamSerializationAllowed;
@@ -52,10 +50,6 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
 }
 inline cudaError_t cudaGetLastError() { return cudaErrorNotSupported; }
 inline const char* cudaGetErrorString(cudaError_t) { return "CPU emulation: no CUDA runtime"; }
-template <typename... KernelArgs>
-cudaError_t cudaFuncSetAttribute(void (*)(KernelArgs...), cudaFuncAttribute, int) {
-    return cudaErrorNotSupported;
-}
 template <typename... KernelArgs, typename... Args>
 cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t*, void (*)(KernelArgs...), Args&&...) {
     return cudaErrorNotSupported;

@@ -298,48 +298,6 @@ inline bool run_block(const std::function<void()>& kernel, int threads) {
     return true;
 }
 
-// cp.async, as the PTX ISA defines it per thread: a copy lands in shared memory only once a wait_group lets its
-// group go (the source is read at the copy, as weights no kernel writes may be). Until then the destination
-// keeps what it held, so a kernel that reads a slot too early, or copies over one it has not read yet, reads
-// the wrong bytes. A new block starts with no copies pending (a block must wait for its own copies).
-struct AsyncCopy {
-    void* dst;
-    unsigned char bytes[16];
-    int size;
-    int group;  // -1 until committed
-};
-inline std::vector<std::vector<AsyncCopy>> async_copies(1024);
-inline std::vector<int> async_groups(1024);  // committed groups per thread
-
-inline void copy_async(void* dst, const void* src, int size, bool valid) {
-    AsyncCopy c{dst, {}, size, -1};
-    if (valid) std::memcpy(c.bytes, src, static_cast<size_t>(size));  // else zeros
-    async_copies[threadIdx.x].push_back(c);
-}
-inline void copy_async_commit() {
-    for (AsyncCopy& c : async_copies[threadIdx.x])
-        if (c.group < 0) c.group = async_groups[threadIdx.x];
-    ++async_groups[threadIdx.x];
-}
-// Completes every copy of this thread but those of its `pending` latest committed groups (and uncommitted ones).
-inline void copy_async_wait(int pending) {
-    std::vector<AsyncCopy>& copies = async_copies[threadIdx.x];
-    const int last = async_groups[threadIdx.x] - pending;  // groups below this one complete
-    std::vector<AsyncCopy> left;
-    for (const AsyncCopy& c : copies) {
-        if (c.group >= 0 && c.group < last) {
-            std::memcpy(c.dst, c.bytes, static_cast<size_t>(c.size));
-        } else {
-            left.push_back(c);
-        }
-    }
-    copies.swap(left);
-}
-inline void clear_async_copies() {
-    for (auto& c : async_copies) c.clear();
-    std::fill(async_groups.begin(), async_groups.end(), 0);
-}
-
 // Runs a 1-D grid block by block in a shuffled order (seeded by `seed`). Returns 0, or 1 + the index
 // of the first block that deadlocked.
 inline int run_grid(unsigned grid, int threads, const std::function<void()>& kernel, unsigned seed = 1) {
@@ -350,7 +308,6 @@ inline int run_grid(unsigned grid, int threads, const std::function<void()>& ker
     gridDim = dim3(grid);
     for (const unsigned b : order) {
         blockIdx = dim3(b);
-        clear_async_copies();
         if (!run_block(kernel, threads)) return 1 + static_cast<int>(b);
     }
     return 0;

@@ -107,18 +107,13 @@ int run_gemv(const fused::GemvArgs& args, int blocks) {
 EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const void* const* scale,
                               const void* const* zero, const void* const* x, void* const* y,
                               const void* const* residual, const int64_t* n, const int64_t* k, const int64_t* group,
-                              const int* weight_type, const int* epilogue, int ring) {
+                              const int* weight_type, const int* epilogue) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return -1;
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return -1;
     GemvArgs args{};
     const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, epilogue);
-#ifdef FUSED_GEMV_RING
-    args.ring = ring;  // int8 bands through shared memory (mma_int8_ring); the CUDA launcher sets it for them
-#else
-    (void)ring;
-#endif
     switch (M) {
         case 1: return run_gemv<1>(args, blocks);
         case 2: return run_gemv<2>(args, blocks);
@@ -140,7 +135,7 @@ EMU_EXPORT int emu_fused_sparse_gemv(int64_t M, const void* x, const void* w, vo
     if (!sparse_gemv_takes(M, n, k)) return -1;
     const SparseGemvArgs args = make_sparse_gemv_args(n, k, min_blocks, x, w, y, residual, partial, arrivals);
     const unsigned grid = static_cast<unsigned>(args.strips * args.slices);
-    auto run = [&](auto kernel) { return emu::run_grid(grid, kGemvWarps * 32, [&] { kernel(args); }, seed); };
+    auto run = [&](auto kernel) { return emu::run_grid(grid, kSparseStrip, [&] { kernel(args); }, seed); };
     switch (M) {
         case 1: return run(sparse_gemv_kernel<1>);
         case 2: return run(sparse_gemv_kernel<2>);
@@ -178,7 +173,7 @@ EMU_EXPORT void emu_fused_gemv_splits(int count, const int64_t* n, const int64_t
 
 #ifdef FUSED_TIME_MIX_TC
 // Whether the CUDA launcher puts an int8 task of M rows and shape [n, k] on bands (CUDA only).
-EMU_EXPORT int emu_int8_band_takes(int64_t M, int64_t n, int64_t k) { return fused::int8_band_takes(M, n, k); }
+EMU_EXPORT int emu_int8_band_takes(int64_t n) { return fused::int8_band_takes(n); }
 #endif
 
 // The emulation's fp16 conversions, for the test that holds them to torch's, and its fp16 fma (__hfma2).
