@@ -40,6 +40,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-profile  # W8A16 batch-1/2 steps per kernel, bands and per-thread
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-rule  # one-row int8 routing (int8_band_takes): 1.5B A/B, 7.2B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh warps16   # int8 routing by shape: tests, W8 A/B; 16-warp GEMV blocks
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh wide      # few-band launches on 16 warps: tests, launches, W8/W4 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -552,6 +553,37 @@ warps16)  # int8 routing by shape alone (batch invariance): GPU tests, W8A16 dec
         --wkv cuda --no-checks --out bench/results/experiment_warps16_fp16_h200.json
     copy bench/results/experiment_warps16_fp16_h200.json
     cp /tmp/rwkv7_fused_8warps.cu cuda/rwkv7_fused.cu
+    ;;
+wide)  # launches of few bands on 16 warps a block (gemv_wide_band_kernel; RWKV_GEMV_WIDE_BANDS=0: all on gemv_kernel):
+    # GPU tests, W8A16 and GemLite A16W4 decode A/B, launches alone; the results come back as one archive
+    tuning_cache
+    build
+    int8_tests
+    step 100 "fused 4-bit GEMV GPU tests (GemLite's layers)" python -m pytest -q -rf --tb=short -p no:cacheprovider \
+        test/test_fused_cuda.py -k "gemv_uint4"
+    results=()
+    for mode in wide narrow; do
+        vars=(); [ $mode = narrow ] && vars=(RWKV_GEMV_WIDE_BANDS=0)
+        w8_decode 40 "W8A16 decode, $mode" 7.2b,1.5b 1,2,8 experiment_w8_${mode}_h200.json "${vars[@]}"
+        step 60 "GemLite A16W4_HQQ_INT decode, $mode" env "${vars[@]}" python bench/bench_decode.py \
+            --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 1,2,8 --steps 30 --wkv cuda --no-checks \
+            --out bench/results/experiment_w4_${mode}_h200.json
+        results+=("bench/results/experiment_w8_${mode}_h200.json" "bench/results/experiment_w4_${mode}_h200.json")
+    done
+    for mode in wide narrow; do
+        vars=(); [ $mode = narrow ] && vars=(RWKV_GEMV_WIDE_BANDS=0)
+        for w in int8 uint4; do
+            out=bench/results/experiment_gemv_${w}_${mode}_h200.json
+            step 30 "$w launches alone, 7.2b, 1 row, $mode" env "${vars[@]}" python bench/bench_gemv.py --weights $w \
+                --only "output,ffn value" --steps 10 --out $out
+            results+=("$out")
+        done
+        out=bench/results/experiment_gemv_int8_${mode}_2rows_h200.json
+        step 30 "int8 launches alone, 7.2b, 2 rows, $mode" env "${vars[@]}" python bench/bench_gemv.py --weights int8 \
+            --rows 2 --only "output,ffn value" --steps 10 --out $out
+        results+=("$out")
+    done
+    [ -n "$OUT" ] && tar czf "$OUT/wide_results.tgz" "${results[@]}"
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache

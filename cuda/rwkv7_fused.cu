@@ -1694,15 +1694,15 @@ __device__ __forceinline__ void store_output(const GemvTask& task, int m, int n,
 }
 
 // A band's outputs after the barrier, one per thread: (row m, channel first_col + j) for j below `band`, the
-// warps' sums added in warp order (deterministic), times the channel's scale if `scaled` (int8).
-template <int M, int kWidth>
-__device__ __forceinline__ void store_band_sums(const GemvTask& task, const float (&band_sum)[kGemvWarps][M][kWidth],
+// WARPS warps' sums added in warp order (deterministic), times the channel's scale if `scaled` (int8).
+template <int M, int kWidth, int WARPS>
+__device__ __forceinline__ void store_band_sums(const GemvTask& task, const float (&band_sum)[WARPS][M][kWidth],
                                                 int band, int first_col, bool scaled) {
     const int m = threadIdx.x / band, j = threadIdx.x % band;
     if (m >= M || first_col + j >= task.n) return;
     float sum = band_sum[0][m][j];
 #pragma unroll
-    for (int w = 1; w < kGemvWarps; ++w) sum += band_sum[w][m][j];
+    for (int w = 1; w < WARPS; ++w) sum += band_sum[w][m][j];
     store_output(task, m, first_col + j, scaled ? sum * __half2float(task.scale[first_col + j]) : sum);
 }
 
@@ -1841,16 +1841,17 @@ __device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int
     }
 }
 
-// One block of a 4-bit task with kWords channels per lane (see above). Every thread reaches the barrier.
-template <int M, int kWords>
-__device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&band_sum)[kGemvWarps][M][kUint4Band]) {
+// One block of WARPS warps of a 4-bit task with kWords channels per lane (see above). Every thread reaches the
+// barrier.
+template <int M, int kWords, int WARPS>
+__device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&band_sum)[WARPS][M][kUint4Band]) {
     constexpr int kBand = 8 * kWords;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int first_col = (int(blockIdx.x) - task.first_block) * kBand;
     const int col = first_col + kWords * g;
     const int rows = task.k / 8, group_rows = task.group / 8;
-    // 4 * kGemvWarps slices of whole groups; a batch of rows divides a group (the largest power of two that does)
-    const int slice = (rows + 4 * kGemvWarps * group_rows - 1) / (4 * kGemvWarps * group_rows) * group_rows;
+    // 4 * WARPS slices of whole groups; a batch of rows divides a group (the largest power of two that does)
+    const int slice = (rows + 4 * WARPS * group_rows - 1) / (4 * WARPS * group_rows) * group_rows;
     const int begin = min((4 * warp + t) * slice, rows), end = min(begin + slice, rows);
     const int count = min(Uint4Batch<kWords>::kLoads, group_rows & -group_rows);
     const bool busy = 4 * warp * slice < rows;  // warp-uniform: a warp past the last row has nothing to add
@@ -1884,13 +1885,13 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
     store_band_sums<M>(task, band_sum, kBand, first_col, false);
 }
 
-template <int M>
+template <int M, int WARPS>
 __device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
-    __shared__ float band_sum[kGemvWarps][M][kUint4Band];
+    __shared__ float band_sum[WARPS][M][kUint4Band];
     if (task.splits == 1) {
-        gemv_uint4_band<M, 4>(task, band_sum);
+        gemv_uint4_band<M, 4, WARPS>(task, band_sum);
     } else {
-        gemv_uint4_band<M, 2>(task, band_sum);
+        gemv_uint4_band<M, 2, WARPS>(task, band_sum);
     }
 }
 
@@ -1968,14 +1969,14 @@ __device__ __forceinline__ void mma_int8_band(const GemvTask& task, int c, int e
     }
 }
 
-// One block of an int8 band task. Every thread reaches the barrier.
-template <int M>
+// One block of WARPS warps of an int8 band task. Every thread reaches the barrier.
+template <int M, int WARPS>
 __device__ __forceinline__ void gemv_int8_band(const GemvTask& task) {
-    __shared__ float band_sum[kGemvWarps][M][kInt8Band];
+    __shared__ float band_sum[WARPS][M][kInt8Band];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int first_col = (int(blockIdx.x) - task.first_block) * kInt8Band;
     const int count = task.k / 16;  // 16-byte vectors per channel
-    const int slice = (count + 4 * kGemvWarps - 1) / (4 * kGemvWarps) * 4;
+    const int slice = (count + 4 * WARPS - 1) / (4 * WARPS) * 4;
     const int begin = min(warp * slice, count), end = min(begin + slice, count);
     const bool lo_ok = first_col + g < task.n, hi_ok = first_col + g + 8 < task.n;
     const uint4* lo = reinterpret_cast<const uint4*>(task.w) + int64_t(first_col + g) * count;
@@ -2003,21 +2004,26 @@ __device__ __forceinline__ void gemv_int8_band(const GemvTask& task) {
     store_band_sums<M>(task, band_sum, kInt8Band, first_col, true);
 }
 
+// The task this block computes (block-uniform).
+__device__ __forceinline__ const GemvTask& task_of_block(const GemvArgs& args) {
+    int t = 0;
+#pragma unroll 1
+    while (t + 1 < args.count && int(blockIdx.x) >= args.task[t + 1].first_block) ++t;
+    return args.task[t];
+}
+
 // Registers capped for occupancy: 32 warps per multiprocessor for one row (four blocks), 24 for two, else 16. (The
 // fp16/int8 code takes 64 registers at one row by itself; the cap keeps the 4-bit code from raising that.)
 template <int M>
 __global__ void __launch_bounds__(kGemvWarps * 32, (M == 1 ? 32 : M <= 2 ? 24 : 16) / kGemvWarps)
     gemv_kernel(GemvArgs args) {
-    int t = 0;
-#pragma unroll 1
-    while (t + 1 < args.count && int(blockIdx.x) >= args.task[t + 1].first_block) ++t;
-    const GemvTask& task = args.task[t];
+    const GemvTask& task = task_of_block(args);
     if (task.weight_type == kWeightUint4) {  // block-uniform
-        gemv_uint4_block<M>(task);
+        gemv_uint4_block<M, kGemvWarps>(task);
         return;
     }
     if (task.weight_type == kWeightInt8Band) {
-        gemv_int8_band<M>(task);
+        gemv_int8_band<M, kGemvWarps>(task);
         return;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -2087,6 +2093,28 @@ __global__ void __launch_bounds__(kGemvWarps * 32, (M == 1 ? 32 : M <= 2 ? 24 : 
     const float scale = task.scale ? __half2float(task.scale[n]) : 1.0f;
 #pragma unroll
     for (int m = 0; m < M; ++m) store_output(task, m, n, acc[m] * scale);
+}
+
+// Launches of few bands (gemv_wide_bands): a band's K over kWideBandWarps warps instead of kGemvWarps. A 7.2B output
+// projection or FFN value is 256 bands, two blocks per multiprocessor, each warp streaming a long slice of K alone;
+// with twice the warps per band each slice is half as long. 7.2B at one row, per launch (int8; 4-bit):
+// output 7.78 -> 6.20 us (6.91 -> 5.98), FFN value 26.23 -> 22.18 (22.49 -> 18.44), but the r/k/v launch (768
+// bands) 18.28 -> 22.36 and the FFN key (1,024) 20.44 -> 21.73, whose blocks fill the multiprocessors already
+// (bench/results/experiment_gemv_int8_warps8_h200.json against experiment_gemv_int8_warps16_h200.json, one call,
+// every launch on 16 warps there). Bands alone fit 64 registers at every row count: two blocks per multiprocessor.
+constexpr int kWideBandWarps = 16;
+constexpr int kWideBandMaxBlocks = 256;
+#define FUSED_WIDE_BANDS 1  // (asked by the CPU emulation's harness: the HIP port has no wide bands)
+
+template <int M>
+__global__ void __launch_bounds__(kWideBandWarps * 32, 32 / kWideBandWarps)
+    gemv_wide_band_kernel(GemvArgs args) {
+    const GemvTask& task = task_of_block(args);
+    if (task.weight_type == kWeightUint4) {  // block-uniform; the launcher sends bands only
+        gemv_uint4_block<M, kWideBandWarps>(task);
+    } else {
+        gemv_int8_band<M, kWideBandWarps>(task);
+    }
 }
 
 // ------------------------------------------------------------------------------------ sparse-input gemv
@@ -2295,7 +2323,8 @@ cudaError_t launch(void (*kernel)(KernelArgs...), unsigned grid, unsigned block,
 }
 
 template <int M>
-cudaError_t launch_gemv(const GemvArgs& args, int blocks, cudaStream_t stream) {
+cudaError_t launch_gemv(const GemvArgs& args, int blocks, bool wide, cudaStream_t stream) {
+    if (wide) return launch(gemv_wide_band_kernel<M>, static_cast<unsigned>(blocks), kWideBandWarps * 32, stream, args);
     return launch(gemv_kernel<M>, static_cast<unsigned>(blocks), kGemvWarps * 32, stream, args);
 }
 
@@ -2435,16 +2464,6 @@ inline int gemv_rows_per_warp(const GemvTask& t) {
 constexpr int kGemvSplitRows = 32768;
 constexpr int kGemvMinSlice = 32 * kGemvLoads;
 
-// Whether an int8 task runs on bands (gemv_int8_band) rather than the per-thread code: by its shape only, never by
-// the rows of x, so that a row's output is the same alone or in a batch (the two ways add in different orders).
-// At one row a band task has only n / 16 blocks, each warp summing a slice of K alone, where the per-thread code
-// splits long rows over many warps: 1.5B (n = 2,048: 128 blocks) at batch 1 took 1,033.6 tok/s on bands everywhere
-// against 1,141.1 per-thread (bench/results/decode_h200_w8_int8_final.json, eleventh session's per-thread run);
-// 7.2B per launch at batch 1 (profile_nopdl_w8_bands_h200.json against profile_nopdl_w8_per_thread_h200.json): r/k/v
-// 19.7 against 22.7 us, output 8.7 against 9.1, FFN key 22.3 against 24.0, head 71.4 against 77.3, FFN value 27.0
-// against 26.1; at two rows and more bands win everywhere (7.2B step 3,539 against 4,256 us). So: bands for
-// matrices of at least 4,096 output channels (7.2B: all; 1.5B: the FFN key and the head).
-inline bool int8_band_takes(int64_t n) { return n >= 4096; }
 
 // The (row, slice) units a launch is split to: kGemvSplitRows, RWKV_GEMV_SPLIT_ROWS instead if set, 0 (no
 // splitting) with RWKV_GEMV_SPLIT=0 (read once; for A/B timing).
@@ -2512,6 +2531,18 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
         blocks += static_cast<int>((gemv_units(t, t.splits) + kGemvWarps - 1) / kGemvWarps);
     }
     return blocks;
+}
+
+// Whether a packed launch of `blocks` blocks takes gemv_wide_band_kernel: every task a band (4-bit or int8 on the
+// tensor cores), at most kWideBandMaxBlocks of them. It reads the tasks' shapes only, never the rows of x: the
+// two kernels add a band's warps' sums in different orders, and a row's output is the same alone or in a batch.
+inline bool gemv_wide_bands(const GemvArgs& args, int blocks) {
+    if (blocks > kWideBandMaxBlocks) return false;
+    for (int i = 0; i < args.count; ++i) {
+        const int type = args.task[i].weight_type;
+        if (type != kWeightUint4 && type != kWeightInt8Band) return false;
+    }
+    return true;
 }
 
 // The grid of a sparse-input GEMV of a K-major [k, n] weight: strips of kSparseStrip channels times slices
@@ -2702,30 +2733,36 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return cudaErrorInvalidValue;
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return cudaErrorInvalidValue;
-    // int8 tasks on the tensor cores (gemv_int8_band) by int8_band_takes, their sums promoted per vector;
-    // RWKV_GEMV_INT8_TC=0: the per-thread code, 2: bands summed in the tensor cores' accumulators throughout,
-    // 3: bands for every int8 task (all for A/B runs)
+    // int8 tasks on the tensor cores (gemv_int8_band), every one whatever its shape or the rows of x (the two ways
+    // add in different orders: one rule for every batch keeps a row's output the same alone or in a batch; a
+    // per-thread rule for narrow matrices at one row gave 1.5B 1,149 tok/s at batch 1 against 1,044 on bands, but
+    // 3,613 against 6,395 at batch 8: bench/results/experiment_w8_shape_rule_h200.json), their sums promoted per
+    // vector; RWKV_GEMV_INT8_TC=0: the per-thread code, 2: bands summed in the tensor cores' accumulators
+    // throughout (both for A/B runs)
     static const int64_t int8_mode = env_int("RWKV_GEMV_INT8_TC", 1);
     int types[kMaxTasks];
     for (int i = 0; i < count; ++i)
-        types[i] = weight_type[i] == kWeightInt8 && int8_mode != 0 && (int8_band_takes(n[i]) || int8_mode == 3)
+        types[i] = weight_type[i] == kWeightInt8 && int8_mode != 0
                        ? kWeightInt8Band
                        : weight_type[i];
     GemvArgs args{};
     const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, types, epilogue);
     if (int8_mode == 2)
         for (int i = 0; i < count; ++i) args.task[i].promote = 0;
+    // RWKV_GEMV_WIDE_BANDS=0: every launch on gemv_kernel (A/B)
+    static const bool wide_bands = env_flag("RWKV_GEMV_WIDE_BANDS", true);
+    const bool wide = wide_bands && gemv_wide_bands(args, blocks);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {
-            case 1: return launch_gemv<1>(args, blocks, s);
-            case 2: return launch_gemv<2>(args, blocks, s);
-            case 3: return launch_gemv<3>(args, blocks, s);
-            case 4: return launch_gemv<4>(args, blocks, s);
-            case 5: return launch_gemv<5>(args, blocks, s);
-            case 6: return launch_gemv<6>(args, blocks, s);
-            case 7: return launch_gemv<7>(args, blocks, s);
-            default: return launch_gemv<8>(args, blocks, s);
+            case 1: return launch_gemv<1>(args, blocks, wide, s);
+            case 2: return launch_gemv<2>(args, blocks, wide, s);
+            case 3: return launch_gemv<3>(args, blocks, wide, s);
+            case 4: return launch_gemv<4>(args, blocks, wide, s);
+            case 5: return launch_gemv<5>(args, blocks, wide, s);
+            case 6: return launch_gemv<6>(args, blocks, wide, s);
+            case 7: return launch_gemv<7>(args, blocks, wide, s);
+            default: return launch_gemv<8>(args, blocks, wide, s);
         }
     });
 }

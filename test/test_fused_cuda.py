@@ -303,31 +303,35 @@ def test_gemv_int8_matches_the_exact_product_at_7b_shapes(kernels, rows):
     toward zero. The H200's mma accumulators drop low bits of what they add: summed in them all along
     (RWKV_GEMV_INT8_TC=2), 0.13-0.61 % of the outputs landed a step nearer zero than the rounded product (about
     twice as many as a step further), against 0.01-0.07 % with the sums promoted per vector or per thread
-    (experiment_gemv_int8_error_h200.json). A row alone gives the same bits as in the batch."""
+    (experiment_gemv_int8_error_h200.json). A row alone gives the same bits as in the batch. The shapes run in one
+    launch (gemv_kernel) and each in a launch of its own (the output projection's and FFN value's take
+    gemv_wide_band_kernel, as in the forward)."""
     from infer.ops.linear_w8a16 import W8A16Linear
     gen = torch.Generator(device="cuda").manual_seed(10 + rows)
     shapes = [(4096, 4096), (16384, 4096), (4096, 16384), (136, 2048)]
-    lins, xs, ys = [], [], []
+    lins, xs = [], []
     for n, k in shapes:
         q = torch.randint(-128, 128, (n, k), generator=gen, device="cuda", dtype=torch.int8)
         scale = ((torch.rand(n, generator=gen, device="cuda") + 0.5) / (127 * k ** 0.5)).half()
         lins.append(W8A16Linear(q, scale))
         xs.append(torch.randn(rows, k, generator=gen, device="cuda").half())
-        ys.append(torch.empty(rows, n, device="cuda", dtype=torch.float16))
-    kernels.gemv([(lin, x, y, EPI_NONE, None) for lin, x, y in zip(lins, xs, ys)])
     outputs = rounded = shrunk = 0
-    for lin, x, y in zip(lins, xs, ys):
-        q, scale = lin.qweight.double(), lin.scale.double()
-        exact = (x.double() @ q.T) * scale
-        step = torch.ldexp(torch.ones_like(exact), torch.frexp(exact.abs())[1] - 11).clamp_min(2.0 ** -24)
-        sums_error = (x.double().abs() @ q.abs().T) * scale * (q.shape[1] + 4) * 2.0 ** -23
-        assert ((y.double() - exact).abs() <= step + sums_error).all()
-        outputs += y.numel()
-        rounded += int((y == exact.half()).sum())
-        shrunk += int(((y.double().abs() < exact.abs()) & (y != exact.half())).sum())
-        alone = torch.empty(1, y.shape[1], device="cuda", dtype=torch.float16)
-        kernels.gemv([(lin, x[-1:].contiguous(), alone, EPI_NONE, None)])
-        assert torch.equal(alone, y[-1:])
+    for launches in ([list(range(len(shapes)))], [[i] for i in range(len(shapes))]):
+        ys = [torch.empty(rows, n, device="cuda", dtype=torch.float16) for n, _ in shapes]
+        alone = [torch.empty(1, n, device="cuda", dtype=torch.float16) for n, _ in shapes]
+        for tasks in launches:
+            kernels.gemv([(lins[i], xs[i], ys[i], EPI_NONE, None) for i in tasks])
+            kernels.gemv([(lins[i], xs[i][-1:].contiguous(), alone[i], EPI_NONE, None) for i in tasks])
+        for lin, x, y, y1 in zip(lins, xs, ys, alone):
+            q, scale = lin.qweight.double(), lin.scale.double()
+            exact = (x.double() @ q.T) * scale
+            step = torch.ldexp(torch.ones_like(exact), torch.frexp(exact.abs())[1] - 11).clamp_min(2.0 ** -24)
+            sums_error = (x.double().abs() @ q.abs().T) * scale * (q.shape[1] + 4) * 2.0 ** -23
+            assert ((y.double() - exact).abs() <= step + sums_error).all()
+            outputs += y.numel()
+            rounded += int((y == exact.half()).sum())
+            shrunk += int(((y.double().abs() < exact.abs()) & (y != exact.half())).sum())
+            assert torch.equal(y1, y[-1:])
     assert rounded / outputs > 0.998, rounded / outputs
     assert shrunk / outputs < 0.0012, shrunk / outputs
 

@@ -89,7 +89,7 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
             so.emu_split_parts.argtypes = [ctypes.c_uint, i32]
             so.emu_fused_relu_square.argtypes = [i64, p]
             so.emu_fused_uint4_dequantize.argtypes = [p, p, p, i64, i64, i64, i64, i64, p]
-            so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p]
+            so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p, i32]
             so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p, p]
             so.emu_fused_sparse_gemv.argtypes = [i64, p, p, p, p, p, p, i64, i64, i64, ctypes.c_uint]
             so.emu_fused_sparse_gemv_plan.argtypes = [i64, i64, i64, p]
@@ -690,7 +690,8 @@ def gemv_task(gen, M, n, k, kind=F16, epi=EPI_NONE, residual=False) -> dict:
                 residual=res, epi=epi)
 
 
-def run_gemv(so, tasks, M):
+def run_gemv(so, tasks, M, wide=False):
+    """wide: gemv_wide_band_kernel (bands only, 16 warps a block; CUDA), else gemv_kernel."""
     ys = []
     for t in tasks:
         # a residual task adds into y in place (the fused forward's x += W y): residual aliases y
@@ -702,7 +703,7 @@ def run_gemv(so, tasks, M):
                                 _ints([t["k"] for t in tasks], ctypes.c_int64),
                                 _ints([t["group"] for t in tasks], ctypes.c_int64),
                                 _ints([t["type"] for t in tasks], ctypes.c_int),
-                                _ints([t["epi"] for t in tasks], ctypes.c_int)))
+                                _ints([t["epi"] for t in tasks], ctypes.c_int), int(wide)))
     return ys
 
 
@@ -854,33 +855,75 @@ GEMV_INT8_BAND_CASES = {
 }
 
 
+def check_bands(so, tasks, M, wide):
+    """check_gemv for every task of a launch, and its last row run alone giving the same outputs (batch invariance)."""
+    ys = run_gemv(so, tasks, M, wide)
+    for i, (t, y) in enumerate(zip(tasks, ys)):
+        check_gemv(t, y, f"task {i}")
+    alone = run_gemv(so, [dict(t, x=t["x"][-1:].clone(), residual=None if t["residual"] is None else
+                               t["residual"][-1:].clone()) for t in tasks], 1, wide)
+    for i, (y, y1) in enumerate(zip(ys, alone)):
+        assert torch.equal(y[-1:], y1), f"task {i}: the last row alone differs from the same row in a batch of {M}"
+
+
 @pytest.mark.parametrize("case", GEMV_INT8_BAND_CASES)
 def test_gemv_int8_band(case, libs):
     """int8 tasks on the tensor cores: every output within check_gemv's bound of the exact product (int8 times
     fp16 is exact, summed in fp32), partial bands and slices, idle warps, 1-8 rows, beside the other kinds."""
     M, specs = GEMV_INT8_BAND_CASES[case]
-    so = libs["fused-cuda"]
     gen = torch.Generator().manual_seed(len(case) * 17 + M)
+    check_bands(libs["fused-cuda"], [gemv_task(gen, M, *spec) for spec in specs], M, wide=False)
+
+
+# Launches of bands only on gemv_wide_band_kernel (16 warps a block, CUDA): slices of K half as long as on 8 warps
+GEMV_WIDE_BAND_CASES = {
+    # 9 vectors: warps 0-1 busy, 2 with one vector, the rest idle; a band of 5 channels
+    "int8-one-row": (1, [(37, 144, I8_BAND, EPI_NONE, False)]),
+    # 7.2B-like rows: slices of 16 and 64 vectors (batches of 12, the last partial)
+    "int8-long-rows": (1, [(20, 4096, I8_BAND, EPI_NONE, True), (16, 16384, I8_BAND, EPI_NONE, False)]),
+    "int8-two-rows": (2, [(24, 1600, I8_BAND, EPI_RELU_SQUARE, False), (8, 16, I8_BAND, EPI_NONE, True)]),
+    # 4-bit: whole bands of 32 and halved ones (rows of 2,048 and more), groups of 64 and 128; 64 slices of groups
+    "uint4-one-row": (1, [(40, 256, U4(64), EPI_NONE, True), (64, 2048, U4(64), EPI_NONE, False)]),
+    "uint4-long-rows": (1, [(32, 8192, U4(128), EPI_NONE, False), (12, 4096, U4(64), EPI_SIGMOID, False)]),
+    # 4-bit and int8 bands in one launch, eight rows
+    "mixed-eight-rows": (8, [(40, 256, U4(64), EPI_RELU_SQUARE, True), (48, 512, I8_BAND, EPI_TANH, False),
+                             (64, 2048, U4(64), EPI_NONE, False), (64, 1040, I8_BAND, EPI_NONE, True)]),
+}
+
+
+@pytest.mark.parametrize("case", GEMV_WIDE_BAND_CASES)
+def test_gemv_wide_bands(case, libs):
+    """gemv_wide_band_kernel: int8 and 4-bit bands on 16 warps, every output within check_gemv's bound, 1-8 rows, a
+    row alone as in the batch; and the same launch on gemv_kernel (8 warps) within the bound too."""
+    M, specs = GEMV_WIDE_BAND_CASES[case]
+    so = libs["fused-cuda"]
+    gen = torch.Generator().manual_seed(len(case) * 23 + M)
     tasks = [gemv_task(gen, M, *spec) for spec in specs]
-    ys = run_gemv(so, tasks, M)
-    for i, (t, y) in enumerate(zip(tasks, ys)):
-        check_gemv(t, y, f"task {i}")
-    # a row's outputs do not depend on the other rows of the launch (batch invariance)
-    alone = run_gemv(so, [dict(t, x=t["x"][-1:].clone(), residual=None if t["residual"] is None else
-                               t["residual"][-1:].clone()) for t in tasks], 1)
-    for i, (y, y1) in enumerate(zip(ys, alone)):
-        assert torch.equal(y[-1:], y1), f"task {i}: the last row alone differs from the same row in a batch of {M}"
+    check_bands(so, tasks, M, wide=True)
+    check_bands(so, tasks, M, wide=False)
 
 
-def test_int8_band_routing(libs):
-    """int8 tasks take bands for matrices of >= 4,096 output channels (7.2B: all; 1.5B: the FFN key and the head),
-    the per-thread code otherwise (int8_band_takes, from per-launch H200 profiles). The rule reads the shape alone:
-    the two ways add in different orders, and a rule that also read the rows of x gave a row alone other outputs
-    than the same row in a batch (test_gemv_int8_matches_the_exact_product_at_7b_shapes caught it on the H200)."""
-    takes = libs["fused-cuda"].emu_int8_band_takes
-    takes.argtypes = [ctypes.c_int64]
-    shapes = {4096: 1, 16384: 1, 65536: 1, 2048: 0, 8192: 1, 768: 0, 3072: 0}
-    assert {n: takes(n) for n in shapes} == shapes
+def test_gemv_wide_band_routing(libs):
+    """A launch takes gemv_wide_band_kernel when all its tasks are bands and there are at most 256 of them: the 7.2B
+    output projection and FFN value (int8 and 4-bit), not the r/k/v launch (its LoRA tasks are fp16) nor the FFN key
+    (1,024 bands). The rule reads the shapes alone (no rows of x): the two kernels add in different orders."""
+    takes = libs["fused-cuda"].emu_gemv_wide_bands
+    u4 = WEIGHT_TYPE["u4"]
+
+    def wide(*tasks):  # (n, k, weight type, group)
+        return takes(len(tasks), _ints([t[0] for t in tasks], ctypes.c_int64), _ints([t[1] for t in tasks], ctypes.c_int64),
+                     _ints([t[3] for t in tasks], ctypes.c_int64), _ints([WEIGHT_TYPE[t[2]] if isinstance(t[2], str)
+                                                                          else t[2] for t in tasks], ctypes.c_int))
+    assert wide((4096, 4096, I8_BAND, 0)) == 1       # 7.2B output projection
+    assert wide((4096, 16384, I8_BAND, 0)) == 1      # 7.2B FFN value
+    assert wide((16384, 4096, I8_BAND, 0)) == 0      # 7.2B FFN key
+    assert wide((2048, 2048, I8_BAND, 0)) == 1       # 1.5B output projection
+    assert wide((65536, 2048, I8_BAND, 0)) == 0      # a head
+    assert wide((4096, 4096, u4, 64)) == 1           # 4-bit output projection: 256 halved bands
+    assert wide((4096, 16384, u4, 64)) == 1
+    assert wide((16384, 4096, u4, 64)) == 0
+    assert wide((128, 4096, F16, 0), (4096, 4096, I8_BAND, 0)) == 0  # a LoRA factor beside
+    assert wide((4096, 4096, I8, 0)) == 0            # per-thread int8
 
 
 # ------------------------------------------------------------------------------------ sparse-input gemv

@@ -100,29 +100,39 @@ EMU_EXPORT int emu_time_mix_kernel_for(const void* const* tensors, int first_lay
 }
 
 template <int M>
-int run_gemv(const fused::GemvArgs& args, int blocks) {
+int run_gemv(const fused::GemvArgs& args, int blocks, bool wide) {
+#ifdef FUSED_WIDE_BANDS
+    if (wide) {
+        return emu::run_grid(static_cast<unsigned>(blocks), fused::kWideBandWarps * 32,
+                             [&] { fused::gemv_wide_band_kernel<M>(args); });
+    }
+#endif
     return emu::run_grid(static_cast<unsigned>(blocks), fused::kGemvWarps * 32, [&] { fused::gemv_kernel<M>(args); });
 }
 
 EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const void* const* scale,
                               const void* const* zero, const void* const* x, void* const* y,
                               const void* const* residual, const int64_t* n, const int64_t* k, const int64_t* group,
-                              const int* weight_type, const int* epilogue) {
+                              const int* weight_type, const int* epilogue, int wide) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return -1;
-    for (int i = 0; i < count; ++i)
+    for (int i = 0; i < count; ++i) {
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return -1;
+        // wide: gemv_wide_band_kernel, which takes bands only (the launcher's gemv_wide_bands also asks for few
+        // blocks, a matter of speed: not asked here, so that small cases run it)
+        if (wide && weight_type[i] != 2 && weight_type[i] != 3) return -1;
+    }
     GemvArgs args{};
     const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, epilogue);
     switch (M) {
-        case 1: return run_gemv<1>(args, blocks);
-        case 2: return run_gemv<2>(args, blocks);
-        case 3: return run_gemv<3>(args, blocks);
-        case 4: return run_gemv<4>(args, blocks);
-        case 5: return run_gemv<5>(args, blocks);
-        case 6: return run_gemv<6>(args, blocks);
-        case 7: return run_gemv<7>(args, blocks);
-        default: return run_gemv<8>(args, blocks);
+        case 1: return run_gemv<1>(args, blocks, wide);
+        case 2: return run_gemv<2>(args, blocks, wide);
+        case 3: return run_gemv<3>(args, blocks, wide);
+        case 4: return run_gemv<4>(args, blocks, wide);
+        case 5: return run_gemv<5>(args, blocks, wide);
+        case 6: return run_gemv<6>(args, blocks, wide);
+        case 7: return run_gemv<7>(args, blocks, wide);
+        default: return run_gemv<8>(args, blocks, wide);
     }
 }
 
@@ -171,9 +181,17 @@ EMU_EXPORT void emu_fused_gemv_splits(int count, const int64_t* n, const int64_t
     }
 }
 
-#ifdef FUSED_TIME_MIX_TC
-// Whether the CUDA launcher puts an int8 task of M rows and shape [n, k] on bands (CUDA only).
-EMU_EXPORT int emu_int8_band_takes(int64_t n) { return fused::int8_band_takes(n); }
+#ifdef FUSED_WIDE_BANDS
+// Whether the CUDA launcher runs a launch of these tasks (weights as pack_gemv gets them) on gemv_wide_band_kernel.
+EMU_EXPORT int emu_gemv_wide_bands(int count, const int64_t* n, const int64_t* k, const int64_t* group,
+                                   const int* weight_type) {
+    const void* none[fused::kMaxTasks] = {};
+    void* out[fused::kMaxTasks] = {};
+    const int epilogue[fused::kMaxTasks] = {};
+    fused::GemvArgs args{};
+    const int blocks = fused::pack_gemv(args, count, none, none, none, none, out, none, n, k, group, weight_type, epilogue);
+    return fused::gemv_wide_bands(args, blocks) ? 1 : 0;
+}
 #endif
 
 // The emulation's fp16 conversions, for the test that holds them to torch's, and its fp16 fma (__hfma2).
