@@ -38,8 +38,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-sums  # int8 bands' rounding per way of summing, W8 decode
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-final  # W8A16 decode against per-thread int8, GPU tests
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-profile  # W8A16 batch-1/2 steps per kernel, bands and per-thread
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-rule  # one-row int8 routing (int8_band_takes): 1.5B A/B, 7.2B
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh warps16   # int8 routing by shape: tests, W8 A/B; 16-warp GEMV blocks
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh warps16   # every GEMV launch on 16 warps against 8: launches, decode
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh wide      # few-band launches on 16 warps: tests, launches, W8/W4 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
@@ -515,43 +514,28 @@ int8-profile)  # where the W8A16 batch-1 step goes with the int8 bands and with 
         --engine cutlass --sizes 7.2b --batches 1,2 --out bench/results/profile_nopdl_w8_per_thread_h200.json
     copy bench/results/profile_nopdl_w8_per_thread_h200.json
     ;;
-int8-rule)  # one-row int8 tasks on bands only for >= 256 blocks of rows <= 4,096 (int8_band_takes): 1.5B A/B, 7.2B
+warps16)  # every GEMV launch on 16 warps a block (a build of its own: sed on this copy) against 8: launches alone at
+    # one row (7.2B, 1.5B), W8A16 and fp16 decode
     build
-    w8_decode 40 "W8A16 decode, batch 1" 1.5b,7.2b 1 decode_h200_w8_int8_rule.json
-    w8_decode 30 "A/B: per-thread int8" 1.5b 1 experiment_w8_int8_rule_per_thread_h200.json RWKV_GEMV_INT8_TC=0
-    ;;
-warps16)  # int8 routing by shape alone (batch invariance): GPU tests, W8A16 decode and its A/B (bands everywhere,
-    # per-thread); then gemv_kernel with 16 warps a block (a build of its own, sed on this copy): launches alone, decode
-    build
-    int8_tests
-    w8_decode 50 "W8A16 decode, bands for >= 4,096 channels" 7.2b,1.5b 1,2,8 decode_h200_w8_shape_rule.json
-    w8_decode 30 "A/B: bands for every int8 task" 1.5b 1,2,8 experiment_w8_bands_everywhere_h200.json RWKV_GEMV_INT8_TC=3
-    w8_decode 30 "A/B: per-thread int8" 1.5b 1,2,8 experiment_w8_per_thread_h200.json RWKV_GEMV_INT8_TC=0
-    step 40 "fp16 decode, batch 1" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1 --steps 30 --wkv cuda \
-        --no-checks --out bench/results/experiment_warps8_fp16_h200.json
-    copy bench/results/experiment_warps8_fp16_h200.json
-    for w in int8 uint4; do
-        step 40 "$w launches alone, 7.2B and 1.5B, 1 row, 8 warps" bash -c "python bench/bench_gemv.py --weights $w \
-            --only 'rkv+lora (forward),output,ffn key,ffn value' --out bench/results/experiment_gemv_${w}_warps8_h200.json \
-            && python bench/bench_gemv.py --size 1.5b --weights $w --only 'rkv+lora (forward),output,ffn key,ffn value' \
-            --out bench/results/experiment_gemv_${w}_warps8_1.5b_h200.json"
-        copy "bench/results/experiment_gemv_${w}_warps8_h200.json" "bench/results/experiment_gemv_${w}_warps8_1.5b_h200.json"
+    for warps in 8 16; do
+        if [ $warps = 16 ]; then
+            cp cuda/rwkv7_fused.cu /tmp/rwkv7_fused_8warps.cu
+            sed -i 's/^constexpr int kGemvWarps = 8;/constexpr int kGemvWarps = 16;/' cuda/rwkv7_fused.cu
+            build_fused
+        fi
+        for w in int8 uint4; do
+            for size in 7.2b 1.5b; do
+                out=bench/results/experiment_gemv_${w}_warps${warps}$([ $size = 1.5b ] && echo _1.5b)_h200.json
+                step 40 "$w launches alone, $size, 1 row, $warps warps" python bench/bench_gemv.py --size $size --weights $w \
+                    --only "rkv+lora (forward),output,ffn key,ffn value" --out "$out"
+                copy "$out"
+            done
+        done
+        w8_decode 40 "W8A16 decode, $warps warps" 7.2b,1.5b 1,2 experiment_w8_warps${warps}_h200.json
+        step 40 "fp16 decode, batch 1, $warps warps" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1 --steps 30 \
+            --wkv cuda --no-checks --out bench/results/experiment_warps${warps}_fp16_h200.json
+        copy bench/results/experiment_warps${warps}_fp16_h200.json
     done
-    cp cuda/rwkv7_fused.cu /tmp/rwkv7_fused_8warps.cu
-    sed -i 's/^constexpr int kGemvWarps = 8;/constexpr int kGemvWarps = 16;/' cuda/rwkv7_fused.cu
-    grep -c "kGemvWarps = 16" cuda/rwkv7_fused.cu
-    build_fused
-    for w in int8 uint4; do
-        step 40 "$w launches alone, 7.2B and 1.5B, 1 row, 16 warps" bash -c "python bench/bench_gemv.py --weights $w \
-            --only 'rkv+lora (forward),output,ffn key,ffn value' --out bench/results/experiment_gemv_${w}_warps16_h200.json \
-            && python bench/bench_gemv.py --size 1.5b --weights $w --only 'rkv+lora (forward),output,ffn key,ffn value' \
-            --out bench/results/experiment_gemv_${w}_warps16_1.5b_h200.json"
-        copy "bench/results/experiment_gemv_${w}_warps16_h200.json" "bench/results/experiment_gemv_${w}_warps16_1.5b_h200.json"
-    done
-    w8_decode 40 "W8A16 decode, 16 warps" 7.2b,1.5b 1,2 experiment_w8_warps16_h200.json
-    step 40 "fp16 decode, batch 1, 16 warps" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1 --steps 30 \
-        --wkv cuda --no-checks --out bench/results/experiment_warps16_fp16_h200.json
-    copy bench/results/experiment_warps16_fp16_h200.json
     cp /tmp/rwkv7_fused_8warps.cu cuda/rwkv7_fused.cu
     ;;
 wide)  # launches of few bands on 16 warps a block (gemv_wide_band_kernel; RWKV_GEMV_WIDE_BANDS=0: all on gemv_kernel):
