@@ -40,6 +40,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-profile  # W8A16 batch-1/2 steps per kernel, bands and per-thread
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh warps16   # every GEMV launch on 16 warps against 8: launches, decode
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh wide      # few-band launches on 16 warps: tests, launches, W8/W4 A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh engines-b1  # GemLite int8 decode, fp16 batch 1 and TTFT beside it
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -568,6 +569,18 @@ wide)  # launches of few bands on 16 warps a block (gemv_wide_band_kernel; RWKV_
         results+=("$out")
     done
     [ -n "$OUT" ] && tar czf "$OUT/wide_results.tgz" "${results[@]}"
+    ;;
+engines-b1)  # after the wide bands: GemLite A16W8_INT8 decode (its int8 matrices on the same bands), fp16 decode and
+    # TTFT beside it (one machine), archived into one file
+    tuning_cache
+    build
+    step 150 "GemLite A16W8_INT8 decode" python bench/bench_decode.py --engine gemlite:A16W8_INT8 --sizes 7.2b,1.5b \
+        --batches 1,2,8 --steps 30 --wkv cuda --no-checks --out bench/results/decode_h200_gemlite_w8_wide.json
+    step 40 "fp16 decode, batch 1" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 1 --steps 30 --wkv cuda \
+        --no-checks --out bench/results/decode_h200_fp16_b1_thirteenth.json
+    ttft 40 "TTFT, 7.2B 1 x 1,024" decode_h200_ttft_thirteenth.json
+    [ -n "$OUT" ] && tar czf "$OUT/engines_b1.tgz" bench/results/decode_h200_gemlite_w8_wide.json \
+        bench/results/decode_h200_fp16_b1_thirteenth.json bench/results/decode_h200_ttft_thirteenth.json
     ;;
 trained-accuracy)  # every engine on the tiny trained model (greedy agreement), then the intermittent 4-bit test
     tuning_cache
