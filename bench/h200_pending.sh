@@ -26,6 +26,9 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-order  # batch-1 GEMV launches: GPU tests, decode, split A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh trained-accuracy  # engines on the trained tiny model; 4-bit test x3
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh split-parts   # split time mix on 2 or 4 blocks per head
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh prefill-split   # a head's state rows over four blocks: tests, prefill
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh prefill-gaps    # split time mix A/B; the batched prefill's idle time
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh prefill-split2  # split time mix, A on warps of its own: phases, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite-8bit  # GemLite 8-bit layers pre-scaled: overflow, accuracy
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh tail      # the last block on each row's last 2 tokens: tests, prefill
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh streams   # large decode batches as parts on separate streams
@@ -50,7 +53,7 @@
 # Carry .whl (bench/fetch_wheels.sh). Commit what comes back and re-run bench/summarize.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: h200_pending.sh tests|profile|grid|w8|serving|quick|verify|check-serve|batched|gemlite|gemlite2|split|gemlite-gemv|hopper-w8|hopper-gemlite|w4-gemv|ttft|prefill|sparse-ffn|decode-b1|chunked|gemv-order|prefill-split|prefill-gaps|prefill-split2|trained-accuracy|split-parts|gemlite-8bit|tail|streams|w4-cublas|w4-gemm|ln-span|b1-bounds|tc}
+PART=${1:?usage: h200_pending.sh PART (the parts are listed at the top of this file)}
 OUT=${OUT:-}
 export FLA_TILELANG=0
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/pending_$PART.log"; else cat; fi; }
