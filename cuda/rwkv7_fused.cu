@@ -22,8 +22,9 @@
 // 3. gemv: y = x W^T for a few rows of x (decode), several matrices per launch ("tasks"), one warp
 //    per output channel reading the weight row once with 16-byte loads (a long row split among up to 8
 //    warps of one block, summed in shared memory); fp16 or int8 (+ per-channel fp16 scale) weights, or
-//    GemLite's packed 4-bit weights read in place (a block per band of output channels, see
-//    gemv_uint4_block); relu^2, tanh or sigmoid on the output, residual add.
+//    GemLite's packed 4-bit weights read in place; int8 and 4-bit tasks run on the tensor cores, a block per
+//    band of output channels (gemv_int8_band, gemv_uint4_block), and a launch of few bands on 16 warps a
+//    block (gemv_wide_band_kernel); relu^2, tanh or sigmoid on the output, residual add.
 //
 // 4. sparse_gemv: y = x Wt + residual for the FFN value matrix stored K-major, reading only the weight rows
 //    whose input relu(k)^2 is nonzero in some row of x (see sparse_gemv_kernel).
