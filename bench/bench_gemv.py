@@ -18,14 +18,13 @@ import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_decode import SIZES, time_steps  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
 from infer.ops.fused import EPI_NONE, EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, load_fused_kernels  # noqa: E402
 from infer.ops.linear import DenseLinear  # noqa: E402
 from infer.random_model import make_config  # noqa: E402
@@ -60,6 +59,11 @@ def random_layer(out: int, inp: int, weights: str):
     return SimpleNamespace(uint4_groups=(words, scale, zero, GROUP), in_features=inp, out_features=out)
 
 
+def matrix_weights(out: int, inp: int, weights: str) -> str:
+    """The weights an engine of ``weights`` gives a matrix: the LoRA factors stay fp16 in every engine."""
+    return weights if out >= 1024 and inp >= 1024 else "fp16"
+
+
 def weight_bytes(out: int, inp: int, weights: str) -> int:
     """Bytes a launch streams for one matrix: the weights, and the scales (and 4-bit zeros)."""
     if weights == "fp16":
@@ -74,9 +78,8 @@ def make_launches(tasks, layers: int, rows: int, weights: str) -> list[list[tupl
     launches = []
     for _ in range(layers):
         launch = []
-        for name, out, inp, epi in tasks:
-            # the LoRA factors stay fp16 in every engine
-            w = random_layer(out, inp, weights if out >= 1024 and inp >= 1024 else "fp16")
+        for _, out, inp, epi in tasks:
+            w = random_layer(out, inp, matrix_weights(out, inp, weights))
             x = torch.randn(rows, inp, device="cuda", dtype=torch.float16)
             launch.append((w, x, torch.empty(rows, out, device="cuda", dtype=torch.float16), epi, None))
         launches.append(launch)
@@ -132,8 +135,7 @@ def main() -> None:
             print(f"{args.size} {args.weights} {name}: ran once", flush=True)
             continue
         us = time_variant(kernels, launches, args.steps)
-        mb = sum(weight_bytes(out, inp, args.weights if out >= 1024 and inp >= 1024 else "fp16")
-                 for _, out, inp, _ in tasks) / 1e6
+        mb = sum(weight_bytes(out, inp, matrix_weights(out, inp, args.weights)) for _, out, inp, _ in tasks) / 1e6
         rows.append({"variant": name, "us": round(us, 2), "MB": round(mb, 2), "TB_s": round(mb / us, 3)})
         print(f"{args.size} {args.weights} x{args.rows} {name:>20}: {us:7.2f} us  {mb:7.1f} MB  {mb / us:5.2f} TB/s"
               f"  {env}", flush=True)

@@ -2465,7 +2465,6 @@ inline int gemv_rows_per_warp(const GemvTask& t) {
 constexpr int kGemvSplitRows = 32768;
 constexpr int kGemvMinSlice = 32 * kGemvLoads;
 
-
 // The (row, slice) units a launch is split to: kGemvSplitRows, RWKV_GEMV_SPLIT_ROWS instead if set, 0 (no
 // splitting) with RWKV_GEMV_SPLIT=0 (read once; for A/B timing).
 inline int64_t gemv_split_rows() {
@@ -2534,16 +2533,21 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
     return blocks;
 }
 
-// Whether a packed launch of `blocks` blocks takes gemv_wide_band_kernel: every task a band (4-bit or int8 on the
-// tensor cores), at most kWideBandMaxBlocks of them. It reads the tasks' shapes only, never the rows of x: the
-// two kernels add a band's warps' sums in different orders, and a row's output is the same alone or in a batch.
-inline bool gemv_wide_bands(const GemvArgs& args, int blocks) {
-    if (blocks > kWideBandMaxBlocks) return false;
+// Whether every task of a packed launch is a band (4-bit or int8 on the tensor cores): what gemv_wide_band_kernel
+// computes.
+inline bool gemv_all_bands(const GemvArgs& args) {
     for (int i = 0; i < args.count; ++i) {
         const int type = args.task[i].weight_type;
         if (type != kWeightUint4 && type != kWeightInt8Band) return false;
     }
     return true;
+}
+
+// Whether a packed launch of `blocks` blocks takes gemv_wide_band_kernel: all bands, at most kWideBandMaxBlocks of
+// them. It reads the tasks' shapes only, never the rows of x: the two kernels add a band's warps' sums in
+// different orders, and a row's output is the same alone or in a batch.
+inline bool gemv_wide_bands(const GemvArgs& args, int blocks) {
+    return blocks <= kWideBandMaxBlocks && gemv_all_bands(args);
 }
 
 // The grid of a sparse-input GEMV of a K-major [k, n] weight: strips of kSparseStrip channels times slices

@@ -908,12 +908,11 @@ def test_gemv_wide_band_routing(libs):
     output projection and FFN value (int8 and 4-bit), not the r/k/v launch (its LoRA tasks are fp16) nor the FFN key
     (1,024 bands). The rule reads the shapes alone (no rows of x): the two kernels add in different orders."""
     takes = libs["fused-cuda"].emu_gemv_wide_bands
-    u4 = WEIGHT_TYPE["u4"]
+    u4 = "u4"
 
-    def wide(*tasks):  # (n, k, weight type, group)
+    def wide(*tasks):  # (n, k, weight kind, group)
         return takes(len(tasks), _ints([t[0] for t in tasks], ctypes.c_int64), _ints([t[1] for t in tasks], ctypes.c_int64),
-                     _ints([t[3] for t in tasks], ctypes.c_int64), _ints([WEIGHT_TYPE[t[2]] if isinstance(t[2], str)
-                                                                          else t[2] for t in tasks], ctypes.c_int))
+                     _ints([t[3] for t in tasks], ctypes.c_int64), _ints([WEIGHT_TYPE[t[2]] for t in tasks], ctypes.c_int))
     assert wide((4096, 4096, I8_BAND, 0)) == 1       # 7.2B output projection
     assert wide((4096, 16384, I8_BAND, 0)) == 1      # 7.2B FFN value
     assert wide((16384, 4096, I8_BAND, 0)) == 0      # 7.2B FFN key

@@ -116,14 +116,15 @@ EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const 
                               const int* weight_type, const int* epilogue, int wide) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return -1;
-    for (int i = 0; i < count; ++i) {
+    for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return -1;
-        // wide: gemv_wide_band_kernel, which takes bands only (the launcher's gemv_wide_bands also asks for few
-        // blocks, a matter of speed: not asked here, so that small cases run it)
-        if (wide && weight_type[i] != 2 && weight_type[i] != 3) return -1;
-    }
     GemvArgs args{};
     const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, epilogue);
+#ifdef FUSED_WIDE_BANDS
+    // wide: gemv_wide_band_kernel, which takes bands only (the launcher's gemv_wide_bands also asks for few blocks,
+    // a matter of speed: not asked here, so that small cases run it)
+    if (wide && !gemv_all_bands(args)) return -1;
+#endif
     switch (M) {
         case 1: return run_gemv<1>(args, blocks, wide);
         case 2: return run_gemv<2>(args, blocks, wide);
