@@ -5,8 +5,10 @@
 # wip/x:cuda/rwkv7_fused.cu > x.cu, or one of the prepared, not yet measured variants of bench/variants/:
 # cp cuda/rwkv7_fused.cu x.cu && patch x.cu < bench/variants/x.patch): the fused kernels are rebuilt from it and
 # COMMAND runs ROUNDS times (default 3), with
-# {out} replaced by bench/results/experiment_ab_<name>_<round>_h200.json, <name> "tree" or the file's stem. The
-# tree's source is put back at the end; the results are archived into $OUT/ab_kernels.tgz when OUT is set.
+# {out} replaced by bench/results/experiment_ab_<name>_<round>_h200.json, <name> "tree" or the file's stem, and
+# {name} and {round} by those alone (for a COMMAND of several runs, each writing
+# bench/results/experiment_ab_{name}_{round}_<what>_h200.json). The tree's source is put back at the end; every
+# bench/results/experiment_ab_* file is archived into $OUT/ab_kernels.tgz when OUT is set.
 #
 #   . bench/gpu_env.sh && OUT=$OUT bash bench/ab_kernels.sh "python bench/bench_decode.py --engine cutlass \
 #       --sizes 7.2b --batches 1,2 --steps 30 --wkv cuda --no-checks --out {out}" tail.cu lnmix.cu
@@ -19,7 +21,6 @@ SOURCE=cuda/rwkv7_fused.cu
 KEEP=$(mktemp)
 cp "$SOURCE" "$KEEP"
 trap 'cp "$KEEP" "$SOURCE"; rm -f "$KEEP"' EXIT
-results=()
 for variant in tree "$@"; do
     name=tree
     if [ "$variant" != tree ]; then
@@ -31,12 +32,11 @@ for variant in tree "$@"; do
     for round in $(seq 1 "$ROUNDS"); do
         out=bench/results/experiment_ab_${name}_${round}_h200.json
         echo "=== $name, round $round $(date +%T)"
-        bash -c "${COMMAND//\{out\}/$out}" 2>&1 | tail -8
-        results+=("$out")
+        command=${COMMAND//\{out\}/$out}
+        command=${command//\{name\}/$name}
+        bash -c "${command//\{round\}/$round}" 2>&1 | tail -8
     done
 done
 if [ -n "${OUT:-}" ]; then
-    existing=()
-    for f in "${results[@]}"; do [ -f "$f" ] && existing+=("$f"); done
-    [ ${#existing[@]} -gt 0 ] && tar czf "$OUT/ab_kernels.tgz" "${existing[@]}"
+    compgen -G "bench/results/experiment_ab_*" >/dev/null && tar czf "$OUT/ab_kernels.tgz" bench/results/experiment_ab_*
 fi

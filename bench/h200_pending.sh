@@ -44,6 +44,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh warps16   # every GEMV launch on 16 warps against 8: launches, decode
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh wide      # few-band launches on 16 warps: tests, launches, W8/W4 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engines-b1  # GemLite int8 decode, fp16 batch 1 and TTFT beside it
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-hopper # the 4-bit Hopper GEMM: tests, GEMMs alone, W4 vs fp16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -632,6 +633,27 @@ gemlite|gemlite2)  # GemLite tunes its Triton kernels on first use: keep the com
             --out bench/results/quant_accuracy_h200.json
         copy bench/results/quant_accuracy_h200.json
     fi
+    ;;
+w4-hopper)  # GemLite A16W4 layers on the 4-bit Hopper GEMM above 8 rows: build, GPU tests, the GEMMs alone, W4 decode
+    # and prompts with fp16 beside them (one machine); the results are archived after each step (a call cut short
+    # still brings back what was done)
+    tuning_cache
+    build
+    results=()
+    archive() { [ -n "$OUT" ] && [ ${#results[@]} -gt 0 ] && tar czf "$OUT/w4_hopper.tgz" "${results[@]}" 2>/dev/null; true; }
+    step 200 "4-bit GPU tests (Hopper GEMM, fused GEMV, GemLite)" python -m pytest -q -rf --tb=short \
+        -p no:cacheprovider test/test_quant_cuda.py test/test_fused_cuda.py -k "w4 or uint4"
+    step 120 "4-bit GEMMs alone, 7.2B shapes" python bench/bench_w8_gemm.py --weights uint4 --rows 16,64,128,256,1024 \
+        --reps 20 --out bench/results/w4_gemm_h200.json
+    results+=(bench/results/w4_gemm_h200.json); archive
+    step 150 "W4 decode and prompts on the Hopper GEMM" python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT \
+        --sizes 7.2b --batches 16,64,128,256 --prefill 1024 --prefill-rows 1,16 --steps 20 --wkv cuda --no-checks \
+        --out bench/results/decode_h200_w4_hopper.json
+    results+=(bench/results/decode_h200_w4_hopper.json); archive
+    step 120 "fp16 decode and prompts beside it" python bench/bench_decode.py --sizes 7.2b --batches 16,64,128,256 \
+        --prefill 1024 --prefill-rows 1,16 --steps 20 --wkv cuda --no-checks \
+        --out bench/results/experiment_fp16_beside_w4_h200.json
+    results+=(bench/results/experiment_fp16_beside_w4_h200.json); archive
     ;;
 *)
     echo "unknown part $PART" >&2

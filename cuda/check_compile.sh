@@ -4,9 +4,12 @@
 #                    no byte-wide global loads in their PTX
 #   cuda/w8a16_gemm.cu once more with its CUTLASS GEMM (-DW8A16_WITH_CUTLASS), when the headers of the
 #                    nvidia-cutlass wheel are installed (found like the JIT build finds them), and the
-#                    Hopper GEMM cuda/w8a16_gemm_sm90.cu for sm_90a (which needs those headers)
+#                    Hopper GEMMs cuda/w8a16_gemm_sm90.cu (+ tiles, int8 and 4-bit) for sm_90a (which need
+#                    those headers)
 #   cuda/*_op.cpp    g++ -fsyntax-only against torch's headers (a CPU build of torch is enough)
 #   hip/*.hip        hipcc -c for two AMD targets (HIP_PLATFORM=amd)
+#   and for both: the object defines every extern "C" function its torch binding (cuda/<name>_op.cpp)
+#                    declares (one missing links, but the extension then fails to import)
 #   cuda/sampler.cu and hip/sampler.hip once more with the flags of their JIT build
 #                    (infer/ops/sampler_cuda.py: no fast math, no FMA contraction), spills as errors
 # Each tool that is missing is skipped with a note. Exits non-zero if anything fails to compile. The checks
@@ -44,6 +47,20 @@ run() {  # run LABEL CMD...: queue the command (output kept for the report)
     while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
     (if "$@" >"$TMP/$id.log" 2>&1; then echo ok; else echo FAILED; fi >"$TMP/$id.rc") &
 }
+# with_entry_points OBJ CMD...: run CMD (a compile writing OBJ), then require OBJ to define every extern "C"
+# function declared by the torch binding of its source (cuda/<base>_op.cpp, where there is one)
+with_entry_points() {
+    local obj=$1 base name status=0
+    shift
+    "$@" || return 1
+    base=$(basename "$obj")
+    base=${base%%.*}
+    [ -e "cuda/${base}_op.cpp" ] || return 0
+    for name in $(grep -oP 'extern "C" [^(]*?\b\K\w+(?=\()' "cuda/${base}_op.cpp" | sort -u); do
+        nm -g --defined-only "$obj" | grep -qw "$name" || { echo "$obj lacks $name (cuda/${base}_op.cpp)"; status=1; }
+    done
+    return $status
+}
 report() {  # wait for every queued check, print the results in order
     wait
     local i id result
@@ -72,9 +89,10 @@ say "CUDA kernels (cuda/*.cu):"
 if command -v nvcc >/dev/null 2>&1; then
     for src in cuda/*.cu; do
         [ -e "$src" ] || continue
-        case $src in cuda/w8a16_gemm_sm90*) continue ;; esac  # CUTLASS only: checked below
+        case $src in cuda/w8a16_gemm_sm90* | cuda/w4a16_gemm_sm90*) continue ;; esac  # CUTLASS only: checked below
         base=$(basename "$src" .cu)
-        run "$src  sm_90" nvcc -std=c++17 -O3 --use_fast_math -arch=sm_90 "${TORCH_NVCC_DEFINES[@]}" \
+        run "$src  sm_90 (+ binding's entry points)" with_entry_points "$TMP/$base.sm90.o" nvcc -std=c++17 -O3 \
+            --use_fast_math -arch=sm_90 "${TORCH_NVCC_DEFINES[@]}" \
             -Xptxas -warn-spills,-warn-lmem-usage,--warning-as-error -Werror all-warnings -c "$src" -o "$TMP/$base.sm90.o"
         run "$src  sm_80" nvcc -std=c++17 -O3 --use_fast_math -arch=sm_80 "${TORCH_NVCC_DEFINES[@]}" \
             -c "$src" -o "$TMP/$base.sm80.o"
@@ -111,14 +129,14 @@ else
     for src in cuda/w8a16_gemm.cu cuda/w8a16_gemm_sm90.cu; do
         run "$src +CUTLASS  sm_90a" "${SM90A[@]}" -c "$src" -o "$TMP/$(basename "$src" .cu).sm90a.o"
     done
-    run "cuda/w8a16_gemm_sm90_*x*.cu (every tile)  sm_90a" bash -c '
+    run "cuda/w{8,4}a16_gemm_sm90_*x*.cu (every tile)  sm_90a" bash -c '
         out=$1; shift; pids=()
-        for src in cuda/w8a16_gemm_sm90_*x*.cu; do
+        for src in cuda/w8a16_gemm_sm90_*x*.cu cuda/w4a16_gemm_sm90_*x*.cu; do
             "$@" -c "$src" -o "$out/$(basename "$src" .cu).o" > "$out/$(basename "$src" .cu).log" 2>&1 & pids+=($!)
         done
         status=0
         for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-        [ $status = 0 ] || cat "$out"/w8a16_gemm_sm90_*x*.log
+        [ $status = 0 ] || cat "$out"/w?a16_gemm_sm90_*x*.log
         exit $status' _ "$TMP" "${SM90A[@]}"
 fi
 
@@ -152,7 +170,8 @@ if command -v hipcc >/dev/null 2>&1; then
     for src in hip/*.hip; do
         [ -e "$src" ] || continue
         base=$(basename "$src" .hip)
-        run "$src  gfx90a,gfx1030" env HIP_PLATFORM=amd hipcc -std=c++17 -O3 --offload-arch=gfx90a \
+        run "$src  gfx90a,gfx1030 (+ entry points)" with_entry_points "$TMP/$base.hip.o" \
+            env HIP_PLATFORM=amd hipcc -std=c++17 -O3 --offload-arch=gfx90a \
             --offload-arch=gfx1030 "${TORCH_HIP_DEFINES[@]}" -Wall -c "$src" -o "$TMP/$base.hip.o"
     done
 else

@@ -24,7 +24,8 @@
 //    single rounding to fp16, so no fp32 workspace or second kernel is needed.
 //  * On Hopper (sm_90a builds, -DW8A16_WITH_CUTLASS_SM90): the GEMM of cuda/w8a16_gemm_sm90.cu, CUTLASS 3's
 //    TMA + WGMMA mixed-input kernel with the same math; the SM80 GEMM stays as the fallback the Python
-//    side switches to if it fails its self-test.
+//    side switches to if it fails its self-test. The same kernel also takes 4-bit GemLite weights
+//    (w4a16_gemm_sm90_launch; infer/quant/gemlite_linear.py).
 //
 // The launchers take raw pointers, a device index and the stream as an integer (the caller's current
 // stream, so a launch can be captured in a CUDA graph) and return 0 or an error code for
@@ -55,6 +56,9 @@ int w8a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* 
                     cudaStream_t stream, int status_base, int tile);
 int w8a16_gemm_sm90_tile_count();
 int w8a16_gemm_sm90_tile_shape(int tile, int which);
+// The same kernel for 4-bit GemLite weights (A16W4_HQQ_INT, K-major words): see cuda/w8a16_gemm_sm90.cuh.
+int w4a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* words, const void* scale,
+                    const void* zero, int64_t group, void* y, cudaStream_t stream, int status_base, int tile);
 #endif
 
 namespace w8a16 {
@@ -255,6 +259,23 @@ extern "C" int w8a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int
     });
 #else
     (void)device, (void)stream, (void)M, (void)N, (void)K, (void)x, (void)w, (void)scale, (void)y, (void)tile;
+    return w8a16::kGemmNotBuilt;
+#endif
+}
+
+// y[M, N] = x[M, K] @ W^T for 4-bit W (words [N, K / 8], fp16 scale and zero [K / group, N]) with the Hopper
+// GEMM in tile `tile` (-1: chosen per problem); kGemmNotBuilt without it.
+extern "C" int w4a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
+                                      const void* words, const void* scale, const void* zero, int64_t group, void* y,
+                                      int tile) {
+#if defined(W8A16_WITH_CUTLASS_SM90)
+    return w8a16::on_device(device, [&] {
+        return w4a16_gemm_sm90(M, N, K, x, words, scale, zero, group, y, reinterpret_cast<cudaStream_t>(stream),
+                               w8a16::kCutlassStatusBase, tile);
+    });
+#else
+    (void)device, (void)stream, (void)M, (void)N, (void)K, (void)x, (void)words, (void)scale, (void)zero,
+        (void)group, (void)y, (void)tile;
     return w8a16::kGemmNotBuilt;
 #endif
 }

@@ -22,6 +22,9 @@ extern "C" int w8a16_gemm_sm90_tiles();
 extern "C" int w8a16_gemm_sm90_tile(int tile, int which);
 extern "C" int w8a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
                                       const void* w, const void* scale, void* y, int tile);
+extern "C" int w4a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
+                                      const void* words, const void* scale, const void* zero, int64_t group, void* y,
+                                      int tile);
 extern "C" const char* w8a16_error_string(int code);
 
 namespace {
@@ -91,6 +94,37 @@ void gemm_sm90(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Ten
     }, x, w, scale, y, stream);
 }
 
+// y[M, N] = x[M, K] @ W^T for 4-bit W: words [N, K / 8] int32 (k in bits 4 (k % 8) .. of word k / 8), scale and
+// zero [K / group, N] fp16, W = q * scale + zero (GemLite A16W4_HQQ_INT with its [K / 8, N] words transposed).
+void gemm_w4_sm90(torch::Tensor x, torch::Tensor words, torch::Tensor scale, torch::Tensor zero, int64_t group,
+                  torch::Tensor y, int64_t stream, int64_t tile) {
+    const char* op = "w4a16 gemm (sm90)";
+    TORCH_CHECK(tile >= -1 && tile < w8a16_gemm_sm90_tiles(), op, ": tile ", num(tile), " of ",
+                num(w8a16_gemm_sm90_tiles()));
+    TORCH_CHECK(x.is_cuda(), op, ": x must be on a CUDA device, got ", x.device().str());
+    const torch::Device device = x.device();
+    check(x, device, torch::kFloat16, op, "x");
+    check(words, device, torch::kInt32, op, "words");
+    check(scale, device, torch::kFloat16, op, "scale");
+    check(zero, device, torch::kFloat16, op, "zero");
+    check(y, device, torch::kFloat16, op, "y");
+    TORCH_CHECK(x.dim() == 2 && words.dim() == 2 && x.size(1) == 8 * words.size(1), op, ": x ", shape(x),
+                " and words ", shape(words), " must be [M, K] and [N, K / 8]");
+    const int64_t M = x.size(0), K = x.size(1), N = words.size(0);
+    TORCH_CHECK(group > 0 && K % group == 0, op, ": group ", num(group), " must divide K = ", num(K));
+    for (const torch::Tensor* t : {&scale, &zero})
+        TORCH_CHECK(t->dim() == 2 && t->size(0) == K / group && t->size(1) == N, op, ": scale and zero must have shape [",
+                    num(K / group), ", ", num(N), "], got ", shape(*t));
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N, op, ": y must have shape [", num(M), ", ", num(N),
+                "], got ", shape(y));
+    if (M == 0) return;
+    const int err = w4a16_gemm_sm90_launch(static_cast<int>(device.index()), stream, M, N, K, x.data_ptr(),
+                                           words.data_ptr(), scale.data_ptr(), zero.data_ptr(), group, y.data_ptr(),
+                                           static_cast<int>(tile));
+    TORCH_CHECK(err == 0, op, ": ", w8a16_error_string(err), " (error ", num(err), ", M=", num(M), " N=", num(N),
+                " K=", num(K), " group=", num(group), ")");
+}
+
 // (output channels, batch rows) of each Hopper GEMM tile; empty in builds without it.
 std::vector<std::pair<int64_t, int64_t>> gemm_sm90_tiles() {
     std::vector<std::pair<int64_t, int64_t>> tiles;
@@ -99,7 +133,8 @@ std::vector<std::pair<int64_t, int64_t>> gemm_sm90_tiles() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "W8A16 linear layer: fp16 activations times int8 weights with per-output-channel fp16 scales";
+    m.doc() = "W8A16 linear layer: fp16 activations times int8 weights with per-output-channel fp16 scales (and the "
+              "Hopper GEMM for 4-bit GemLite weights)";
     m.def("gemv", &gemv, "gemv(x, w, scale, y, stream): y = x @ (w * scale[:, None]).T for at most gemv_max_rows() rows",
           py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("y"), py::arg("stream"));
     m.def("gemm", &gemm, "gemm(x, w, scale, y, stream): the same product with the CUTLASS tensor-core GEMM",
@@ -107,6 +142,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemm_sm90", &gemm_sm90, "gemm_sm90(x, w, scale, y, stream, tile=-1): the same product with the Hopper "
           "WGMMA GEMM in tile `tile` of gemm_sm90_tiles() (-1: chosen from the shape)",
           py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("y"), py::arg("stream"), py::arg("tile") = -1);
+    m.def("gemm_w4_sm90", &gemm_w4_sm90, "gemm_w4_sm90(x, words, scale, zero, group, y, stream, tile=-1): y = x @ "
+          "W.T for 4-bit weights (words [N, K/8] int32, scale and zero [K/group, N]) with the Hopper WGMMA GEMM",
+          py::arg("x"), py::arg("words"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("y"),
+          py::arg("stream"), py::arg("tile") = -1);
     m.def("gemv_max_rows", &w8a16_gemv_max_rows, "the most rows (M) the GEMV takes");
     m.def("gemm_available", []() { return w8a16_gemm_available() != 0; },
           "whether this build has the CUTLASS GEMM (else larger batches must dequantize)");

@@ -1,6 +1,7 @@
-// The Hopper W8A16 GEMM's tile choice (the tiles are cuda/w8a16_gemm_sm90_<tile>.cu, the kernel template
-// cuda/w8a16_gemm_sm90.cuh). Compiled only for an sm_90a build with the CUTLASS headers
-// (-DW8A16_WITH_CUTLASS_SM90, infer/ops/linear_w8a16.py); cuda/w8a16_gemm.cu calls it.
+// The Hopper mixed-input GEMMs' tile choice, int8 (W8A16) and 4-bit (GemLite A16W4) weights (the tiles are
+// cuda/w8a16_gemm_sm90_<tile>.cu and cuda/w4a16_gemm_sm90_<tile>.cu, the kernel template cuda/w8a16_gemm_sm90.cuh). Compiled only for an sm_90a
+// build with the CUTLASS headers (-DW8A16_WITH_CUTLASS_SM90, infer/ops/linear_w8a16.py); cuda/w8a16_gemm.cu
+// calls it.
 //
 // Why several tiles: the int8 weights are converted to fp16 in registers once per batch tile that reads
 // them, so a taller batch tile (TILE_N) converts less, but fewer, larger tiles leave SMs idle on small
@@ -17,18 +18,22 @@
 
 namespace {
 
+using w8a16_sm90::Int8Rows, w8a16_sm90::Uint4Groups, w8a16_sm90::Problem;
+using Run = int (*)(const Problem&, cudaStream_t, int);
+
 struct Tile {
     int m, n;  // output channels x batch rows
-    int (*run)(int, int, int, const void*, const void*, const void*, void*, cudaStream_t, int);
+    Run int8, uint4;
 };
 
+template <int TILE_M, int TILE_N>
+constexpr Tile tile() {
+    return {TILE_M, TILE_N, w8a16_sm90::gemm<Int8Rows, TILE_M, TILE_N>,
+            w8a16_sm90::gemm<Uint4Groups, TILE_M, TILE_N>};
+}
+
 // In order of preference: tallest batch tile first, then more channels per tile.
-constexpr Tile kTiles[] = {
-    {64, 256, w8a16_sm90::gemm<64, 256>},
-    {128, 128, w8a16_sm90::gemm<128, 128>},
-    {64, 128, w8a16_sm90::gemm<64, 128>},
-    {64, 64, w8a16_sm90::gemm<64, 64>},
-};
+constexpr Tile kTiles[] = {tile<64, 256>(), tile<128, 128>(), tile<64, 128>(), tile<64, 64>()};
 constexpr int kTileCount = sizeof(kTiles) / sizeof(kTiles[0]);
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -42,6 +47,23 @@ int pick_tile(int rows, int channels, int sms) {
     return kTileCount - 1;
 }
 
+// Run `p` (M, N, K as given) with `tile` (-1: chosen from the shape and the device's SM count), taking the
+// tile's kernel for the weight format `format`. 0, a cudaError_t, or status_base + a cutlass::Status.
+int run(int64_t M, int64_t N, int64_t K, Problem p, Run Tile::*format, cudaStream_t stream, int status_base,
+        int tile) {
+    if (M <= 0 || N <= 0 || K <= 0 || M > INT_MAX || N > INT_MAX || K > INT_MAX || tile >= kTileCount)
+        return cudaErrorInvalidValue;
+    p.m = static_cast<int>(M), p.n = static_cast<int>(N), p.k = static_cast<int>(K);
+    if (tile < 0) {
+        int device = 0, sms = 0;
+        cudaError_t err = cudaGetDevice(&device);
+        if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        if (err != cudaSuccess) return err;
+        tile = pick_tile(p.m, p.n, sms);
+    }
+    return (kTiles[tile].*format)(p, stream, status_base);
+}
+
 }  // namespace
 
 int w8a16_gemm_sm90_tile_count() { return kTileCount; }
@@ -50,19 +72,17 @@ int w8a16_gemm_sm90_tile_shape(int tile, int which) {
     return tile < 0 || tile >= kTileCount ? -1 : which == 0 ? kTiles[tile].m : kTiles[tile].n;
 }
 
-// y[M, N] = x[M, K] @ (w[N, K] * scale[N, None])^T with tile `tile` (-1: chosen from the shape and the
-// device's SM count). 0, a cudaError_t, or status_base + a cutlass::Status.
+// y[M, N] = x[M, K] @ (w[N, K] * scale[N, None])^T with tile `tile` (-1: chosen per problem).
 int w8a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* w, const void* scale, void* y,
                     cudaStream_t stream, int status_base, int tile) {
-    if (M <= 0 || N <= 0 || K <= 0 || M > INT_MAX || N > INT_MAX || K > INT_MAX || tile >= kTileCount)
-        return cudaErrorInvalidValue;
-    const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
-    if (tile < 0) {
-        int device = 0, sms = 0;
-        cudaError_t err = cudaGetDevice(&device);
-        if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-        if (err != cudaSuccess) return err;
-        tile = pick_tile(m, n, sms);
-    }
-    return kTiles[tile].run(m, n, k, x, w, scale, y, stream, status_base);
+    return run(M, N, K, {0, 0, 0, x, w, scale, nullptr, 0, y}, &Tile::int8, stream, status_base, tile);
+}
+
+// y[M, N] = x[M, K] @ W^T for 4-bit W (words [N, K / 8], scale and zero [K / group, N]; group a multiple of the
+// K step, 64), with tile `tile` (-1: chosen per problem).
+int w4a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* words, const void* scale,
+                    const void* zero, int64_t group, void* y, cudaStream_t stream, int status_base, int tile) {
+    if (group <= 0 || group > K || K % group) return cudaErrorInvalidValue;
+    return run(M, N, K, {0, 0, 0, x, words, scale, zero, static_cast<int>(group), y}, &Tile::uint4, stream,
+               status_base, tile);
 }

@@ -1,14 +1,19 @@
-// W8A16 GEMM for Hopper (sm_90a): y[M, N] = x[M, K] @ (w[N, K] * scale[N, None])^T with int8 w, fp16 x and y,
-// as a template over the tile and schedule. Each cuda/w8a16_gemm_sm90_<tile>.cu instantiates one tile (so
-// the JIT build compiles them in parallel); cuda/w8a16_gemm_sm90.cu picks one per problem.
+// Mixed-input GEMMs for Hopper (sm_90a), y[M, N] = x[M, K] @ W[N, K]^T with fp16 x and y, as a template over
+// the weight format and the tile. Each cuda/w8a16_gemm_sm90_<tile>.cu (int8) and cuda/w4a16_gemm_sm90_<tile>.cu
+// (4-bit) instantiates one (so the JIT build compiles them side by side); cuda/w8a16_gemm_sm90.cu picks one per
+// problem. Weight formats:
+//  * Int8Rows (W8A16): int8 w[N, K] with an fp16 scale per output channel, W = w * scale[N, None].
+//  * Uint4Groups (GemLite A16W4_HQQ_INT): 4-bit codes q[N, K], 8 to a 32-bit word along K (k in bits 4(k % 8) ..
+//    4(k % 8) + 3, i.e. GemLite's [K/8, N] words transposed), fp16 scale and zero [K/group, N]:
+//    W[n, k] = fp16(q * scale + zero) of k's group, the weights the fused 4-bit GEMV rebuilds.
 //
-// The kernel is CUTLASS 3's warp-specialized TMA + WGMMA mainloop for mixed inputs: the int8 tile is
-// loaded by TMA, converted to fp16 in registers and fed to WGMMA as its register operand. The narrow type
-// must be that operand (A), so the product is computed transposed: D^T[N, M] = w[N, K] . x[M, K]^T, and
-// D^T in column-major order is y in row-major order. Accumulation is fp32; the epilogue multiplies row n
-// of D^T by scale[n] (a column-vector broadcast) and rounds once to fp16: the math of the SM80 kernel and
-// the GEMV. Compiled with -DNDEBUG: CUTLASS's device asserts are calls that make ptxas serialize the
-// WGMMA pipeline (warning C7510).
+// The kernel is CUTLASS 3's warp-specialized TMA + WGMMA mainloop for mixed inputs: the narrow tile is
+// loaded by TMA, converted to fp16 in registers (4-bit: with its group's scale and zero) and fed to WGMMA as its
+// register operand. The narrow type must be that operand (A) and K-major, so the product is computed transposed:
+// D^T[N, M] = W[N, K] . x[M, K]^T, and D^T in column-major order is y in row-major order. Accumulation is fp32,
+// rounded once to fp16; for int8 the epilogue first multiplies row n of D^T by scale[n] (a column-vector
+// broadcast): the math of the SM80 kernel and the GEMV. Compiled with -DNDEBUG: CUTLASS's device asserts are
+// calls that make ptxas serialize the WGMMA pipeline (warning C7510).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,20 +34,48 @@
 
 namespace w8a16_sm90 {
 
-// y = x . (w * scale)^T for x [m, k], w [n, k]: TILE_M output channels x TILE_N batch rows per CTA, K step 64 (128 bytes of fp16). Ping-pong (two
+struct Int8Rows {};     // the weight formats above
+struct Uint4Groups {};
+
+// One product: x [m, k], w [n, k] (Uint4Groups: k / 8 words per row), scale [n] (Int8Rows) or scale and zero
+// [k / group, n] (Uint4Groups), y [m, n].
+struct Problem {
+    int m, n, k;
+    const void* x;
+    const void* w;
+    const void* scale;
+    const void* zero;
+    int group;
+    void* y;
+};
+
+// y = x . W^T: TILE_M output channels x TILE_N batch rows per CTA, K step 64 (128 bytes of fp16). Ping-pong (two
 // consumer warpgroups on alternate tiles) for 64-channel tiles, cooperative (both on one tile) for 128.
-template <int TILE_M, int TILE_N>
-int gemm(int m, int n, int k, const void* x, const void* w, const void* scale, void* y, cudaStream_t stream,
-         int status_base);
+template <class Weight, int TILE_M, int TILE_N>
+int gemm(const Problem& p, cudaStream_t stream, int status_base);
 
 
 #if defined(W8A16_SM90_DEFINE_TEMPLATE)
 using namespace cute;
 using Half = cutlass::half_t;
-constexpr int kAlignW = 16;  // int8 elements per 16-byte TMA access
-constexpr int kAlignX = 8;   // fp16 elements per 16-byte access
+constexpr int kAlignX = 8;  // fp16 elements per 16-byte access
 
-template <int TILE_M, int TILE_N>
+template <class Weight>
+struct Format;
+template <>
+struct Format<Int8Rows> {
+    using Element = int8_t;
+    using Stored = int8_t;
+    static constexpr int kAlign = 16;  // elements per 16-byte TMA access
+};
+template <>
+struct Format<Uint4Groups> {
+    using Element = cute::tuple<cutlass::uint4b_t, Half, Half>;  // codes, scale, zero: W = q * scale + zero
+    using Stored = cutlass::uint4b_t;
+    static constexpr int kAlign = 32;
+};
+
+template <class Weight, int TILE_M, int TILE_N>
 struct Config {
     static constexpr bool kPingPong = TILE_M == 64;
     using TileShape = Shape<Int<TILE_M>, Int<TILE_N>, _64>;
@@ -52,12 +85,15 @@ struct Config {
     using EpilogueSchedule = cute::conditional_t<kPingPong, cutlass::epilogue::TmaWarpSpecialized,
                                                  cutlass::epilogue::TmaWarpSpecializedCooperative>;
 
-    // D^T[n, m] = acc[n, m] * scale[n]: the scale is indexed by the row of D^T (the output channel).
+    // int8: D^T[n, m] = acc[n, m] * scale[n], the scale indexed by the row of D^T (the output channel);
+    // 4-bit: D^T = acc (the scales were applied to the weights).
     using ScaleRows = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, Half, float>;
     using ScaleProduct = cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, Half, float,
                                                                 cutlass::FloatRoundStyle::round_to_nearest>;
-    using Fusion = cutlass::epilogue::fusion::Sm90EVT<ScaleProduct, ScaleRows,
-                                                      cutlass::epilogue::fusion::Sm90AccFetch>;
+    using Fusion = cute::conditional_t<
+        cute::is_same_v<Weight, Int8Rows>,
+        cutlass::epilogue::fusion::Sm90EVT<ScaleProduct, ScaleRows, cutlass::epilogue::fusion::Sm90AccFetch>,
+        cutlass::epilogue::fusion::LinearCombination<Half, float, void, float>>;
 
     using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -68,7 +104,7 @@ struct Config {
 
     using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-        int8_t, cutlass::layout::RowMajor, kAlignW,   // w [N, K]: K-major, as the converted operand must be
+        typename Format<Weight>::Element, cutlass::layout::RowMajor, Format<Weight>::kAlign,  // W [N, K]: K-major
         Half, cutlass::layout::ColumnMajor, kAlignX,  // x [M, K] as the K x M operand B: K-major
         float, TileShape, ClusterShape,
         cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
@@ -79,7 +115,8 @@ struct Config {
 };
 
 // Strides (row, column, batch) of a packed K-major operand [rows, K] and of a packed column-major
-// [rows, cols] output; the unit stride is a static _1 in both types and stays as it is.
+// [rows, cols] tensor (the output; the 4-bit scales and zeros, [K / group, N] row-major); the unit stride is a
+// static _1 in both types and stays as it is.
 template <class Stride>
 Stride k_major(int rows, int k) {
     Stride s{};
@@ -97,26 +134,36 @@ Stride column_major(int rows, int cols) {
 }
 
 // 0, a cudaError_t, or status_base + cutlass::Status of a failed CUTLASS call (run_cutlass_gemm).
-template <int TILE_M, int TILE_N>
-int gemm(int m, int n, int k, const void* x, const void* w, const void* scale, void* y, cudaStream_t stream,
-         int status_base) {
-    using C = Config<TILE_M, TILE_N>;
+template <class Weight, int TILE_M, int TILE_N>
+int gemm(const Problem& p, cudaStream_t stream, int status_base) {
+    using C = Config<Weight, TILE_M, TILE_N>;
     using Kernel = typename C::Kernel;
-    typename C::Gemm::Arguments args{
-        cutlass::gemm::GemmUniversalMode::kGemm,
-        {n, m, k, 1},
-        {static_cast<const int8_t*>(w), k_major<typename Kernel::StrideA>(n, k),
-         static_cast<const Half*>(x), k_major<typename Kernel::StrideB>(m, k)},
-        {{}, nullptr, column_major<typename Kernel::StrideC>(n, m),
-         static_cast<Half*>(y), column_major<typename Kernel::StrideD>(n, m)}};
-    // Fusion arguments, children first: the scale vector, the accumulator, then the product.
-    args.epilogue.thread = {{static_cast<const Half*>(scale)}, {}, {}};
+    using Arguments = typename C::Gemm::Arguments;
+    const auto* w = static_cast<const typename Format<Weight>::Stored*>(p.w);
+    const auto* x = static_cast<const Half*>(p.x);
+    const auto* scale = static_cast<const Half*>(p.scale);
+    const auto dw = k_major<typename Kernel::StrideA>(p.n, p.k);
+    const auto dx = k_major<typename Kernel::StrideB>(p.m, p.k);
+    const typename C::Epilogue::Arguments epilogue{
+        {}, nullptr, column_major<typename Kernel::StrideC>(p.n, p.m),
+        static_cast<Half*>(p.y), column_major<typename Kernel::StrideD>(p.n, p.m)};
+    Arguments args;
+    if constexpr (cute::is_same_v<Weight, Int8Rows>) {
+        args = Arguments{cutlass::gemm::GemmUniversalMode::kGemm, {p.n, p.m, p.k, 1}, {w, dw, x, dx}, epilogue};
+        // Fusion arguments, children first: the scale vector, the accumulator, then the product.
+        args.epilogue.thread = {{scale}, {}, {}};
+    } else {
+        const auto ds = column_major<typename C::Mainloop::StrideScale>(p.n, p.k / p.group);
+        args = Arguments{cutlass::gemm::GemmUniversalMode::kGemm, {p.n, p.m, p.k, 1},
+                         {w, dw, x, dx, scale, ds, p.group, static_cast<const Half*>(p.zero)}, epilogue};
+        args.epilogue.thread.alpha = 1.0f;
+        args.epilogue.thread.beta = 0.0f;
+    }
     return run_cutlass_gemm<typename C::Gemm>(args, stream, status_base);
 }
 
-#define W8A16_SM90_INSTANTIATE(TILE_M, TILE_N)                                                              \
-    template int gemm<TILE_M, TILE_N>(int, int, int, const void*, const void*, const void*, void*, cudaStream_t, \
-                                      int);
+#define W8A16_SM90_INSTANTIATE(WEIGHT, TILE_M, TILE_N) \
+    template int gemm<WEIGHT, TILE_M, TILE_N>(const Problem&, cudaStream_t, int);
 #endif  // W8A16_SM90_DEFINE_TEMPLATE
 
 }  // namespace w8a16_sm90

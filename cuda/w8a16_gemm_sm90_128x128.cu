@@ -1,7 +1,7 @@
-// One tile of the Hopper W8A16 GEMM (cuda/w8a16_gemm_sm90.cuh): 128 output channels x 128 batch rows.
+// One tile of the Hopper W8A16 GEMM, int8 weights (cuda/w8a16_gemm_sm90.cuh): 128 output channels x 128 batch rows.
 #define W8A16_SM90_DEFINE_TEMPLATE
 #include "w8a16_gemm_sm90.cuh"
 
 namespace w8a16_sm90 {
-W8A16_SM90_INSTANTIATE(128, 128)
+W8A16_SM90_INSTANTIATE(Int8Rows, 128, 128)
 }  // namespace w8a16_sm90

@@ -1,7 +1,7 @@
-// One tile of the Hopper W8A16 GEMM (cuda/w8a16_gemm_sm90.cuh): 64 output channels x 256 batch rows.
+// One tile of the Hopper W8A16 GEMM, int8 weights (cuda/w8a16_gemm_sm90.cuh): 64 output channels x 256 batch rows.
 #define W8A16_SM90_DEFINE_TEMPLATE
 #include "w8a16_gemm_sm90.cuh"
 
 namespace w8a16_sm90 {
-W8A16_SM90_INSTANTIATE(64, 256)
+W8A16_SM90_INSTANTIATE(Int8Rows, 64, 256)
 }  // namespace w8a16_sm90

@@ -133,6 +133,22 @@ extern "C" int w8a16_gemm_launch(int, int64_t, int64_t, int64_t, int64_t, const 
     return w8a16::kGemmNotBuilt;
 }
 
+// The Hopper GEMMs (int8 and 4-bit weights) exist only in CUDA sm_90a builds: no tiles here, and every launch
+// says so (the torch binding, cuda/w8a16_gemm_op.cpp, links against these names on both platforms).
+extern "C" int w8a16_gemm_sm90_tiles() { return 0; }
+
+extern "C" int w8a16_gemm_sm90_tile(int, int) { return -1; }
+
+extern "C" int w8a16_gemm_sm90_launch(int, int64_t, int64_t, int64_t, int64_t, const void*, const void*,
+                                      const void*, void*, int) {
+    return w8a16::kGemmNotBuilt;
+}
+
+extern "C" int w4a16_gemm_sm90_launch(int, int64_t, int64_t, int64_t, int64_t, const void*, const void*,
+                                      const void*, const void*, int64_t, void*, int) {
+    return w8a16::kGemmNotBuilt;
+}
+
 extern "C" const char* w8a16_error_string(int code) {
     if (code == w8a16::kGemmNotBuilt) return "the W8A16 GEMM is not built on ROCm (no CUTLASS)";
     return hipGetErrorString(static_cast<hipError_t>(code));

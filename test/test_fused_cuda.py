@@ -447,8 +447,25 @@ def uint4_layer(kernels):
     assert lin.uint4_groups is not None and "fused 4-bit GEMV" in lin.kind
     assert [t.data_ptr() for t in lin.uint4_groups[:3]] == [t.data_ptr() for t in lin._args[:3]], "not in place"
     # GemLite's own W [out, in]: one-hot rows through its kernel, one product per output, so exact
-    dense = lin(torch.eye(512, device="cuda", dtype=torch.float16)).t().contiguous()
+    dense = through_gemlite(lin, torch.eye(512, device="cuda", dtype=torch.float16)).t().contiguous()
     return lin, dense
+
+
+def through_gemlite(lin, x: torch.Tensor) -> torch.Tensor:
+    """lin(x) on GemLite's own kernels (not the Hopper GEMM or cuBLAS chunks larger batches take)."""
+    routes = lin._w4_gemm, lin.large_batch
+    lin._w4_gemm = lin.large_batch = None
+    try:
+        return lin(x)
+    finally:
+        lin._w4_gemm, lin.large_batch = routes
+
+
+def w4_hopper_gemm(lin):
+    """The layer's 4-bit Hopper GEMM and K-major words, or a skip where it is not built."""
+    if lin._w4_gemm is None:
+        pytest.skip("the 4-bit Hopper GEMM is built for compute capability 9.0 with the CUTLASS headers")
+    return lin._w4_gemm
 
 
 def test_gemv_uint4_rebuilds_gemlite_weights_bit_for_bit(kernels, uint4_layer):
@@ -492,6 +509,32 @@ def test_uint4_matmul_rebuilds_gemlite_weights_bit_for_bit(kernels, uint4_layer,
     assert torch.equal(got.t().contiguous().view(torch.int16), dense.view(torch.int16))
     with pytest.raises(RuntimeError, match="not all below N"):
         kernels._m.uint4_dequantize(*lin.uint4_groups[:3], 1000, torch.empty(512, 48, device="cuda").half(), 0)
+
+
+def test_w4_hopper_gemm_rebuilds_gemlite_weights_bit_for_bit(uint4_layer):
+    """Batches above W4_HOPPER_ABOVE_ROWS take the 4-bit Hopper GEMM on the layer's K-major copy of the words:
+    one-hot rows give back each weight, equal to GemLite's (fp16(q * scale + zero) rounded once)."""
+    lin, dense = uint4_layer
+    _, words = w4_hopper_gemm(lin)
+    assert torch.equal(words, lin.uint4_groups[0].t()) and "4-bit Hopper GEMM" in lin.kind
+    got = lin(torch.eye(512, device="cuda", dtype=torch.float16))
+    assert torch.equal(got.t().contiguous().view(torch.int16), dense.view(torch.int16))
+
+
+@pytest.mark.parametrize("rows", [9, 40, 256, 300])
+def test_w4_hopper_gemm_tiles_match_gemlite_weights(uint4_layer, rows):
+    """Every tile of the 4-bit Hopper GEMM (and its own choice, -1) against float64 products of GemLite's
+    weights: 1,040 channels (not a multiple of a tile), 9 and 300 rows (nor these)."""
+    from infer.ops.linear_w8a16 import load_w8a16_kernels
+    lin, dense = uint4_layer
+    op, words = w4_hopper_gemm(lin)
+    _, scale, zero, group = lin.uint4_groups
+    x = torch.randn(rows, 512, generator=torch.Generator(device="cuda").manual_seed(rows), device="cuda").half()
+    exact = x.double() @ dense.double().T
+    for tile in [-1, *range(len(load_w8a16_kernels().sm90_tiles))]:
+        y = torch.full((rows, 1040), float("nan"), device="cuda", dtype=torch.float16)
+        op(x, words, scale, zero, group, y, torch.cuda.current_stream().cuda_stream, tile)
+        torch.testing.assert_close(y.double(), exact, atol=1e-3, rtol=1e-3, msg=f"tile {tile}")
 
 
 @pytest.fixture(scope="module")
@@ -539,11 +582,42 @@ def test_gemlite_uint4_decode_runs_on_the_fused_gemv(uint4_model, batch, monkeyp
     assert 0 < relative <= 1e-2, relative
 
 
-def test_gemlite_uint4_prefill_takes_the_cublas_path(uint4_model, monkeypatch):
-    """select_fused hands 4-bit layers uint4_matmul for batches above uint4_cublas_rows: a prefill of 100 tokens
-    (the threshold lowered to 64 here) takes it for every matrix and agrees with the same prefill through GemLite's
-    GEMM."""
+def test_gemlite_uint4_prefill_takes_the_hopper_gemm(uint4_model, monkeypatch):
+    """On Hopper a prefill of 100 tokens runs every 4-bit matrix on the Hopper GEMM (above W4_HOPPER_ABOVE_ROWS)
+    and agrees with the same prefill through GemLite's GEMM."""
+    from infer.quant.gemlite_linear import W4_HOPPER_ABOVE_ROWS
     model = uint4_model
+    w4_hopper_gemm(model.projections()[0])
+    calls = []
+
+    def counted(op):
+        def run(x, *args):
+            calls.append(x.shape[0])
+            return op(x, *args)
+        return run
+
+    for lin in model.projections():
+        op, words = lin._w4_gemm
+        monkeypatch.setattr(lin, "_w4_gemm", (counted(op), words))
+    prompt = torch.randint(1, 1024, (100,), generator=torch.Generator().manual_seed(8)).tolist()
+    via_hopper = model.prefill([prompt], [0], model.new_state_pool(1), all_logits=True)
+    assert 100 > W4_HOPPER_ABOVE_ROWS and calls == [100] * len(model.projections())  # the head too (all_logits)
+    for lin in model.projections():
+        monkeypatch.setattr(lin, "_w4_gemm", None)
+        monkeypatch.setattr(lin, "large_batch", None)
+    via_gemlite = model.prefill([prompt], [0], model.new_state_pool(1), all_logits=True)
+    assert torch.isfinite(via_hopper).all()
+    relative = ((via_hopper - via_gemlite).abs().max() / via_gemlite.abs().max()).item()
+    assert relative <= 1e-2, relative
+
+
+def test_gemlite_uint4_prefill_takes_the_cublas_path(uint4_model, monkeypatch):
+    """select_fused hands 4-bit layers uint4_matmul for batches above uint4_cublas_rows (where the Hopper GEMM is
+    not there: switched off here): a prefill of 100 tokens (the threshold lowered to 64 here) takes it for every
+    matrix and agrees with the same prefill through GemLite's GEMM."""
+    model = uint4_model
+    for lin in model.projections():
+        monkeypatch.setattr(lin, "_w4_gemm", None)
     assert all(lin.large_batch == (model.fused.uint4_cublas_rows, model.fused.uint4_matmul)
                for lin in model.projections())
     calls = []

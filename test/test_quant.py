@@ -495,10 +495,11 @@ def test_w8a16_kernels_choose_the_gemm_and_the_gemv_rows(tiles, monkeypatch):
 
     from infer.ops.linear_w8a16 import SM90_GEMV_ROWS, W8A16Kernels
     monkeypatch.delenv("RWKV_W8A16_GEMV_ROWS", raising=False)
-    module = SimpleNamespace(gemv=object(), gemm=object(), gemm_sm90=object(), gemv_max_rows=lambda: 8,
-                             gemm_available=lambda: True, gemm_sm90_tiles=lambda: tiles)
+    module = SimpleNamespace(gemv=object(), gemm=object(), gemm_sm90=object(), gemm_w4_sm90=object(),
+                             gemv_max_rows=lambda: 8, gemm_available=lambda: True, gemm_sm90_tiles=lambda: tiles)
     kernels = W8A16Kernels(module)
     assert kernels.hopper_gemm == bool(tiles)
+    assert kernels.gemm_w4 is (module.gemm_w4_sm90 if tiles else None)  # 4-bit layers: only the Hopper GEMM
     assert kernels.gemm is (module.gemm_sm90 if tiles else module.gemm)
     assert kernels.gemm_name == ("cutlass sm90 wgmma" if tiles else "cutlass sm80")
     assert kernels.gemv_rows == (SM90_GEMV_ROWS if tiles else 8)

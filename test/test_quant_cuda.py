@@ -12,7 +12,7 @@ from conftest import make_model_file
 from infer.checkpoint import SCALE_SUFFIX
 from infer.model import RWKV7
 from infer.ops.linear_w8a16 import (W8A16Linear, cutlass_include_dir, dequantize_matmul, load_w8a16_kernels,
-                                   w8a16_kernels_error)
+                                   uint4_weights, w8a16_kernels_error)
 from infer.quant import export_quant, export_quant_gemlite
 from infer.quant.engines import warm_up
 from infer.quant.gemlite_linear import W8A16_ABOVE_ROWS, load_tuning, save_tuning
@@ -68,6 +68,44 @@ def test_every_cutlass_gemm_matches_the_reference(kernels, n_out, n_in, rows):
         y = torch.full((rows, n_out), float("nan"), dtype=torch.float16, device="cuda")
         op(x, q, scale, y, torch.cuda.current_stream().cuda_stream)
         assert relative_error(y, want) <= KERNEL_TOL
+
+
+@pytest.mark.parametrize("n_out,n_in,group", [(264, 704, 64), (4096, 4096, 64), (4096, 16384, 128)])
+@pytest.mark.parametrize("rows", [9, 40, 256, 300])
+def test_w4_hopper_gemm_matches_the_reference(kernels, n_out, n_in, group, rows):
+    """The 4-bit Hopper GEMM in each tile on random words, scales and zeros (groups of one K step and of two)
+    against the fp32 product of the rebuilt fp16 weights."""
+    if kernels.gemm_w4 is None:
+        pytest.skip("the 4-bit Hopper GEMM is built for compute capability 9.0 with the CUTLASS headers")
+    gen = torch.Generator(device="cuda").manual_seed(rows + n_in)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n_out, n_in // 8), generator=gen, device="cuda", dtype=torch.int32)
+    scale = (torch.rand(n_in // group, n_out, generator=gen, device="cuda") * 0.01 + 1e-3).half()
+    zero = (torch.rand(n_in // group, n_out, generator=gen, device="cuda") * -15 * scale.float()).half()
+    x = torch.randn(rows, n_in, generator=gen, device="cuda").half()
+    want = x.float() @ uint4_weights(words, scale, zero).float().T
+    for tile in [-1, *range(len(kernels.sm90_tiles))]:
+        y = torch.full((rows, n_out), float("nan"), dtype=torch.float16, device="cuda")
+        kernels.gemm_w4(x, words, scale, zero, group, y, torch.cuda.current_stream().cuda_stream, tile)
+        assert relative_error(y, want) <= KERNEL_TOL, tile
+
+
+def test_w4_hopper_gemm_rejects_bad_operands(kernels):
+    if kernels.gemm_w4 is None:
+        pytest.skip("the 4-bit Hopper GEMM is built for compute capability 9.0 with the CUTLASS headers")
+    words = torch.zeros(64, 16, dtype=torch.int32, device="cuda")
+    meta = torch.zeros(2, 64, dtype=torch.float16, device="cuda")
+    x, y = torch.zeros(9, 128, dtype=torch.float16, device="cuda"), torch.empty(9, 64, dtype=torch.float16, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    kernels.gemm_w4(x, words, meta, meta, 64, y, stream)
+    with pytest.raises(RuntimeError, match="must divide K"):
+        kernels.gemm_w4(x, words, meta, meta, 48, y, stream)
+    with pytest.raises(RuntimeError, match="scale and zero must have shape"):
+        kernels.gemm_w4(x, words, meta[:1], meta, 64, y, stream)
+    with pytest.raises(RuntimeError, match=r"\[N, K / 8\]"):
+        kernels.gemm_w4(x[:, :64].contiguous(), words, meta, meta, 64, y, stream)
+    with pytest.raises(RuntimeError):  # a group that is not a multiple of the K step: CUTLASS refuses it
+        kernels.gemm_w4(x, words, torch.zeros(4, 64, dtype=torch.float16, device="cuda"),
+                        torch.zeros(4, 64, dtype=torch.float16, device="cuda"), 32, y, stream)
 
 
 def test_hopper_uses_the_wgmma_gemm(kernels):

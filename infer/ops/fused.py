@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from infer.batch import PackedBatch
 from infer.ops.cuda_ext import BuildOnce, compile_kernels, env_flag, env_int
 from infer.ops.linear import DenseLinear
-from infer.ops.linear_w8a16 import W8A16Linear
+from infer.ops.linear_w8a16 import W8A16Linear, uint4_weights
 from infer.state import StatePool
 
 if TYPE_CHECKING:
@@ -469,10 +469,7 @@ def _self_test_uint4(kernels: FusedKernels, device: torch.device) -> str | None:
         y = torch.empty(rows, n, device=device, dtype=torch.float16)
         layer = SimpleNamespace(uint4_groups=(words, scale, zero, group), in_features=k, out_features=n)  # as GemLiteLinear
         kernels.gemv([(layer, x, y, EPI_NONE, None)])
-        q = (words[:, :, None] >> (4 * torch.arange(8, device=device, dtype=torch.int32))) & 15  # nibble j: k = 8c + j
-        q = q.permute(1, 0, 2).reshape(n, k).float()
-        w = q * scale.float().t().repeat_interleave(group, 1) + zero.float().t().repeat_interleave(group, 1)
-        expect = x.float() @ w.half().float().T
+        expect = x.float() @ uint4_weights(words.t(), scale, zero).float().T
         err = float((y.float() - expect).abs().max()) / (float(expect.abs().max()) + 1e-6)
         if not err <= 1e-2:
             return (f"self-test of the 4-bit GEMV against unpacking + matmul failed ({rows} x {k} -> {n}: "

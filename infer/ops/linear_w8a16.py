@@ -21,6 +21,10 @@ Checkpoint layout (``python -m infer.quant.export_quant``): each quantized matri
   batch-invariance rule of :class:`infer.ops.linear.DenseLinear`: a row's result does not depend on the
   other rows of the call.
 
+On Hopper builds the same extension also holds the WGMMA GEMM for 4-bit GemLite weights (``gemm_w4_sm90``: words
+[N, K/8] K-major, fp16 scale and zero per group; :func:`uint4_weights` is its reference), which
+``infer.quant.gemlite_linear`` uses for larger batches.
+
 The extension is built on first use like the WKV kernel (``infer.ops.cuda_ext``) and checked against
 the dequantizing reference once; :func:`load_w8a16_kernels` never raises, it logs why and returns None.
 """
@@ -39,8 +43,11 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CUDA_SOURCES = [ROOT / "cuda" / "w8a16_gemm_op.cpp", ROOT / "cuda" / "w8a16_gemm.cu"]
-# The Hopper GEMM: its tile choice and one file per tile, so ninja compiles the tiles in parallel.
-SM90_SOURCES = [ROOT / "cuda" / f"w8a16_gemm_sm90{tile}.cu" for tile in ("", "_64x256", "_128x128", "_64x128", "_64x64")]
+# The Hopper GEMMs: their tile choice and one file per tile and weight format (int8, 4-bit), so ninja compiles the
+# tiles in parallel.
+SM90_TILES = ("64x256", "128x128", "64x128", "64x64")
+SM90_SOURCES = [ROOT / "cuda" / "w8a16_gemm_sm90.cu"] + [ROOT / "cuda" / f"{fmt}_gemm_sm90_{tile}.cu"
+                                                         for fmt in ("w8a16", "w4a16") for tile in SM90_TILES]
 # CUTLASS 3's Hopper kernels need the architecture-specific target (wgmma, setmaxnreg); an explicit
 # -gencode also stops torch from adding its own arch flags. NDEBUG: CUTLASS's device-side asserts are
 # calls that make ptxas serialize the WGMMA pipeline (warning C7510).
@@ -84,6 +91,23 @@ def dequantize_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     return out[:rows] if scale_weights else out[:rows].mul_(scale)
 
 
+def aligned(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels read it: contiguous, 16-byte aligned (a row slice of a larger buffer is copied)."""
+    x = x.contiguous()
+    return x.clone() if x.data_ptr() % 16 else x
+
+
+def uint4_weights(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The fp16 weights [N, K] of a 4-bit GemLite matrix held K-major: ``words`` [N, K/8] int32 (k in bits
+    4 (k % 8) .. 4 (k % 8) + 3 of word k / 8), ``scale`` and ``zero`` [K/group, N]: fp16(q * scale + zero), one
+    rounding as the kernels' fused multiply-add. (GemLite stores the words [K/8, N]: pass ``words.t()``.)"""
+    n, k = words.shape[0], words.shape[1] * 8
+    group = k // scale.shape[0]
+    shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int32)
+    q = ((words[:, :, None] >> shifts) & 15).reshape(n, k).float()
+    return (q * scale.float().t().repeat_interleave(group, 1) + zero.float().t().repeat_interleave(group, 1)).half()
+
+
 class W8A16Linear:
     """A W8A16 matrix; the path is chosen per call from the device, dtype and row count."""
 
@@ -118,9 +142,7 @@ class W8A16Linear:
         if kernels is None or x.dtype != torch.float16 or (rows > kernels.gemv_max_rows
                                                           and not kernels.gemm_available):
             return dequantize_matmul(x, self.qweight, self.scale)
-        x = x.contiguous()
-        if x.data_ptr() % 16:  # a row slice of a larger buffer; the kernels load 16 bytes at a time
-            x = x.clone()
+        x = aligned(x)
         y = torch.empty((rows, self.out_features), dtype=torch.float16, device=x.device)
         op = kernels.gemv if rows <= kernels.gemv_rows or not kernels.gemm_available else kernels.gemm
         op(x, self.qweight, self.scale, y, torch.cuda.current_stream(x.device).cuda_stream)
@@ -138,6 +160,9 @@ class W8A16Kernels:
         self.gemm_sm80 = module.gemm
         self.gemm_sm90 = module.gemm_sm90  # (x, w, scale, y, stream, tile=-1)
         self.sm90_tiles: list[tuple[int, int]] = module.gemm_sm90_tiles()  # (channels, rows); [] unless sm_90a
+        # 4-bit weights on the Hopper GEMM, (x, words, scale, zero, group, y, stream, tile=-1); None unless built
+        # (or after a failed self-test)
+        self.gemm_w4 = module.gemm_w4_sm90 if self.sm90_tiles else None
         # The GEMM larger batches use: the Hopper kernel when this build has it (set back to the SM80
         # one if it fails its self-test).
         self.gemm = self.gemm_sm90 if self.sm90_tiles else self.gemm_sm80
@@ -214,6 +239,24 @@ def _check(op, rows: int) -> str | None:
     return None if err <= 2e-3 else f"{rows} rows: max relative difference {err:.3g} from the reference"
 
 
+def _check_w4(op, rows: int) -> str | None:
+    """:func:`_check` for the 4-bit Hopper GEMM against :func:`uint4_weights` + matmul (264 channels: not a
+    multiple of the tiles; K = 704: 11 groups of 64, the kernel's K step)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device).manual_seed(rows)
+    n_out, n_in, group = 264, 704, 64
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n_out, n_in // 8), generator=gen, device=device, dtype=torch.int32)
+    scale = (torch.rand(n_in // group, n_out, generator=gen, device=device) * 0.01 + 1e-3).half()
+    zero = (torch.rand(n_in // group, n_out, generator=gen, device=device) * -15 * scale.float()).half()
+    x = torch.randn(rows, n_in, generator=gen, device=device).half()
+    expect = x.float() @ uint4_weights(words, scale, zero).float().T
+    y = torch.empty((rows, n_out), dtype=torch.float16, device=device)
+    op(x, words, scale, zero, group, y, torch.cuda.current_stream(device).cuda_stream)
+    torch.cuda.synchronize(device)
+    err = ((y.float() - expect).abs().max() / expect.abs().max()).item()
+    return None if err <= 2e-3 else f"{rows} rows: max relative difference {err:.3g} from the reference"
+
+
 def load_w8a16_kernels(verify: bool = True) -> W8A16Kernels | None:
     """The compiled kernels, building them on the first call; None (with a logged warning) if they cannot
     be had. A CUTLASS GEMM that fails its check is switched off alone (the GEMV stays)."""
@@ -224,6 +267,10 @@ def load_w8a16_kernels(verify: bool = True) -> W8A16Kernels | None:
         if verify and kernels.hopper_gemm and (gemm_error := _check(kernels.gemm, 40) or _check(kernels.gemm, 300)):
             log.warning("W8A16 Hopper GEMM switched off: self-test failed (%s); using the SM80 GEMM", gemm_error)
             kernels.gemm = kernels.gemm_sm80
+        if verify and kernels.gemm_w4 is not None and (w4_error := _check_w4(kernels.gemm_w4, 40)
+                                                       or _check_w4(kernels.gemm_w4, 300)):
+            log.warning("4-bit Hopper GEMM switched off: self-test failed (%s)", w4_error)
+            kernels.gemm_w4 = None
         # (a Hopper GEMM that passed its own check above needs no second one)
         if verify and kernels.gemm_available and not kernels.hopper_gemm and (gemm_error := _check(kernels.gemm, 40)):
             log.warning("W8A16 CUTLASS GEMM switched off: self-test failed (%s); larger batches will dequantize",

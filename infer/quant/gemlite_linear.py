@@ -27,12 +27,14 @@ from pathlib import Path
 import torch
 
 from infer.ops.cuda_ext import env_flag
-from infer.ops.linear_w8a16 import W8A16Linear, hopper_gemm_buildable
+from infer.ops.linear_w8a16 import W8A16Linear, aligned, hopper_gemm_buildable, load_w8a16_kernels
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_VERSION = "0.6."
 W8A16_ABOVE_ROWS = 32  # A16W8_INT8 batches above this run on the W8A16 Hopper GEMM (see GemLiteLinear)
+W4_HOPPER_ABOVE_ROWS = 8  # A16W4 batches above this run on the 4-bit Hopper GEMM (see GemLiteLinear)
+HOPPER_K_STEP = 64  # the Hopper GEMM's K step: 4-bit groups must be a multiple of it
 
 
 def require_gemlite(device: torch.device | str, act: torch.dtype = torch.float16,
@@ -141,6 +143,19 @@ class GemLiteLinear:
                         and t.is_contiguous() for t in (scales, zeros))):
             self.uint4_groups = (w_q, scales, zeros, group)
             self.kind += " (decode: fused 4-bit GEMV)"
+        # The same 4-bit matrix on the Hopper mixed-input GEMM (cuda/w8a16_gemm_sm90.cuh) for batches above
+        # W4_HOPPER_ABOVE_ROWS. It reads the words K-major, GemLite's [K/8, N] transposed, so the layer keeps a
+        # second copy of its 4-bit codes (the fused GEMV and GemLite read the first): the 4-bit matrices then take
+        # about what int8 ones do, half of fp16. RWKV_W4_HOPPER_GEMM=0 leaves the copy out (GemLite's GEMM and
+        # cuBLAS chunks serve those batches, at about half the fp16 engine's speed).
+        self._w4_gemm: tuple[Callable[..., None], torch.Tensor] | None = None
+        if (self.uint4_groups is not None and group % HOPPER_K_STEP == 0 and self.out_features % 8 == 0
+                and env_flag("RWKV_W4_HOPPER_GEMM", True)
+                and hopper_gemm_buildable(w_q.device)):
+            kernels = load_w8a16_kernels()
+            if kernels is not None and kernels.gemm_w4 is not None:
+                self._w4_gemm = (kernels.gemm_w4, w_q.t().contiguous())
+                self.kind += f" (batches above {W4_HOPPER_ABOVE_ROWS}: 4-bit Hopper GEMM)"
         # (rows, matmul): batches above `rows` go to matmul(x, words, scale, zero); set by select_fused to the
         # fused kernels' uint4_matmul (fp16 chunks of W^T for cuBLAS)
         self.large_batch: tuple[int, Callable[..., torch.Tensor]] | None = None
@@ -148,6 +163,13 @@ class GemLiteLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._w8a16 is not None and x.shape[0] > W8A16_ABOVE_ROWS:
             return self._w8a16(x)
+        if self._w4_gemm is not None and x.shape[0] > W4_HOPPER_ABOVE_ROWS:
+            op, words = self._w4_gemm
+            _, scale, zero, group = self.uint4_groups
+            x = aligned(x)
+            y = torch.empty((x.shape[0], self.out_features), dtype=torch.float16, device=x.device)
+            op(x, words, scale, zero, group, y, torch.cuda.current_stream(x.device).cuda_stream)
+            return y
         if self.large_batch is not None and x.shape[0] > self.large_batch[0]:
             return self.large_batch[1](x.contiguous(), *self.uint4_groups[:3])
         kernel = self._kernels["GEMM" if self._gemm_only else self._matmul_type(x.shape[0], self._nbits)]
@@ -159,6 +181,8 @@ class GemLiteLinear:
         """Run (and so autotune) the kernel of each batch size once."""
         if self._w8a16 is not None:  # GemLite's kernels run only the smaller batches
             batch_sizes = [rows for rows in batch_sizes if rows <= W8A16_ABOVE_ROWS]
+        if self._w4_gemm is not None:
+            batch_sizes = [rows for rows in batch_sizes if rows <= W4_HOPPER_ABOVE_ROWS]
         device = self._args[0].device
         for rows in batch_sizes:
             self(torch.zeros((rows, self.in_features), dtype=self.dtype, device=device))
