@@ -45,6 +45,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh wide      # few-band launches on 16 warps: tests, launches, W8/W4 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engines-b1  # GemLite int8 decode, fp16 batch 1 and TTFT beside it
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-hopper # the 4-bit Hopper GEMM: tests, GEMMs alone, W4 vs fp16
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-prompts  # Hopper GEMMs' tile order: GEMM tests, W4/W8 prompts
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -654,6 +655,18 @@ w4-hopper)  # GemLite A16W4 layers on the 4-bit Hopper GEMM above 8 rows: build,
         --prefill 1024 --prefill-rows 1,16 --steps 20 --wkv cuda --no-checks \
         --out bench/results/experiment_fp16_beside_w4_h200.json
     results+=(bench/results/experiment_fp16_beside_w4_h200.json); archive
+    ;;
+w4-prompts)  # after the Hopper GEMMs' tile order changed (channels first): their GPU tests, W4 and W8 prompts (the
+    # tables are printed: this part's results come back in the log)
+    tuning_cache
+    build
+    step 150 "Hopper GEMM GPU tests (int8 and 4-bit)" python -m pytest -q -rf --tb=short -p no:cacheprovider \
+        test/test_quant_cuda.py -k "w4_hopper or every_cutlass or hopper_uses"
+    for engine in gemlite:A16W4_HQQ_INT cutlass; do
+        step 100 "$engine prompts" python bench/bench_decode.py --engine $engine --sizes 7.2b --batches "" \
+            --prefill 1024 --prefill-rows 1,16 --wkv cuda --no-checks --out "bench/results/decode_h200_prompts_${engine%%:*}.json"
+        cat "bench/results/decode_h200_prompts_${engine%%:*}.json"
+    done
     ;;
 *)
     echo "unknown part $PART" >&2
