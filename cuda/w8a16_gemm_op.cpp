@@ -48,24 +48,33 @@ void check(const torch::Tensor& t, const torch::Device& device, torch::ScalarTyp
                 " must be 16-byte aligned");
 }
 
+// The device of x and y (both fp16, contiguous, aligned; x on a CUDA device, y on the same one).
+torch::Device activation_device(const char* op, const torch::Tensor& x, const torch::Tensor& y) {
+    TORCH_CHECK(x.is_cuda(), op, ": x must be on a CUDA device, got ", x.device().str());
+    check(x, x.device(), torch::kFloat16, op, "x");
+    check(y, x.device(), torch::kFloat16, op, "y");
+    return x.device();
+}
+
+void check_output(const char* op, const torch::Tensor& y, int64_t M, int64_t N) {
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N, op, ": y must have shape [", num(M), ", ", num(N),
+                "], got ", shape(y));
+}
+
 // y[M, N] = x[M, K] @ (w[N, K] * scale[N, None])^T: checks, then one launch through
 // launch(device, stream, M, N, K, x, w, scale, y).
 template <typename Launch>
 void run(const char* op, Launch launch, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
          const torch::Tensor& y, int64_t stream) {
-    TORCH_CHECK(x.is_cuda(), op, ": x must be on a CUDA device, got ", x.device().str());
-    const torch::Device device = x.device();
-    check(x, device, torch::kFloat16, op, "x");
+    const torch::Device device = activation_device(op, x, y);
     check(w, device, torch::kInt8, op, "w");
     check(scale, device, torch::kFloat16, op, "scale");
-    check(y, device, torch::kFloat16, op, "y");
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), op, ": x ", shape(x), " and w ", shape(w),
                 " must be [M, K] and [N, K]");
     const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
     TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N, op, ": scale must have shape [", num(N), "], got ",
                 shape(scale));
-    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N, op, ": y must have shape [", num(M), ", ", num(N),
-                "], got ", shape(y));
+    check_output(op, y, M, N);
     if (M == 0) return;
     const int err = launch(static_cast<int>(device.index()), stream, M, N, K, x.data_ptr(), w.data_ptr(),
                            scale.data_ptr(), y.data_ptr());
@@ -101,13 +110,10 @@ void gemm_w4_sm90(torch::Tensor x, torch::Tensor words, torch::Tensor scale, tor
     const char* op = "w4a16 gemm (sm90)";
     TORCH_CHECK(tile >= -1 && tile < w8a16_gemm_sm90_tiles(), op, ": tile ", num(tile), " of ",
                 num(w8a16_gemm_sm90_tiles()));
-    TORCH_CHECK(x.is_cuda(), op, ": x must be on a CUDA device, got ", x.device().str());
-    const torch::Device device = x.device();
-    check(x, device, torch::kFloat16, op, "x");
+    const torch::Device device = activation_device(op, x, y);
     check(words, device, torch::kInt32, op, "words");
     check(scale, device, torch::kFloat16, op, "scale");
     check(zero, device, torch::kFloat16, op, "zero");
-    check(y, device, torch::kFloat16, op, "y");
     TORCH_CHECK(x.dim() == 2 && words.dim() == 2 && x.size(1) == 8 * words.size(1), op, ": x ", shape(x),
                 " and words ", shape(words), " must be [M, K] and [N, K / 8]");
     const int64_t M = x.size(0), K = x.size(1), N = words.size(0);
@@ -115,8 +121,7 @@ void gemm_w4_sm90(torch::Tensor x, torch::Tensor words, torch::Tensor scale, tor
     for (const torch::Tensor* t : {&scale, &zero})
         TORCH_CHECK(t->dim() == 2 && t->size(0) == K / group && t->size(1) == N, op, ": scale and zero must have shape [",
                     num(K / group), ", ", num(N), "], got ", shape(*t));
-    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N, op, ": y must have shape [", num(M), ", ", num(N),
-                "], got ", shape(y));
+    check_output(op, y, M, N);
     if (M == 0) return;
     const int err = w4a16_gemm_sm90_launch(static_cast<int>(device.index()), stream, M, N, K, x.data_ptr(),
                                            words.data_ptr(), scale.data_ptr(), zero.data_ptr(), group, y.data_ptr(),
