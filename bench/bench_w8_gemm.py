@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from infer.ops.linear_w8a16 import load_w8a16_kernels, uint4_weights  # noqa: E402
+from infer.ops.linear_w8a16 import load_w8a16_kernels, random_uint4, uint4_weights  # noqa: E402
 
 SHAPES = {"rkvo": (4096, 4096), "ffn_key": (16384, 4096), "ffn_value": (4096, 16384), "head": (65536, 4096)}
 H200_FP16_TFLOPS = 790.0  # measured dense 16-bit matmul on an H200 (performance-limits.md; spec sheet 989)
@@ -57,9 +57,7 @@ def uint4_operands(gen: torch.Generator, n_out: int, n_in: int,
                    group: int = 64) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """A random 4-bit GemLite matrix as the 4-bit Hopper GEMM takes it, (words [N, K/8], scale, zero, group), and
     its fp16 weights."""
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n_out, n_in // 8), generator=gen, device="cuda", dtype=torch.int32)
-    scale = (torch.rand(n_in // group, n_out, generator=gen, device="cuda") * 0.01 + 1e-3).half()
-    zero = (torch.rand(n_in // group, n_out, generator=gen, device="cuda") * -15 * scale.float()).half()
+    words, scale, zero = random_uint4(gen, n_out, n_in, group)
     return (words, scale, zero, group), uint4_weights(words, scale, zero)
 
 

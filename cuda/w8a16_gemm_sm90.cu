@@ -1,7 +1,7 @@
 // The Hopper mixed-input GEMMs' tile choice, int8 (W8A16) and 4-bit (GemLite A16W4) weights (the tiles are
-// cuda/w8a16_gemm_sm90_<tile>.cu and cuda/w4a16_gemm_sm90_<tile>.cu, the kernel template cuda/w8a16_gemm_sm90.cuh). Compiled only for an sm_90a
-// build with the CUTLASS headers (-DW8A16_WITH_CUTLASS_SM90, infer/ops/linear_w8a16.py); cuda/w8a16_gemm.cu
-// calls it.
+// cuda/w8a16_gemm_sm90_<tile>.cu and cuda/w4a16_gemm_sm90_<tile>.cu, the kernel template
+// cuda/w8a16_gemm_sm90.cuh). Compiled only for an sm_90a build with the CUTLASS headers
+// (-DW8A16_WITH_CUTLASS_SM90, infer/ops/linear_w8a16.py); cuda/w8a16_gemm.cu calls it.
 //
 // Why several tiles: the int8 weights are converted to fp16 in registers once per batch tile that reads
 // them, so a taller batch tile (TILE_N) converts less, but fewer, larger tiles leave SMs idle on small

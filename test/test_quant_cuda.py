@@ -12,7 +12,7 @@ from conftest import make_model_file
 from infer.checkpoint import SCALE_SUFFIX
 from infer.model import RWKV7
 from infer.ops.linear_w8a16 import (W8A16Linear, cutlass_include_dir, dequantize_matmul, load_w8a16_kernels,
-                                   uint4_weights, w8a16_kernels_error)
+                                   random_uint4, uint4_weights, w8a16_kernels_error)
 from infer.quant import export_quant, export_quant_gemlite
 from infer.quant.engines import warm_up
 from infer.quant.gemlite_linear import W8A16_ABOVE_ROWS, load_tuning, save_tuning
@@ -78,9 +78,7 @@ def test_w4_hopper_gemm_matches_the_reference(kernels, n_out, n_in, group, rows)
     if kernels.gemm_w4 is None:
         pytest.skip("the 4-bit Hopper GEMM is built for compute capability 9.0 with the CUTLASS headers")
     gen = torch.Generator(device="cuda").manual_seed(rows + n_in)
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n_out, n_in // 8), generator=gen, device="cuda", dtype=torch.int32)
-    scale = (torch.rand(n_in // group, n_out, generator=gen, device="cuda") * 0.01 + 1e-3).half()
-    zero = (torch.rand(n_in // group, n_out, generator=gen, device="cuda") * -15 * scale.float()).half()
+    words, scale, zero = random_uint4(gen, n_out, n_in, group)
     x = torch.randn(rows, n_in, generator=gen, device="cuda").half()
     want = x.float() @ uint4_weights(words, scale, zero).float().T
     for tile in [-1, *range(len(kernels.sm90_tiles))]:

@@ -97,6 +97,17 @@ def aligned(x: torch.Tensor) -> torch.Tensor:
     return x.clone() if x.data_ptr() % 16 else x
 
 
+def random_uint4(gen: torch.Generator, n_out: int, n_in: int,
+                 group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random 4-bit matrix as the Hopper GEMM takes it, on ``gen``'s device: words [N, K/8] (any codes), scale
+    [K/group, N] in [0.001, 0.011) and zero in (-15 scale, 0] (for checks and benchmarks)."""
+    device = gen.device
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n_out, n_in // 8), generator=gen, device=device, dtype=torch.int32)
+    scale = (torch.rand(n_in // group, n_out, generator=gen, device=device) * 0.01 + 1e-3).half()
+    zero = (torch.rand(n_in // group, n_out, generator=gen, device=device) * -15 * scale.float()).half()
+    return words, scale, zero
+
+
 def uint4_weights(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """The fp16 weights [N, K] of a 4-bit GemLite matrix held K-major: ``words`` [N, K/8] int32 (k in bits
     4 (k % 8) .. 4 (k % 8) + 3 of word k / 8), ``scale`` and ``zero`` [K/group, N]: fp16(q * scale + zero), one
@@ -234,7 +245,12 @@ def _check(op, rows: int) -> str | None:
     y = torch.empty((rows, n_out), dtype=torch.float16, device=device)
     op(x, qweight, scale, y, torch.cuda.current_stream(device).cuda_stream)
     torch.cuda.synchronize(device)
-    # fp16 output: one rounding (relative 2^-11) on top of fp32 sums that differ only in order.
+    return _disagreement(y, expect, rows)
+
+
+def _disagreement(y: torch.Tensor, expect: torch.Tensor, rows: int) -> str | None:
+    """Why a kernel's fp16 ``y`` is not ``expect`` (None if it is): one fp16 rounding (relative 2^-11) on top of
+    fp32 sums that differ only in order."""
     err = ((y.float() - expect).abs().max() / expect.abs().max()).item()
     return None if err <= 2e-3 else f"{rows} rows: max relative difference {err:.3g} from the reference"
 
@@ -245,16 +261,13 @@ def _check_w4(op, rows: int) -> str | None:
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device).manual_seed(rows)
     n_out, n_in, group = 264, 704, 64
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n_out, n_in // 8), generator=gen, device=device, dtype=torch.int32)
-    scale = (torch.rand(n_in // group, n_out, generator=gen, device=device) * 0.01 + 1e-3).half()
-    zero = (torch.rand(n_in // group, n_out, generator=gen, device=device) * -15 * scale.float()).half()
+    words, scale, zero = random_uint4(gen, n_out, n_in, group)
     x = torch.randn(rows, n_in, generator=gen, device=device).half()
     expect = x.float() @ uint4_weights(words, scale, zero).float().T
     y = torch.empty((rows, n_out), dtype=torch.float16, device=device)
     op(x, words, scale, zero, group, y, torch.cuda.current_stream(device).cuda_stream)
     torch.cuda.synchronize(device)
-    err = ((y.float() - expect).abs().max() / expect.abs().max()).item()
-    return None if err <= 2e-3 else f"{rows} rows: max relative difference {err:.3g} from the reference"
+    return _disagreement(y, expect, rows)
 
 
 def load_w8a16_kernels(verify: bool = True) -> W8A16Kernels | None:
