@@ -12,7 +12,9 @@ HBM as a decode step does.
     python bench/bench_w8_gemm.py --rows 128,256,512 --out bench/results/w8_gemm_h200.json
 
 With --weights uint4 the matrices are GemLite A16W4 ones (group 64; words K-major as the Hopper GEMM reads them)
-and the rows also compare the fused kernels' fp16 chunks + cuBLAS (``uint4_matmul``, GemLite's [K/8, N] words).
+and the rows also compare the fused kernels' fp16 chunks + cuBLAS (``uint4_matmul``, GemLite's [K/8, N] words) and
+the Hopper GEMM with K split in 2 and 4 slices (fp32 partials allocated per call, as the layer does).
+--size 1.5b takes the 1.5B model's shapes; --no-tiles leaves out the runs in each fixed tile.
 """
 from __future__ import annotations
 
@@ -28,7 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from infer.ops.linear_w8a16 import load_w8a16_kernels, random_uint4, uint4_weights  # noqa: E402
 
-SHAPES = {"rkvo": (4096, 4096), "ffn_key": (16384, 4096), "ffn_value": (4096, 16384), "head": (65536, 4096)}
+def model_shapes(c: int) -> dict[str, tuple[int, int]]:
+    """(out, in) of each kind of matrix of a model of width c."""
+    return {"rkvo": (c, c), "ffn_key": (4 * c, c), "ffn_value": (c, 4 * c), "head": (65536, c)}
+
+
+WIDTHS = {"7.2b": 4096, "1.5b": 2048}
 H200_FP16_TFLOPS = 790.0  # measured dense 16-bit matmul on an H200 (performance-limits.md; spec sheet 989)
 
 
@@ -66,6 +73,8 @@ def main() -> None:
     ap.add_argument("--rows", default="128,256,512")
     ap.add_argument("--weights", default="int8", choices=("int8", "uint4"))
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--size", default="7.2b", choices=tuple(WIDTHS))
+    ap.add_argument("--no-tiles", action="store_true")
     ap.add_argument("--out", default="bench/results/w8_gemm_h200.json")
     args = ap.parse_args()
     kernels = load_w8a16_kernels()
@@ -77,8 +86,11 @@ def main() -> None:
     if uint4:
         from infer.ops.fused import load_fused_kernels
         ops = {"cutlass_sm90": kernels.gemm_w4}
-        for tile, (channels, rows) in enumerate(kernels.sm90_tiles):
+        for tile, (channels, rows) in enumerate([] if args.no_tiles else kernels.sm90_tiles):
             ops[f"sm90_{channels}x{rows}"] = lambda *a, tile=tile: kernels.gemm_w4(*a, tile)
+        for splits in (2, 4):
+            ops[f"sm90_split{splits}"] = lambda x, w, s, z, g, y, stream, splits=splits: kernels.gemm_w4(
+                x, w, s, z, g, y, stream, -1, torch.empty((splits, x.shape[0], y.shape[1]), device=x.device))
         fused = load_fused_kernels()
         if fused is not None:
             ops["fp16_chunks_cublas"] = lambda x, w, s, z, g, y, stream: y.copy_(
@@ -88,14 +100,14 @@ def main() -> None:
         ops = {"cutlass_sm80": kernels.gemm_sm80}
         if kernels.sm90_tiles:
             ops["cutlass_sm90"] = kernels.gemm_sm90
-            for tile, (channels, rows) in enumerate(kernels.sm90_tiles):
+            for tile, (channels, rows) in enumerate([] if args.no_tiles else kernels.sm90_tiles):
                 ops[f"sm90_{channels}x{rows}"] = lambda *a, tile=tile: kernels.gemm_sm90(*a, tile)
         make = int8_operands
     stream = torch.cuda.current_stream().cuda_stream
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
-    for name, (n_out, n_in) in SHAPES.items():
+    for name, (n_out, n_in) in model_shapes(WIDTHS[args.size]).items():
         bytes_per_weight = 0.5 if uint4 else 1
         copies = max(2, -(-256 * 2**20 // int(n_out * n_in * bytes_per_weight)))  # >= 256 MB of weights in rotation
         operands, dense = zip(*(make(gen, n_out, n_in) for _ in range(copies)))
@@ -105,7 +117,7 @@ def main() -> None:
             x = torch.randn(rows, n_in, generator=gen, device="cuda").half()
             y = torch.empty(rows, n_out, dtype=torch.float16, device="cuda")
             ref = x.float() @ dense[0].float().T
-            row = {"shape": name, "rows": rows, "out": n_out, "in": n_in, "weights": args.weights}
+            row = {"size": args.size, "shape": name, "rows": rows, "out": n_out, "in": n_in, "weights": args.weights}
             flops = 2.0 * rows * n_out * n_in
             row_ops = dict(ops, **({"w8a16_gemv": kernels.gemv} if not uint4 and rows <= kernels.gemv_max_rows else {}))
             for label, op in row_ops.items():

@@ -46,6 +46,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engines-b1  # GemLite int8 decode, fp16 batch 1 and TTFT beside it
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-hopper # the 4-bit Hopper GEMM: tests, GEMMs alone, W4 vs fp16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-prompts  # Hopper GEMMs' tile order: GEMM tests, W4/W8 prompts
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-split  # split K for the 4-bit Hopper GEMM: tests, GEMMs, W4 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -667,6 +668,31 @@ w4-prompts)  # after the Hopper GEMMs' tile order changed (channels first): thei
             --prefill 1024 --prefill-rows 1,16 --wkv cuda --no-checks --out "bench/results/decode_h200_prompts_${engine%%:*}.json"
         cat "bench/results/decode_h200_prompts_${engine%%:*}.json"
     done
+    ;;
+w4-split)  # split K for the 4-bit Hopper GEMM (few output tiles, long K): build, 4-bit GPU tests, the GEMMs alone
+    # (7.2B and 1.5B shapes, 2 and 4 slices), W4 decode and prompts with and without it, fp16 beside them (one machine;
+    # every table is printed, so the log alone carries the results)
+    tuning_cache
+    build
+    step 200 "4-bit GPU tests (Hopper GEMM and split K, fused GEMV, GemLite)" python -m pytest -q -rf --tb=short \
+        -p no:cacheprovider test/test_quant_cuda.py test/test_fused_cuda.py -k "w4 or uint4"
+    for size in 7.2b 1.5b; do
+        step 120 "4-bit GEMMs alone, $size shapes" python bench/bench_w8_gemm.py --weights uint4 --size $size \
+            --rows 16,64,128,256,512,1024 --reps 20 --no-tiles --out bench/results/w4_gemm_split_${size}_h200.json
+    done
+    for split in 1 0; do
+        step 150 "W4 decode and prompts, split K $split" env RWKV_W4_SPLIT_K=$split python bench/bench_decode.py \
+            --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 16,64,128,256,512 --prefill 1024 \
+            --prefill-rows 1,16 --steps 20 --wkv cuda --no-checks --out bench/results/decode_h200_w4_split$split.json
+    done
+    step 120 "fp16 decode and prompts beside them" python bench/bench_decode.py --sizes 7.2b,1.5b \
+        --batches 16,64,128,256,512 --prefill 1024 --prefill-rows 1,16 --steps 20 --wkv cuda --no-checks \
+        --out bench/results/experiment_fp16_beside_w4_split_h200.json
+    results=(bench/results/w4_gemm_split_7.2b_h200.json bench/results/w4_gemm_split_1.5b_h200.json
+             bench/results/decode_h200_w4_split1.json bench/results/decode_h200_w4_split0.json
+             bench/results/experiment_fp16_beside_w4_split_h200.json)
+    [ -n "$OUT" ] && tar czf "$OUT/w4_split.tgz" "${results[@]}" 2>/dev/null
+    python bench/brief.py "${results[@]}"
     ;;
 *)
     echo "unknown part $PART" >&2

@@ -4,5 +4,5 @@
 #include "w8a16_gemm_sm90.cuh"
 
 namespace w8a16_sm90 {
-W8A16_SM90_INSTANTIATE(Uint4Groups, 64, 64)
+W8A16_SM90_INSTANTIATE(Uint4Groups, 64, 64, Half)
 }  // namespace w8a16_sm90

@@ -57,8 +57,10 @@ int w8a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* 
 int w8a16_gemm_sm90_tile_count();
 int w8a16_gemm_sm90_tile_shape(int tile, int which);
 // The same kernel for 4-bit GemLite weights (A16W4_HQQ_INT, K-major words): see cuda/w8a16_gemm_sm90.cuh.
+// splits > 1: split K, fp32 partial products in partials [splits, partial_rows, N].
 int w4a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* words, const void* scale,
-                    const void* zero, int64_t group, void* y, cudaStream_t stream, int status_base, int tile);
+                    const void* zero, int64_t group, void* y, cudaStream_t stream, int status_base, int tile,
+                    int splits, void* partials, int64_t partial_rows);
 #endif
 
 namespace w8a16 {
@@ -264,18 +266,19 @@ extern "C" int w8a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int
 }
 
 // y[M, N] = x[M, K] @ W^T for 4-bit W (words [N, K / 8], fp16 scale and zero [K / group, N]) with the Hopper
-// GEMM in tile `tile` (-1: chosen per problem); kGemmNotBuilt without it.
+// GEMM in tile `tile` (-1: chosen per problem), K split in `splits` (> 1: fp32 partials [splits, partial_rows, N]);
+// kGemmNotBuilt without it.
 extern "C" int w4a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
                                       const void* words, const void* scale, const void* zero, int64_t group, void* y,
-                                      int tile) {
+                                      int tile, int splits, void* partials, int64_t partial_rows) {
 #if defined(W8A16_WITH_CUTLASS_SM90)
     return w8a16::on_device(device, [&] {
         return w4a16_gemm_sm90(M, N, K, x, words, scale, zero, group, y, reinterpret_cast<cudaStream_t>(stream),
-                               w8a16::kCutlassStatusBase, tile);
+                               w8a16::kCutlassStatusBase, tile, splits, partials, partial_rows);
     });
 #else
     (void)device, (void)stream, (void)M, (void)N, (void)K, (void)x, (void)words, (void)scale, (void)zero,
-        (void)group, (void)y, (void)tile;
+        (void)group, (void)y, (void)tile, (void)splits, (void)partials, (void)partial_rows;
     return w8a16::kGemmNotBuilt;
 #endif
 }

@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,7 +25,7 @@ extern "C" int w8a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int
                                       const void* w, const void* scale, void* y, int tile);
 extern "C" int w4a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
                                       const void* words, const void* scale, const void* zero, int64_t group, void* y,
-                                      int tile);
+                                      int tile, int splits, void* partials, int64_t partial_rows);
 extern "C" const char* w8a16_error_string(int code);
 
 namespace {
@@ -105,8 +106,10 @@ void gemm_sm90(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Ten
 
 // y[M, N] = x[M, K] @ W^T for 4-bit W: words [N, K / 8] int32 (k in bits 4 (k % 8) .. of word k / 8), scale and
 // zero [K / group, N] fp16, W = q * scale + zero (GemLite A16W4_HQQ_INT with its [K / 8, N] words transposed).
+// With partials (fp32 [splits, rows, N], splits >= 2): K is split in `splits` slices, each slice's product
+// written there, `rows` rows of x at a time, and the slices summed into y.
 void gemm_w4_sm90(torch::Tensor x, torch::Tensor words, torch::Tensor scale, torch::Tensor zero, int64_t group,
-                  torch::Tensor y, int64_t stream, int64_t tile) {
+                  torch::Tensor y, int64_t stream, int64_t tile, std::optional<torch::Tensor> partials) {
     const char* op = "w4a16 gemm (sm90)";
     TORCH_CHECK(tile >= -1 && tile < w8a16_gemm_sm90_tiles(), op, ": tile ", num(tile), " of ",
                 num(w8a16_gemm_sm90_tiles()));
@@ -122,12 +125,23 @@ void gemm_w4_sm90(torch::Tensor x, torch::Tensor words, torch::Tensor scale, tor
         TORCH_CHECK(t->dim() == 2 && t->size(0) == K / group && t->size(1) == N, op, ": scale and zero must have shape [",
                     num(K / group), ", ", num(N), "], got ", shape(*t));
     check_output(op, y, M, N);
+    int64_t splits = 1, partial_rows = 0;
+    if (partials.has_value()) {
+        check(*partials, device, torch::kFloat32, op, "partials");
+        TORCH_CHECK(partials->dim() == 3 && partials->size(0) >= 2 && partials->size(1) >= 1 && partials->size(2) == N,
+                    op, ": partials must have shape [splits >= 2, rows >= 1, ", num(N), "], got ", shape(*partials));
+        splits = partials->size(0), partial_rows = partials->size(1);
+        TORCH_CHECK(K % (splits * group) == 0 && (K / splits) % 64 == 0 && N % 4 == 0, op, ": K = ", num(K),
+                    " cannot be split in ", num(splits), " slices of whole groups of ", num(group),
+                    " and of 64 (or N = ", num(N), " is not a multiple of 4)");
+    }
     if (M == 0) return;
     const int err = w4a16_gemm_sm90_launch(static_cast<int>(device.index()), stream, M, N, K, x.data_ptr(),
                                            words.data_ptr(), scale.data_ptr(), zero.data_ptr(), group, y.data_ptr(),
-                                           static_cast<int>(tile));
+                                           static_cast<int>(tile), static_cast<int>(splits),
+                                           partials.has_value() ? partials->data_ptr() : nullptr, partial_rows);
     TORCH_CHECK(err == 0, op, ": ", w8a16_error_string(err), " (error ", num(err), ", M=", num(M), " N=", num(N),
-                " K=", num(K), " group=", num(group), ")");
+                " K=", num(K), " group=", num(group), " splits=", num(splits), ")");
 }
 
 // (output channels, batch rows) of each Hopper GEMM tile; empty in builds without it.
@@ -147,10 +161,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemm_sm90", &gemm_sm90, "gemm_sm90(x, w, scale, y, stream, tile=-1): the same product with the Hopper "
           "WGMMA GEMM in tile `tile` of gemm_sm90_tiles() (-1: chosen from the shape)",
           py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("y"), py::arg("stream"), py::arg("tile") = -1);
-    m.def("gemm_w4_sm90", &gemm_w4_sm90, "gemm_w4_sm90(x, words, scale, zero, group, y, stream, tile=-1): y = x @ "
-          "W.T for 4-bit weights (words [N, K/8] int32, scale and zero [K/group, N]) with the Hopper WGMMA GEMM",
+    m.def("gemm_w4_sm90", &gemm_w4_sm90, "gemm_w4_sm90(x, words, scale, zero, group, y, stream, tile=-1, "
+          "partials=None): y = x @ W.T for 4-bit weights (words [N, K/8] int32, scale and zero [K/group, N]) with the "
+          "Hopper WGMMA GEMM; partials (fp32 [splits, rows, N]) splits K",
           py::arg("x"), py::arg("words"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("y"),
-          py::arg("stream"), py::arg("tile") = -1);
+          py::arg("stream"), py::arg("tile") = -1, py::arg("partials") = py::none());
     m.def("gemv_max_rows", &w8a16_gemv_max_rows, "the most rows (M) the GEMV takes");
     m.def("gemm_available", []() { return w8a16_gemm_available() != 0; },
           "whether this build has the CUTLASS GEMM (else larger batches must dequantize)");

@@ -11,6 +11,9 @@
 // rows that matches cuBLAS fp16 on the FFN and head matrices (50.6 us vs 50.6 us for 16384x4096 at 256).
 #include <cuda_runtime.h>
 
+#include <cuda_fp16.h>
+
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -18,18 +21,18 @@
 
 namespace {
 
-using w8a16_sm90::Int8Rows, w8a16_sm90::Uint4Groups, w8a16_sm90::Problem;
+using w8a16_sm90::Half, w8a16_sm90::Int8Rows, w8a16_sm90::Uint4Groups, w8a16_sm90::Problem;
 using Run = int (*)(const Problem&, cudaStream_t, int);
 
 struct Tile {
     int m, n;  // output channels x batch rows
-    Run int8, uint4;
+    Run int8, uint4, uint4_split;
 };
 
 template <int TILE_M, int TILE_N>
 constexpr Tile tile() {
-    return {TILE_M, TILE_N, w8a16_sm90::gemm<Int8Rows, TILE_M, TILE_N>,
-            w8a16_sm90::gemm<Uint4Groups, TILE_M, TILE_N>};
+    return {TILE_M, TILE_N, w8a16_sm90::gemm<Int8Rows, TILE_M, TILE_N, Half>,
+            w8a16_sm90::gemm<Uint4Groups, TILE_M, TILE_N, Half>, w8a16_sm90::gemm<Uint4Groups, TILE_M, TILE_N, float>};
 }
 
 // In order of preference: tallest batch tile first, then more channels per tile.
@@ -38,13 +41,28 @@ constexpr int kTileCount = sizeof(kTiles) / sizeof(kTiles[0]);
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-int pick_tile(int rows, int channels, int sms) {
+// `splits` CTAs share each output tile (split K).
+int pick_tile(int rows, int channels, int splits, int sms) {
     for (int i = 0; i < kTileCount; ++i) {
         const Tile& t = kTiles[i];
         if (t.n > rows) continue;  // a batch tile taller than the batch computes padding
-        if (10 * ceil_div(channels, t.m) * ceil_div(rows, t.n) >= 9 * sms) return i;
+        if (10 * ceil_div(channels, t.m) * ceil_div(rows, t.n) * splits >= 9 * sms) return i;
     }
     return kTileCount - 1;
+}
+
+// y[i] = fp16(partials[0][i] + ... + partials[splits - 1][i]) for i < 4 count4, four outputs a thread.
+__global__ void sum_splits_kernel(const float4* __restrict__ partials, int splits, int64_t count4,
+                                  __half2* __restrict__ y) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= count4) return;
+    float4 sum = partials[i];
+    for (int s = 1; s < splits; ++s) {
+        const float4 part = partials[s * count4 + i];
+        sum.x += part.x, sum.y += part.y, sum.z += part.z, sum.w += part.w;
+    }
+    y[2 * i] = __floats2half2_rn(sum.x, sum.y);
+    y[2 * i + 1] = __floats2half2_rn(sum.z, sum.w);
 }
 
 // Run `p` (M, N, K as given) with `tile` (-1: chosen from the shape and the device's SM count), taking the
@@ -59,7 +77,7 @@ int run(int64_t M, int64_t N, int64_t K, Problem p, Run Tile::*format, cudaStrea
         cudaError_t err = cudaGetDevice(&device);
         if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
         if (err != cudaSuccess) return err;
-        tile = pick_tile(p.m, p.n, sms);
+        tile = pick_tile(p.m, p.n, p.splits, sms);
     }
     return (kTiles[tile].*format)(p, stream, status_base);
 }
@@ -75,14 +93,33 @@ int w8a16_gemm_sm90_tile_shape(int tile, int which) {
 // y[M, N] = x[M, K] @ (w[N, K] * scale[N, None])^T with tile `tile` (-1: chosen per problem).
 int w8a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* w, const void* scale, void* y,
                     cudaStream_t stream, int status_base, int tile) {
-    return run(M, N, K, {0, 0, 0, x, w, scale, nullptr, 0, y}, &Tile::int8, stream, status_base, tile);
+    return run(M, N, K, {0, 0, 0, x, w, scale, nullptr, 0, y, 1}, &Tile::int8, stream, status_base, tile);
 }
 
 // y[M, N] = x[M, K] @ W^T for 4-bit W (words [N, K / 8], scale and zero [K / group, N]; group a multiple of the
-// K step, 64), with tile `tile` (-1: chosen per problem).
+// K step, 64), with tile `tile` (-1: chosen per problem). splits > 1: K cut into that many slices of whole groups
+// (and of the K step), their fp32 products written to partials [splits, partial_rows, N] and summed into y,
+// partial_rows rows of x at a time (N a multiple of 4).
 int w4a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* words, const void* scale,
-                    const void* zero, int64_t group, void* y, cudaStream_t stream, int status_base, int tile) {
-    if (group <= 0 || group > K || K % group) return cudaErrorInvalidValue;
-    return run(M, N, K, {0, 0, 0, x, words, scale, zero, static_cast<int>(group), y}, &Tile::uint4, stream,
-               status_base, tile);
+                    const void* zero, int64_t group, void* y, cudaStream_t stream, int status_base, int tile,
+                    int splits, void* partials, int64_t partial_rows) {
+    if (group <= 0 || group > K || K % group || splits < 1) return cudaErrorInvalidValue;
+    const Problem p{0, 0, 0, x, words, scale, zero, static_cast<int>(group), y, splits};
+    if (splits == 1) return run(M, N, K, p, &Tile::uint4, stream, status_base, tile);
+    if (partials == nullptr || partial_rows <= 0 || N % 4 || K % (splits * group) || (K / splits) % 64)
+        return cudaErrorInvalidValue;
+    for (int64_t first = 0; first < M; first += partial_rows) {
+        const int64_t rows = std::min(partial_rows, M - first);
+        Problem chunk = p;
+        chunk.x = static_cast<const __half*>(x) + first * K;
+        chunk.y = partials;
+        int err = run(rows, N, K, chunk, &Tile::uint4_split, stream, status_base, tile);
+        if (err != 0) return err;
+        const int64_t count4 = rows * N / 4;
+        constexpr int kThreads = 256;
+        sum_splits_kernel<<<static_cast<unsigned>((count4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+            static_cast<const float4*>(partials), splits, count4, static_cast<__half2*>(y) + first * N / 2);
+        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    }
+    return cudaSuccess;
 }

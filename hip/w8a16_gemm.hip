@@ -145,7 +145,7 @@ extern "C" int w8a16_gemm_sm90_launch(int, int64_t, int64_t, int64_t, int64_t, c
 }
 
 extern "C" int w4a16_gemm_sm90_launch(int, int64_t, int64_t, int64_t, int64_t, const void*, const void*,
-                                      const void*, const void*, int64_t, void*, int) {
+                                      const void*, const void*, int64_t, void*, int, int, void*, int64_t) {
     return w8a16::kGemmNotBuilt;
 }
 

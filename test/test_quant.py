@@ -505,3 +505,22 @@ def test_w8a16_kernels_choose_the_gemm_and_the_gemv_rows(tiles, monkeypatch):
     assert kernels.gemv_rows == (SM90_GEMV_ROWS if tiles else 8)
     kernels.gemm = kernels.gemm_sm80  # what a failed Hopper self-test does
     assert not kernels.hopper_gemm and kernels.gemm_name == "cutlass sm80"
+
+
+@pytest.mark.parametrize("n_out,n_in,group,splits", [
+    (4096, 16384, 64, 2),   # 7.2B FFN value: 64 tiles of 64 channels, two slices give 128 of 132 SMs one each
+    (4096, 4096, 64, 2),    # 7.2B r/k/v/output
+    (16384, 4096, 64, 1),   # 7.2B FFN key: 256 tiles already
+    (65536, 4096, 64, 1),   # head
+    (2048, 8192, 64, 4),    # 1.5B FFN value: 32 tiles
+    (2048, 2048, 64, 1),    # 1.5B r/k/v: a slice would be shorter than W4_SPLIT_MIN_K
+    (768, 3072, 64, 1),     # 0.1B FFN value: likewise
+    (4096, 16384, 4096, 2),  # groups as long as a slice
+    (4096, 16384, 8192, 2),
+    (4096, 16384, 16384, 1),  # one group: no whole-group slice
+])
+def test_w4_gemm_splits_depend_on_the_matrix_only(n_out, n_in, group, splits):
+    from infer.ops.linear_w8a16 import W4_SPLIT_MIN_K, w4_gemm_splits
+    got = w4_gemm_splits(n_out, n_in, group, sms=132)
+    assert got == splits
+    assert n_in % (got * group) == 0 and (got == 1 or n_in // got >= W4_SPLIT_MIN_K)

@@ -87,6 +87,38 @@ def test_w4_hopper_gemm_matches_the_reference(kernels, n_out, n_in, group, rows)
         assert relative_error(y, want) <= KERNEL_TOL, tile
 
 
+@pytest.mark.parametrize("n_out,n_in,group,splits", [(264, 768, 64, 2), (4096, 16384, 64, 2), (2048, 8192, 128, 4)])
+@pytest.mark.parametrize("rows,partial_rows", [(9, 9), (128, 128), (300, 128)])
+def test_w4_hopper_gemm_split_k_matches_the_reference(kernels, n_out, n_in, group, splits, rows, partial_rows):
+    """Split K (fp32 partial products summed in split order) in each tile, the rows in one pass or in chunks of
+    partial_rows, against the fp32 product of the rebuilt weights and bit for bit the same in every tile (each
+    slice sums its K in the same order whatever the tile, so the tile a batch size picks cannot change a row)."""
+    if kernels.gemm_w4 is None:
+        pytest.skip("the 4-bit Hopper GEMM is built for compute capability 9.0 with the CUTLASS headers")
+    gen = torch.Generator(device="cuda").manual_seed(rows + n_in + splits)
+    words, scale, zero = random_uint4(gen, n_out, n_in, group)
+    x = torch.randn(rows, n_in, generator=gen, device="cuda").half()
+    want = x.float() @ uint4_weights(words, scale, zero).float().T
+    stream = torch.cuda.current_stream().cuda_stream
+    results = []
+    for tile in [-1, *range(len(kernels.sm90_tiles))]:
+        partials = torch.full((splits, partial_rows, n_out), float("nan"), device="cuda")
+        y = torch.full((rows, n_out), float("nan"), dtype=torch.float16, device="cuda")
+        kernels.gemm_w4(x, words, scale, zero, group, y, stream, tile, partials)
+        assert relative_error(y, want) <= KERNEL_TOL, tile
+        results.append(y)
+    assert all(torch.equal(results[0], y) for y in results[1:])
+    # the last chunk's partial products, summed here in split order: what the kernel rounded to fp16
+    last = rows - (rows - 1) // partial_rows * partial_rows
+    total = partials[0, :last].clone()
+    for part in partials[1:, :last]:
+        total += part
+    assert torch.equal(results[-1][rows - last:], total.half())
+    unsplit = torch.empty_like(y)
+    kernels.gemm_w4(x, words, scale, zero, group, unsplit, stream)
+    assert relative_error(unsplit, want) <= KERNEL_TOL
+
+
 def test_w4_hopper_gemm_rejects_bad_operands(kernels):
     if kernels.gemm_w4 is None:
         pytest.skip("the 4-bit Hopper GEMM is built for compute capability 9.0 with the CUTLASS headers")
@@ -104,6 +136,14 @@ def test_w4_hopper_gemm_rejects_bad_operands(kernels):
     with pytest.raises(RuntimeError):  # a group that is not a multiple of the K step: CUTLASS refuses it
         kernels.gemm_w4(x, words, torch.zeros(4, 64, dtype=torch.float16, device="cuda"),
                         torch.zeros(4, 64, dtype=torch.float16, device="cuda"), 32, y, stream)
+    partials = torch.empty(2, 9, 64, device="cuda")
+    kernels.gemm_w4(x, words, meta, meta, 64, y, stream, -1, partials)  # K = 128: two slices of one group
+    with pytest.raises(RuntimeError, match="cannot be split in 4 slices"):
+        kernels.gemm_w4(x, words, meta, meta, 64, y, stream, -1, torch.empty(4, 9, 64, device="cuda"))
+    with pytest.raises(RuntimeError, match="partials must be Float"):
+        kernels.gemm_w4(x, words, meta, meta, 64, y, stream, -1, partials.half())
+    with pytest.raises(RuntimeError, match="partials must have shape"):
+        kernels.gemm_w4(x, words, meta, meta, 64, y, stream, -1, torch.empty(1, 9, 64, device="cuda"))
 
 
 def test_hopper_uses_the_wgmma_gemm(kernels):

@@ -22,8 +22,9 @@ Checkpoint layout (``python -m infer.quant.export_quant``): each quantized matri
   other rows of the call.
 
 On Hopper builds the same extension also holds the WGMMA GEMM for 4-bit GemLite weights (``gemm_w4_sm90``: words
-[N, K/8] K-major, fp16 scale and zero per group; :func:`uint4_weights` is its reference), which
-``infer.quant.gemlite_linear`` uses for larger batches.
+[N, K/8] K-major, fp16 scale and zero per group; :func:`uint4_weights` is its reference; K optionally split in
+slices summed from fp32 partial products, :func:`w4_gemm_splits`), which ``infer.quant.gemlite_linear`` uses for
+larger batches.
 
 The extension is built on first use like the WKV kernel (``infer.ops.cuda_ext``) and checked against
 the dequantizing reference once; :func:`load_w8a16_kernels` never raises, it logs why and returns None.
@@ -43,11 +44,11 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CUDA_SOURCES = [ROOT / "cuda" / "w8a16_gemm_op.cpp", ROOT / "cuda" / "w8a16_gemm.cu"]
-# The Hopper GEMMs: their tile choice and one file per tile and weight format (int8, 4-bit), so ninja compiles the
-# tiles in parallel.
+# The Hopper GEMMs: their tile choice and one file per tile and kernel (int8, 4-bit, 4-bit split K), so ninja
+# compiles the tiles in parallel.
 SM90_TILES = ("64x256", "128x128", "64x128", "64x64")
-SM90_SOURCES = [ROOT / "cuda" / "w8a16_gemm_sm90.cu"] + [ROOT / "cuda" / f"{fmt}_gemm_sm90_{tile}.cu"
-                                                         for fmt in ("w8a16", "w4a16") for tile in SM90_TILES]
+SM90_SOURCES = [ROOT / "cuda" / "w8a16_gemm_sm90.cu"] + [ROOT / "cuda" / f"{kernel}_{tile}.cu" for kernel in (
+    "w8a16_gemm_sm90", "w4a16_gemm_sm90", "w4a16_gemm_sm90_split") for tile in SM90_TILES]
 # CUTLASS 3's Hopper kernels need the architecture-specific target (wgmma, setmaxnreg); an explicit
 # -gencode also stops torch from adding its own arch flags. NDEBUG: CUTLASS's device-side asserts are
 # calls that make ptxas serialize the WGMMA pipeline (warning C7510).
@@ -65,6 +66,11 @@ GPU_CHUNK_ELEMENTS = 1 << 26
 SM90_GEMV_ROWS = 4
 # The kernels load 16 bytes at a time (K) and the CUTLASS epilogue stores 8 fp16 at a time (N).
 K_MULTIPLE, N_MULTIPLE = 16, 8
+# Split K for the 4-bit Hopper GEMM (w4_gemm_splits): a slice keeps at least this much of K, and batches of more
+# rows than W4_SPLIT_MAX_ROWS are not split (there the output tiles alone fill the SMs, and the fp32 partials
+# would only add traffic).
+W4_SPLIT_MIN_K = 2048
+W4_SPLIT_MAX_ROWS = 1024
 
 
 def dequantize_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -106,6 +112,18 @@ def random_uint4(gen: torch.Generator, n_out: int, n_in: int,
     scale = (torch.rand(n_in // group, n_out, generator=gen, device=device) * 0.01 + 1e-3).half()
     zero = (torch.rand(n_in // group, n_out, generator=gen, device=device) * -15 * scale.float()).half()
     return words, scale, zero
+
+
+def w4_gemm_splits(n_out: int, n_in: int, group: int, sms: int) -> int:
+    """Into how many slices of K the 4-bit Hopper GEMM cuts an [n_out, n_in] matrix: doubling while its 64-channel
+    output tiles (times the slices) give fewer than 90 % of the ``sms`` multiprocessors one each, and each slice
+    stays a whole number of groups and of the K step, at least ``W4_SPLIT_MIN_K`` long. A function of the matrix
+    alone, so a row's sums do not depend on how many rows share the call."""
+    splits = 1
+    while (10 * (n_out // 64) * splits < 9 * sms and n_in % (2 * splits * group) == 0
+           and (n_in // (2 * splits)) % 64 == 0 and n_in // (2 * splits) >= W4_SPLIT_MIN_K):
+        splits *= 2
+    return splits
 
 
 def uint4_weights(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -255,17 +273,19 @@ def _disagreement(y: torch.Tensor, expect: torch.Tensor, rows: int) -> str | Non
     return None if err <= 2e-3 else f"{rows} rows: max relative difference {err:.3g} from the reference"
 
 
-def _check_w4(op, rows: int) -> str | None:
+def _check_w4(op, rows: int, splits: int = 1) -> str | None:
     """:func:`_check` for the 4-bit Hopper GEMM against :func:`uint4_weights` + matmul (264 channels: not a
-    multiple of the tiles; K = 704: 11 groups of 64, the kernel's K step)."""
+    multiple of the tiles; K = 704: 11 groups of 64, the kernel's K step). With ``splits``, K = 768 in that many
+    slices, the rows 128 at a time."""
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device).manual_seed(rows)
-    n_out, n_in, group = 264, 704, 64
+    n_out, n_in, group = 264, 704 if splits == 1 else 768, 64
     words, scale, zero = random_uint4(gen, n_out, n_in, group)
     x = torch.randn(rows, n_in, generator=gen, device=device).half()
     expect = x.float() @ uint4_weights(words, scale, zero).float().T
     y = torch.empty((rows, n_out), dtype=torch.float16, device=device)
-    op(x, words, scale, zero, group, y, torch.cuda.current_stream(device).cuda_stream)
+    partials = torch.empty((splits, min(rows, 128), n_out), device=device) if splits > 1 else None
+    op(x, words, scale, zero, group, y, torch.cuda.current_stream(device).cuda_stream, -1, partials)
     torch.cuda.synchronize(device)
     return _disagreement(y, expect, rows)
 
@@ -281,7 +301,8 @@ def load_w8a16_kernels(verify: bool = True) -> W8A16Kernels | None:
             log.warning("W8A16 Hopper GEMM switched off: self-test failed (%s); using the SM80 GEMM", gemm_error)
             kernels.gemm = kernels.gemm_sm80
         if verify and kernels.gemm_w4 is not None and (w4_error := _check_w4(kernels.gemm_w4, 40)
-                                                       or _check_w4(kernels.gemm_w4, 300)):
+                                                       or _check_w4(kernels.gemm_w4, 300)
+                                                       or _check_w4(kernels.gemm_w4, 300, splits=2)):
             log.warning("4-bit Hopper GEMM switched off: self-test failed (%s)", w4_error)
             kernels.gemm_w4 = None
         # (a Hopper GEMM that passed its own check above needs no second one)

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from infer.ops.cuda_ext import env_flag
-from infer.ops.linear_w8a16 import W8A16Linear, aligned, hopper_gemm_buildable, load_w8a16_kernels
+from infer.ops.linear_w8a16 import (W4_SPLIT_MAX_ROWS, W8A16Linear, aligned, hopper_gemm_buildable,
+                                    load_w8a16_kernels, w4_gemm_splits)
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +148,22 @@ class GemLiteLinear:
         # W4_HOPPER_ABOVE_ROWS. It reads the words K-major, GemLite's [K/8, N] transposed, so the layer keeps a
         # second copy of its 4-bit codes (the fused GEMV and GemLite read the first): the 4-bit matrices then take
         # about what int8 ones do, half of fp16. RWKV_W4_HOPPER_GEMM=0 leaves the copy out (GemLite's GEMM and
-        # cuBLAS chunks serve those batches, at about half the fp16 engine's speed).
+        # cuBLAS chunks serve those batches, at about half the fp16 engine's speed). Matrices with few output tiles
+        # and a long K (the FFN value) split K for batches up to W4_SPLIT_MAX_ROWS rows (w4_gemm_splits;
+        # RWKV_W4_SPLIT_K=0 never splits).
         self._w4_gemm: tuple[Callable[..., None], torch.Tensor] | None = None
+        self._w4_splits = 1
         if (self.uint4_groups is not None and group % HOPPER_K_STEP == 0 and self.out_features % 8 == 0
                 and env_flag("RWKV_W4_HOPPER_GEMM", True)
                 and hopper_gemm_buildable(w_q.device)):
             kernels = load_w8a16_kernels()
             if kernels is not None and kernels.gemm_w4 is not None:
                 self._w4_gemm = (kernels.gemm_w4, w_q.t().contiguous())
-                self.kind += f" (batches above {W4_HOPPER_ABOVE_ROWS}: 4-bit Hopper GEMM)"
+                if env_flag("RWKV_W4_SPLIT_K", True):
+                    sms = torch.cuda.get_device_properties(w_q.device).multi_processor_count
+                    self._w4_splits = w4_gemm_splits(self.out_features, self.in_features, group, sms)
+                split = f", K in {self._w4_splits} slices up to {W4_SPLIT_MAX_ROWS}" if self._w4_splits > 1 else ""
+                self.kind += f" (batches above {W4_HOPPER_ABOVE_ROWS}: 4-bit Hopper GEMM{split})"
         # (rows, matmul): batches above `rows` go to matmul(x, words, scale, zero); set by select_fused to the
         # fused kernels' uint4_matmul (fp16 chunks of W^T for cuBLAS)
         self.large_batch: tuple[int, Callable[..., torch.Tensor]] | None = None
@@ -167,8 +175,13 @@ class GemLiteLinear:
             op, words = self._w4_gemm
             _, scale, zero, group = self.uint4_groups
             x = aligned(x)
-            y = torch.empty((x.shape[0], self.out_features), dtype=torch.float16, device=x.device)
-            op(x, words, scale, zero, group, y, torch.cuda.current_stream(x.device).cuda_stream)
+            rows = x.shape[0]
+            y = torch.empty((rows, self.out_features), dtype=torch.float16, device=x.device)
+            partials = None
+            if self._w4_splits > 1 and rows <= W4_SPLIT_MAX_ROWS:
+                partials = torch.empty((self._w4_splits, rows, self.out_features), dtype=torch.float32,
+                                       device=x.device)
+            op(x, words, scale, zero, group, y, torch.cuda.current_stream(x.device).cuda_stream, -1, partials)
             return y
         if self.large_batch is not None and x.shape[0] > self.large_batch[0]:
             return self.large_batch[1](x.contiguous(), *self.uint4_groups[:3])
