@@ -47,6 +47,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-hopper # the 4-bit Hopper GEMM: tests, GEMMs alone, W4 vs fp16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-prompts  # Hopper GEMMs' tile order: GEMM tests, W4/W8 prompts
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-split  # split K for the 4-bit Hopper GEMM: tests, GEMMs, W4 A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh quant-batched  # quantized engines' stacked LoRAs: tests, W4/W8 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -692,6 +693,31 @@ w4-split)  # split K for the 4-bit Hopper GEMM (few output tiles, long K): build
              bench/results/decode_h200_w4_split1.json bench/results/decode_h200_w4_split0.json
              bench/results/experiment_fp16_beside_w4_split_h200.json)
     [ -n "$OUT" ] && tar czf "$OUT/w4_split.tgz" "${results[@]}" 2>/dev/null
+    python bench/brief.py "${results[@]}"
+    ;;
+quant-batched)  # quantized engines above the GEMV's rows with their LoRA factors stacked (RWKV_STACK_LORA) and the
+    # 4-bit split rule as measured: build, the quantized GPU tests, W4 and W8 decode with and without the stacking,
+    # fp16 beside them (every table printed)
+    tuning_cache
+    build
+    step 240 "quantized GPU tests (4-bit, split K, W8A16 model, int8 GEMV)" python -m pytest -q -rf --tb=short \
+        -p no:cacheprovider test/test_quant_cuda.py test/test_fused_cuda.py \
+        -k "w4 or uint4 or w8a16 or every_cutlass or hopper_uses or graph"
+    results=()
+    for engine in gemlite:A16W4_HQQ_INT cutlass; do
+        for stack in 1 0; do
+            out=bench/results/decode_h200_${engine%%:*}_stack$stack.json
+            step 150 "$engine decode, stacked LoRAs $stack" env RWKV_STACK_LORA=$stack python bench/bench_decode.py \
+                --engine $engine --sizes 7.2b,1.5b --batches 16,64,128,256,512 --prefill 1024 --prefill-rows 1,16 \
+                --steps 20 --wkv cuda --no-checks --out $out
+            results+=($out)
+        done
+    done
+    step 120 "fp16 decode and prompts beside them" python bench/bench_decode.py --sizes 7.2b,1.5b \
+        --batches 16,64,128,256,512 --prefill 1024 --prefill-rows 1,16 --steps 20 --wkv cuda --no-checks \
+        --out bench/results/experiment_fp16_beside_quant_batched_h200.json
+    results+=(bench/results/experiment_fp16_beside_quant_batched_h200.json)
+    [ -n "$OUT" ] && tar czf "$OUT/quant_batched.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[@]}"
     ;;
 *)

@@ -106,8 +106,8 @@ void gemm_sm90(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Ten
 
 // y[M, N] = x[M, K] @ W^T for 4-bit W: words [N, K / 8] int32 (k in bits 4 (k % 8) .. of word k / 8), scale and
 // zero [K / group, N] fp16, W = q * scale + zero (GemLite A16W4_HQQ_INT with its [K / 8, N] words transposed).
-// With partials (fp32 [splits, rows, N], splits >= 2): K is split in `splits` slices, each slice's product
-// written there, `rows` rows of x at a time, and the slices summed into y.
+// With partials (fp32 [splits, rows, N], splits >= 2; scratch): K is split in `splits` slices, `rows` rows of x at
+// a time, each chunk's slice products written there (packed, [splits, chunk rows, N]) and summed into y.
 void gemm_w4_sm90(torch::Tensor x, torch::Tensor words, torch::Tensor scale, torch::Tensor zero, int64_t group,
                   torch::Tensor y, int64_t stream, int64_t tile, std::optional<torch::Tensor> partials) {
     const char* op = "w4a16 gemm (sm90)";

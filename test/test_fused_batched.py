@@ -50,7 +50,8 @@ def test_batched_projections_match_the_linears():
         xr, xk, xv, xw, xa, _ = mixed.unbind(0)
         want = [blk.receptance(xr), blk.key(xk), blk.value(xv), blk.w2(torch.tanh(blk.w1(xw))), blk.a2(blk.a1(xa))]
         want.append(blk.v2(blk.v1(xv)) if layer else None)
-        got = batched_projections(batch_weights(blk), mixed, first_layer=layer == 0)
+        blk.batched = batch_weights(blk)
+        got = batched_projections(blk, mixed, first_layer=layer == 0)
         assert len(got) == 6
         for name, g, w in zip(("r", "k", "v", "dw", "da", "dv"), got, want):
             if w is None:
@@ -61,12 +62,34 @@ def test_batched_projections_match_the_linears():
             assert float((g.float() - w.float()).abs().max()) <= 2e-3 * scale + 1e-3, (layer, name)
 
 
-def test_non_dense_blocks_are_not_stacked():
+def test_quantized_blocks_stack_only_the_lora_factors():
+    """A block with a quantized r/k/v matrix: its LoRA factors are still stacked (they stay fp16), r/k/v are not
+    (nothing re-pointed), and the projections take each r/k/v linear on its own."""
+    model = model_fp16()
+    gen = torch.Generator().manual_seed(6)
+    for layer, blk in enumerate(model.blocks):
+        weight = blk.key.weight
+        q = torch.randint(-127, 128, weight.shape, dtype=torch.int8, generator=gen)
+        blk.key = W8A16Linear(q, torch.full((weight.shape[0],), 0.002, dtype=torch.float16))
+        receptance = blk.receptance.weight
+        blk.batched = batch_weights(blk)
+        assert blk.batched.rkv is None and blk.receptance.weight is receptance
+        assert blk.batched.lora_down.shape == ((3 if layer else 2), 64, 768)
+        assert blk.w1.weight.untyped_storage().data_ptr() == blk.batched.lora_down.untyped_storage().data_ptr()
+        mixed = torch.randn(6, ROWS, 768, generator=gen).half()
+        xr, xk, xv, xw, xa, _ = mixed.unbind(0)
+        r, k, v, dw, da, dv = batched_projections(blk, mixed, first_layer=layer == 0)
+        assert torch.equal(k, blk.key(xk)) and torch.equal(r, blk.receptance(xr)) and torch.equal(v, blk.value(xv))
+        want_dw = blk.w2(torch.tanh(blk.w1(xw)))
+        assert float((dw.float() - want_dw.float()).abs().max()) <= 2e-3 * float(want_dw.abs().max()) + 1e-3
+        assert (dv is None) == (layer == 0)
+
+
+def test_blocks_with_quantized_lora_factors_are_not_stacked():
     model = model_fp16()
     blk = model.blocks[1]
-    weight = blk.key.weight
-    q = torch.randint(-127, 128, weight.shape, dtype=torch.int8)
-    blk.key = W8A16Linear(q, torch.full((weight.shape[0],), 0.01, dtype=torch.float16))
+    weight = blk.a1.weight
+    blk.a1 = W8A16Linear(torch.zeros(weight.shape, dtype=torch.int8), torch.ones(weight.shape[0], dtype=torch.float16))
     receptance = blk.receptance.weight
     assert batch_weights(blk) is None
     assert blk.receptance.weight is receptance  # nothing was re-pointed

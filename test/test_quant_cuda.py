@@ -108,10 +108,12 @@ def test_w4_hopper_gemm_split_k_matches_the_reference(kernels, n_out, n_in, grou
         assert relative_error(y, want) <= KERNEL_TOL, tile
         results.append(y)
     assert all(torch.equal(results[0], y) for y in results[1:])
-    # the last chunk's partial products, summed here in split order: what the kernel rounded to fp16
+    # the last chunk's partial products (packed: [splits, last, N] at the buffer's start), summed here in split
+    # order: what the kernel rounded to fp16
     last = rows - (rows - 1) // partial_rows * partial_rows
-    total = partials[0, :last].clone()
-    for part in partials[1:, :last]:
+    parts = partials.flatten()[:splits * last * n_out].view(splits, last, n_out)
+    total = parts[0].clone()
+    for part in parts[1:]:
         total += part
     assert torch.equal(results[-1][rows - last:], total.half())
     unsplit = torch.empty_like(y)

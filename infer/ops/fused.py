@@ -120,25 +120,35 @@ class BatchedWeights:
     """One block's same-shaped matrices stacked, for the large-batch path: one strided-batched matmul
     each instead of one GEMM per matrix. At 256 rows a single 4096 x 4096 product fills one wave of
     the H200's multiprocessors and the LoRA factors fill almost none, so three launches of three
-    matrices beat ten small ones (bench/results/profile_h200.json)."""
-    rkv: torch.Tensor        # [3, C, C]: receptance, key, value
-    lora_down: torch.Tensor  # [n, R, C]: (v1,) w1, a1; rows past a factor's rank are zero
-    lora_up: torch.Tensor    # [n, C, R]: (v2,) w2, a2; columns past a factor's rank are zero
+    matrices beat ten small ones (bench/results/profile_h200.json). Quantized engines stack only the LoRA
+    factors (always fp16): their r/k/v stay one quantized product each."""
+    rkv: torch.Tensor | None  # [3, C, C]: receptance, key, value; None unless all three are dense fp16
+    lora_down: torch.Tensor   # [n, R, C]: (v1,) w1, a1; rows past a factor's rank are zero
+    lora_up: torch.Tensor     # [n, C, R]: (v2,) w2, a2; columns past a factor's rank are zero
+
+
+def _dense_fp16(lin) -> bool:
+    return isinstance(lin, DenseLinear) and lin.weight.dtype == torch.float16
 
 
 def batch_weights(blk: "Block") -> BatchedWeights | None:
     """Stack ``blk``'s matrices and point its linears at views of the stacks (every other path reads the
     same storage, nothing is stored twice, except the padded copy of a LoRA up-factor narrower than the
-    widest); None unless they are all dense fp16."""
+    widest); r/k/v only when they are dense fp16; None unless the LoRA factors are (or, with quantized r/k/v,
+    when RWKV_STACK_LORA=0, the A/B switch)."""
     loras = ([(blk.v1, blk.v2)] if blk.v1 is not None else []) + [(blk.w1, blk.w2), (blk.a1, blk.a2)]
-    linears = [blk.receptance, blk.key, blk.value] + [lin for pair in loras for lin in pair]
-    if not all(isinstance(lin, DenseLinear) and lin.weight.dtype == torch.float16 for lin in linears):
+    dense_rkv = all(_dense_fp16(lin) for lin in (blk.receptance, blk.key, blk.value))
+    dense_loras = all(_dense_fp16(lin) for pair in loras for lin in pair)
+    if not dense_loras or not (dense_rkv or env_flag("RWKV_STACK_LORA", True)):
         return None
-    rkv = torch.stack([blk.receptance.weight, blk.key.weight, blk.value.weight])
-    for i, lin in enumerate((blk.receptance, blk.key, blk.value)):
-        lin.weight = rkv[i]
-    rank, width = max(down.out_features for down, _ in loras), blk.receptance.in_features
-    lora_down, lora_up = rkv.new_zeros(len(loras), rank, width), rkv.new_zeros(len(loras), width, rank)
+    rkv = None
+    if dense_rkv:
+        rkv = torch.stack([blk.receptance.weight, blk.key.weight, blk.value.weight])
+        for i, lin in enumerate((blk.receptance, blk.key, blk.value)):
+            lin.weight = rkv[i]
+    template = blk.w1.weight
+    rank, width = max(down.out_features for down, _ in loras), blk.w1.in_features
+    lora_down, lora_up = template.new_zeros(len(loras), rank, width), template.new_zeros(len(loras), width, rank)
     for i, (down, up) in enumerate(loras):
         lora_down[i, :down.out_features] = down.weight
         down.weight = lora_down[i, :down.out_features]  # leading rows: still contiguous
@@ -148,10 +158,15 @@ def batch_weights(blk: "Block") -> BatchedWeights | None:
     return BatchedWeights(rkv, lora_down, lora_up)
 
 
-def batched_projections(weights: BatchedWeights, mixed: torch.Tensor, first_layer: bool) -> tuple[torch.Tensor, ...]:
-    """r, k, v, dw, da, dv (None in layer 0) from ``mixed`` [6, T, C], the mixed inputs in the order
-    r, k, v, w, a, g: three batched matmuls (the LoRA inputs v, w, a are adjacent there)."""
-    r, k, v = torch.bmm(mixed[:3], weights.rkv.transpose(1, 2)).unbind(0)
+def batched_projections(blk: "Block", mixed: torch.Tensor, first_layer: bool) -> tuple[torch.Tensor, ...]:
+    """r, k, v, dw, da, dv (None in layer 0) of ``blk`` (``blk.batched`` set) from ``mixed`` [6, T, C], the mixed
+    inputs in the order r, k, v, w, a, g: three batched matmuls (the LoRA inputs v, w, a are adjacent there), or,
+    with quantized r/k/v, one product each and two batched matmuls."""
+    weights = blk.batched
+    if weights.rkv is not None:
+        r, k, v = torch.bmm(mixed[:3], weights.rkv.transpose(1, 2)).unbind(0)
+    else:
+        r, k, v = blk.receptance(mixed[0]), blk.key(mixed[1]), blk.value(mixed[2])
     hidden = torch.bmm(mixed[3:5] if first_layer else mixed[2:5], weights.lora_down.transpose(1, 2))
     torch.tanh_(hidden[-2])  # the decay LoRA's nonlinearity (zero-padded columns stay zero)
     *dv, dw, da = torch.bmm(hidden, weights.lora_up.transpose(1, 2)).unbind(0)
@@ -306,7 +321,7 @@ class FusedKernels:
                     second.append((blk.v2, hv, dv, EPI_NONE, None))
                 self.gemv(second)
             elif isinstance(blk.batched, BatchedWeights):
-                r, k, v, dw, da, dv = batched_projections(blk.batched, mixed, first)
+                r, k, v, dw, da, dv = batched_projections(blk, mixed, first)
                 dv = _empty(x.device) if dv is None else dv
                 g = blk.g2(torch.sigmoid(blk.g1(xg)))
             else:

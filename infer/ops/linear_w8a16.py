@@ -67,10 +67,11 @@ SM90_GEMV_ROWS = 4
 # The kernels load 16 bytes at a time (K) and the CUTLASS epilogue stores 8 fp16 at a time (N).
 K_MULTIPLE, N_MULTIPLE = 16, 8
 # Split K for the 4-bit Hopper GEMM (w4_gemm_splits): a slice keeps at least this much of K, and batches of more
-# rows than W4_SPLIT_MAX_ROWS are not split (there the output tiles alone fill the SMs, and the fp32 partials
-# would only add traffic).
-W4_SPLIT_MIN_K = 2048
-W4_SPLIT_MAX_ROWS = 1024
+# rows than W4_SPLIT_MAX_ROWS are not split. Measured on the H200 (bench/results/w4_gemm_split_*_h200.json): the
+# 7.2B FFN value (K = 16,384) at 16-256 rows 74-87 -> 47-66 us in two slices, but 110 -> 125 at 512 rows; a
+# 4096 x 4096 matrix (slices of 2,048) 22 -> 29 us at every size (the sum's launch and traffic outweigh it).
+W4_SPLIT_MIN_K = 4096
+W4_SPLIT_MAX_ROWS = 256
 
 
 def dequantize_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
