@@ -682,15 +682,17 @@ w4-split)  # split K for the 4-bit Hopper GEMM (few output tiles, long K): build
             --rows 16,64,128,256,512,1024 --reps 20 --no-tiles --out bench/results/w4_gemm_split_${size}_h200.json
     done
     for split in 1 0; do
+        out=bench/results/decode_h200_w4_split.json
+        [ $split = 0 ] && out=bench/results/experiment_w4_no_split_h200.json  # the A/B's off side
         step 150 "W4 decode and prompts, split K $split" env RWKV_W4_SPLIT_K=$split python bench/bench_decode.py \
             --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 16,64,128,256,512 --prefill 1024 \
-            --prefill-rows 1,16 --steps 20 --wkv cuda --no-checks --out bench/results/decode_h200_w4_split$split.json
+            --prefill-rows 1,16 --steps 20 --wkv cuda --no-checks --out $out
     done
     step 120 "fp16 decode and prompts beside them" python bench/bench_decode.py --sizes 7.2b,1.5b \
         --batches 16,64,128,256,512 --prefill 1024 --prefill-rows 1,16 --steps 20 --wkv cuda --no-checks \
         --out bench/results/experiment_fp16_beside_w4_split_h200.json
     results=(bench/results/w4_gemm_split_7.2b_h200.json bench/results/w4_gemm_split_1.5b_h200.json
-             bench/results/decode_h200_w4_split1.json bench/results/decode_h200_w4_split0.json
+             bench/results/decode_h200_w4_split.json bench/results/experiment_w4_no_split_h200.json
              bench/results/experiment_fp16_beside_w4_split_h200.json)
     [ -n "$OUT" ] && tar czf "$OUT/w4_split.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[@]}"
@@ -706,7 +708,9 @@ quant-batched)  # quantized engines above the GEMV's rows with their LoRA factor
     results=()
     for engine in gemlite:A16W4_HQQ_INT cutlass; do
         for stack in 1 0; do
-            out=bench/results/decode_h200_${engine%%:*}_stack$stack.json
+            out=bench/results/decode_h200_${engine%%:*}_stacked_lora.json
+            # the A/B's off side is an experiment (bench/summarize.py takes headline figures from decode_h200*)
+            [ $stack = 0 ] && out=bench/results/experiment_${engine%%:*}_unstacked_lora_h200.json
             step 150 "$engine decode, stacked LoRAs $stack" env RWKV_STACK_LORA=$stack python bench/bench_decode.py \
                 --engine $engine --sizes 7.2b,1.5b --batches 16,64,128,256,512 --prefill 1024 --prefill-rows 1,16 \
                 --steps 20 --wkv cuda --no-checks --out $out
