@@ -14,7 +14,8 @@ HBM as a decode step does.
 With --weights uint4 the matrices are GemLite A16W4 ones (group 64; words K-major as the Hopper GEMM reads them)
 and the rows also compare the fused kernels' fp16 chunks + cuBLAS (``uint4_matmul``, GemLite's [K/8, N] words) and
 the Hopper GEMM with K split in 2 and 4 slices (fp32 partials allocated per call, as the layer does).
---size 1.5b takes the 1.5B model's shapes; --no-tiles leaves out the runs in each fixed tile.
+--size 1.5b takes the 1.5B model's shapes; --no-tiles leaves out the runs in each fixed tile; --graph times calls
+replayed from a CUDA graph (eager calls of the shortest kernels measure the host's launch path).
 """
 from __future__ import annotations
 
@@ -39,15 +40,29 @@ WIDTHS = {"7.2b": 4096, "1.5b": 2048}
 H200_FP16_TFLOPS = 790.0  # measured dense 16-bit matmul on an H200 (performance-limits.md; spec sheet 989)
 
 
-def time_op(fn, copies: int, reps: int) -> float:
-    """Mean seconds per call of fn(i) over reps calls, cycling through the weight copies."""
+def time_op(fn, copies: int, reps: int, graph: bool = False) -> float:
+    """Mean seconds per call of fn(i) over reps calls, cycling through the weight copies; with ``graph`` the calls
+    are captured in one CUDA graph and replayed (no host time between kernels, as in a decode step's graph:
+    eagerly a kernel of ~20 us can be bound by the host's launch path instead)."""
     for i in range(copies):
         fn(i)
     torch.cuda.synchronize()
+
+    def calls() -> None:
+        for r in range(reps):
+            fn(r % copies)
+
+    run = calls
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            calls()
+        run = captured.replay
+        run()
+        torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for r in range(reps):
-        fn(r % copies)
+    run()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / reps
@@ -75,6 +90,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--size", default="7.2b", choices=tuple(WIDTHS))
     ap.add_argument("--no-tiles", action="store_true")
+    ap.add_argument("--graph", action="store_true", help="time each kernel's calls replayed from a CUDA graph")
     ap.add_argument("--out", default="bench/results/w8_gemm_h200.json")
     args = ap.parse_args()
     kernels = load_w8a16_kernels()
@@ -117,15 +133,17 @@ def main() -> None:
             x = torch.randn(rows, n_in, generator=gen, device="cuda").half()
             y = torch.empty(rows, n_out, dtype=torch.float16, device="cuda")
             ref = x.float() @ dense[0].float().T
-            row = {"size": args.size, "shape": name, "rows": rows, "out": n_out, "in": n_in, "weights": args.weights}
+            row = {"size": args.size, "graph": args.graph, "shape": name, "rows": rows, "out": n_out, "in": n_in, "weights": args.weights}
             flops = 2.0 * rows * n_out * n_in
             row_ops = dict(ops, **({"w8a16_gemv": kernels.gemv} if not uint4 and rows <= kernels.gemv_max_rows else {}))
             for label, op in row_ops.items():
                 op(x, *operands[0], y, stream)
                 row[f"{label}_max_rel_err"] = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                t = time_op(lambda i, op=op: op(x, *operands[i], y, stream), copies, args.reps)
+                # the stream read at each call: a graph is captured on a stream of its own
+                t = time_op(lambda i, op=op: op(x, *operands[i], y, torch.cuda.current_stream().cuda_stream), copies,
+                            args.reps, args.graph)
                 row[f"{label}_us"], row[f"{label}_tflops"] = t * 1e6, flops / t / 1e12
-            t = time_op(lambda i: torch.matmul(x, dense[i].T, out=y), copies, args.reps)
+            t = time_op(lambda i: torch.matmul(x, dense[i].T, out=y), copies, args.reps, args.graph)
             row["cublas_fp16_us"], row["cublas_fp16_tflops"] = t * 1e6, flops / t / 1e12
             results.append(row)
             cols = [f"{label} {row[f'{label}_us']:8.1f} us {row[f'{label}_tflops']:6.1f} TF/s" for label in row_ops]

@@ -48,6 +48,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-prompts  # Hopper GEMMs' tile order: GEMM tests, W4/W8 prompts
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-split  # split K for the 4-bit Hopper GEMM: tests, GEMMs, W4 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh quant-batched  # quantized engines' stacked LoRAs: tests, W4/W8 A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-split-rule  # 4-bit split K: GEMMs in CUDA graphs, W4 decode
+#                                                                     # with slices of >= 2,048 against >= 4,096
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -722,6 +724,31 @@ quant-batched)  # quantized engines above the GEMV's rows with their LoRA factor
         --out bench/results/experiment_fp16_beside_quant_batched_h200.json
     results+=(bench/results/experiment_fp16_beside_quant_batched_h200.json)
     [ -n "$OUT" ] && tar czf "$OUT/quant_batched.tgz" "${results[@]}" 2>/dev/null
+    python bench/brief.py "${results[@]}"
+    ;;
+w4-split-rule)  # which 4-bit matrices split K: the GEMMs alone replayed from CUDA graphs (eagerly the ~20 us ones
+    # measured the host's launch path), W4 decode with slices of at least 2,048 (7.2B r/k/v/output split too) and
+    # of 4,096, fp16 decode beside them (every table printed)
+    build
+    results=()
+    for size in 7.2b 1.5b; do
+        out=bench/results/w4_gemm_split_graph_${size}_h200.json
+        step 120 "4-bit GEMMs in CUDA graphs, $size shapes" python bench/bench_w8_gemm.py --weights uint4 --size $size \
+            --rows 16,64,128,256,512 --reps 20 --no-tiles --graph --out $out
+        results+=($out)
+    done
+    for min_k in 2048 4096; do
+        out=bench/results/experiment_w4_split_min${min_k}_h200.json
+        step 150 "W4 decode, slices of >= $min_k" env RWKV_W4_SPLIT_MIN_K=$min_k python bench/bench_decode.py \
+            --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 16,64,128,256,512 --steps 20 --wkv cuda \
+            --no-checks --out $out
+        results+=($out)
+    done
+    out=bench/results/experiment_fp16_beside_w4_split_rule_h200.json
+    step 120 "fp16 decode beside them" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 16,64,128,256,512 \
+        --steps 20 --wkv cuda --no-checks --out $out
+    results+=($out)
+    [ -n "$OUT" ] && tar czf "$OUT/w4_split_rule.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[@]}"
     ;;
 *)

@@ -115,14 +115,14 @@ def random_uint4(gen: torch.Generator, n_out: int, n_in: int,
     return words, scale, zero
 
 
-def w4_gemm_splits(n_out: int, n_in: int, group: int, sms: int) -> int:
+def w4_gemm_splits(n_out: int, n_in: int, group: int, sms: int, min_k: int = W4_SPLIT_MIN_K) -> int:
     """Into how many slices of K the 4-bit Hopper GEMM cuts an [n_out, n_in] matrix: doubling while its 64-channel
     output tiles (times the slices) give fewer than 90 % of the ``sms`` multiprocessors one each, and each slice
-    stays a whole number of groups and of the K step, at least ``W4_SPLIT_MIN_K`` long. A function of the matrix
-    alone, so a row's sums do not depend on how many rows share the call."""
+    stays a whole number of groups and of the K step, at least ``min_k`` long. A function of the matrix alone, so
+    a row's sums do not depend on how many rows share the call."""
     splits = 1
     while (10 * (n_out // 64) * splits < 9 * sms and n_in % (2 * splits * group) == 0
-           and (n_in // (2 * splits)) % 64 == 0 and n_in // (2 * splits) >= W4_SPLIT_MIN_K):
+           and (n_in // (2 * splits)) % 64 == 0 and n_in // (2 * splits) >= min_k):
         splits *= 2
     return splits
 
