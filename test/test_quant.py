@@ -509,11 +509,11 @@ def test_w8a16_kernels_choose_the_gemm_and_the_gemv_rows(tiles, monkeypatch):
 
 @pytest.mark.parametrize("n_out,n_in,group,splits", [
     (4096, 16384, 64, 2),   # 7.2B FFN value: 64 tiles of 64 channels, two slices give 128 of 132 SMs one each
-    (4096, 4096, 64, 1),    # 7.2B r/k/v/output: a slice would be shorter than W4_SPLIT_MIN_K
+    (4096, 4096, 64, 2),    # 7.2B r/k/v/output
     (16384, 4096, 64, 1),   # 7.2B FFN key: 256 tiles already
     (65536, 4096, 64, 1),   # head
-    (2048, 8192, 64, 2),    # 1.5B FFN value: 32 tiles, two slices of 4,096
-    (2048, 2048, 64, 1),    # 1.5B r/k/v
+    (2048, 8192, 64, 4),    # 1.5B FFN value: 32 tiles, four slices of 2,048
+    (2048, 2048, 64, 1),    # 1.5B r/k/v: a slice would be shorter than W4_SPLIT_MIN_K
     (768, 3072, 64, 1),     # 0.1B FFN value: likewise
     (4096, 16384, 4096, 2),  # groups as long as a slice
     (4096, 16384, 8192, 2),

@@ -67,10 +67,12 @@ SM90_GEMV_ROWS = 4
 # The kernels load 16 bytes at a time (K) and the CUTLASS epilogue stores 8 fp16 at a time (N).
 K_MULTIPLE, N_MULTIPLE = 16, 8
 # Split K for the 4-bit Hopper GEMM (w4_gemm_splits): a slice keeps at least this much of K, and batches of more
-# rows than W4_SPLIT_MAX_ROWS are not split. Measured on the H200 (bench/results/w4_gemm_split_*_h200.json): the
-# 7.2B FFN value (K = 16,384) at 16-256 rows 74-87 -> 47-66 us in two slices, but 110 -> 125 at 512 rows; a
-# 4096 x 4096 matrix (slices of 2,048) 22 -> 29 us at every size (the sum's launch and traffic outweigh it).
-W4_SPLIT_MIN_K = 4096
+# rows than W4_SPLIT_MAX_ROWS are not split. Measured on the H200, the GEMMs replayed from CUDA graphs
+# (bench/results/w4_gemm_split_graph_*_h200.json): 7.2B FFN value (K = 16,384) at 16-256 rows 70-83 -> 40-65 us,
+# 7.2B r/k/v/output 20-24 -> 14-22 us, 1.5B FFN value 38-39 -> 16-23 us in four slices; at 512 rows every split
+# was slower (7.2B FFN value 109 -> 122 us). W4 decode, 7.2B batch 128: 14,276 tok/s with slices of >= 2,048
+# against 13,482 with >= 4,096 (which leaves r/k/v/output whole; 11,674 unsplit on the machine of another call).
+W4_SPLIT_MIN_K = 2048
 W4_SPLIT_MAX_ROWS = 256
 
 
