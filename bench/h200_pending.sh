@@ -50,6 +50,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh quant-batched  # quantized engines' stacked LoRAs: tests, W4/W8 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-split-rule  # 4-bit split K: GEMMs in CUDA graphs, W4 decode
 #                                                                     # with slices of >= 2,048 against >= 4,096
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-split-1.5b  # 1.5B r/k/v/output in two slices of 1,024 too:
+#                                                                     # W4 decode A/B, fp16 beside
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -749,6 +751,24 @@ w4-split-rule)  # which 4-bit matrices split K: the GEMMs alone replayed from CU
         --steps 20 --wkv cuda --no-checks --out $out
     results+=($out)
     [ -n "$OUT" ] && tar czf "$OUT/w4_split_rule.tgz" "${results[@]}" 2>/dev/null
+    python bench/brief.py "${results[@]}"
+    ;;
+w4-split-1.5b)  # the 1.5B r/k/v/output matrices in two slices of 1,024 (RWKV_W4_SPLIT_MIN_K=1024; 11.9-12.6 -> 9.4-10.9
+    # us alone up to 128 rows in CUDA graphs) against the default slices of >= 2,048, 1.5B W4 decode, fp16 beside
+    build
+    results=()
+    for min_k in 1024 2048; do
+        out=bench/results/experiment_w4_split_min${min_k}_1.5b_h200.json
+        step 60 "1.5B W4 decode, slices of >= $min_k" env RWKV_W4_SPLIT_MIN_K=$min_k python bench/bench_decode.py \
+            --engine gemlite:A16W4_HQQ_INT --sizes 1.5b --batches 16,64,128,256,512 --steps 20 --wkv cuda --no-checks \
+            --out $out
+        results+=($out)
+    done
+    out=bench/results/experiment_fp16_beside_w4_split_1.5b_h200.json
+    step 60 "1.5B fp16 decode beside them" python bench/bench_decode.py --sizes 1.5b --batches 16,64,128,256,512 \
+        --steps 20 --wkv cuda --no-checks --out $out
+    results+=($out)
+    [ -n "$OUT" ] && tar czf "$OUT/w4_split_1.5b.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[@]}"
     ;;
 *)
