@@ -149,8 +149,8 @@ class GemLiteLinear:
         # second copy of its 4-bit codes (the fused GEMV and GemLite read the first): the 4-bit matrices then take
         # about what int8 ones do, half of fp16. RWKV_W4_HOPPER_GEMM=0 leaves the copy out (GemLite's GEMM and
         # cuBLAS chunks serve those batches, at about half the fp16 engine's speed). Matrices with few output tiles
-        # and a long K (the FFN value) split K for batches up to W4_SPLIT_MAX_ROWS rows (w4_gemm_splits;
-        # RWKV_W4_SPLIT_K=0 never splits, RWKV_W4_SPLIT_MIN_K sets the shortest slice).
+        # and a long K (the FFN value; at 7.2B r/k/v/output too) split K for batches up to W4_SPLIT_MAX_ROWS rows
+        # (w4_gemm_splits; RWKV_W4_SPLIT_K=0 never splits, RWKV_W4_SPLIT_MIN_K sets the shortest slice).
         self._w4_gemm: tuple[Callable[..., None], torch.Tensor] | None = None
         self._w4_splits = 1
         if (self.uint4_groups is not None and group % HOPPER_K_STEP == 0 and self.out_features % 8 == 0
