@@ -1,7 +1,7 @@
 """One short line per record of bench result files (bench_decode.py, bench_w8_gemm.py), for a device call's log,
 whose tail is all that may come back: decode graph tok/s, prompt ms, GEMM microseconds per kernel.
 
-    python bench/brief.py bench/results/decode_h200_w4_split1.json bench/results/w4_gemm_split_7.2b_h200.json
+    python bench/brief.py bench/results/decode_h200_w4_split_min2048.json bench/results/w4_gemm_split_7.2b_h200.json
 """
 from __future__ import annotations
 
