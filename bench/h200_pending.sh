@@ -52,6 +52,8 @@
 #                                                                     # with slices of >= 2,048 against >= 4,096
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-split-1.5b  # 1.5B r/k/v/output in two slices of 1,024 too:
 #                                                                     # W4 decode A/B, fp16 beside
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh large-batch  # 7.2B/1.5B decode at 128-512 rows, fp32 and fp16
+#                                                                   # state; 7.2B batch 256 per kernel (fp16 state)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -770,6 +772,20 @@ w4-split-1.5b)  # the 1.5B r/k/v/output matrices in two slices of 1,024 (RWKV_W4
     results+=($out)
     [ -n "$OUT" ] && tar czf "$OUT/w4_split_1.5b.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[@]}"
+    ;;
+large-batch)  # where the batch-256/512 targets (fp16 state, performance-limits.md S2) stand, and where the step goes
+    build_fused
+    results=()
+    out=bench/results/decode_h200_large_batch.json
+    step 200 "fp16 decode, fp32 and fp16 state" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 128,256,512 \
+        --states fp32,fp16 --steps 20 --wkv cuda --no-checks --out $out
+    results+=($out)
+    out=bench/results/profile_b256_fp16_state_h200.json
+    step 150 "7.2B batch 256 per kernel, fp16 state" python bench/profile_decode.py --sizes 7.2b --batches 256 \
+        --state fp16 --out $out
+    results+=($out)
+    [ -n "$OUT" ] && tar czf "$OUT/large_batch.tgz" "${results[@]}" 2>/dev/null
+    python bench/brief.py "${results[0]}"
     ;;
 *)
     echo "unknown part $PART" >&2

@@ -85,7 +85,7 @@ def idle_gaps(kernels: list, steps: int, top: int = 12) -> dict:
 
 
 def profile_size(name: str, batches: list[int], prompts: list[tuple[int, int]], steps: int, forward: str,
-                 engine: str = "fp16") -> list[dict]:
+                 engine: str = "fp16", state: str = "fp32") -> list[dict]:
     bench_decode.FORWARD.update(fused="on" if forward == "fused" else "off", wkv="cuda")
     model = load_model(name, engine)
     if engine.startswith("gemlite"):  # GemLite's kernels tuned for these sizes before they are timed
@@ -93,10 +93,11 @@ def profile_size(name: str, batches: list[int], prompts: list[tuple[int, int]], 
         warm_up_gemlite(model, batches + [count * length for count, length in prompts], data_dir())
     rows = []
     for B in batches:  # decode steps, replayed as CUDA graphs
-        pool = model.new_state_pool(B)
+        pool = model.new_state_pool(B, torch.float16 if state == "fp16" else torch.float32)
         batch = static_batch(torch.randint(1, 65530, (B,)).tolist(), list(range(B)))
         graph, _ = capture(model, batch, pool)
-        rows.append(profile_step(graph.replay, steps, {"size": name, "engine": engine, "batch": B, "forward": forward}))
+        rows.append(profile_step(graph.replay, steps, {"size": name, "engine": engine, "batch": B, "state": state,
+                                                     "forward": forward}))
         del graph, pool
         torch.cuda.empty_cache()
     for count, length in prompts:  # prefill forwards, eager as the engine runs them
@@ -149,6 +150,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--forward", default="fused", choices=("fused", "readable"))
     ap.add_argument("--engine", default="fp16", choices=ENGINES, help="weights: fp16, W8A16 or a GemLite format")
+    ap.add_argument("--state", default="fp32", choices=("fp32", "fp16"), help="WKV state storage of the decode steps")
     ap.add_argument("--out", default="bench/results/profile_h200.json")
     args = ap.parse_args()
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
@@ -156,7 +158,8 @@ def main() -> None:
     for name in args.sizes.split(","):
         batches = [int(b) for b in args.batches.split(",") if b]
         prompts = [tuple(int(n) for n in p.split("x")) for p in args.prompts.split(",") if p]
-        result["profile"] += profile_size(name, batches, prompts, args.steps, args.forward, args.engine)
+        result["profile"] += profile_size(name, batches, prompts, args.steps, args.forward, args.engine,
+                                        args.state)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
