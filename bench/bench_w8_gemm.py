@@ -13,7 +13,7 @@ HBM as a decode step does.
 
 With --weights uint4 the matrices are GemLite A16W4 ones (group 64; words K-major as the Hopper GEMM reads them)
 and the rows also compare the fused kernels' fp16 chunks + cuBLAS (``uint4_matmul``, GemLite's [K/8, N] words) and
-the Hopper GEMM with K split in 2 and 4 slices (fp32 partials allocated per call, as the layer does).
+the Hopper GEMM with K split in 2 and 4 slices (fp32 partials allocated per call, as the layer does; int8 too).
 --size 1.5b takes the 1.5B model's shapes; --no-tiles leaves out the runs in each fixed tile; --graph times calls
 replayed from a CUDA graph (eager calls of the shortest kernels measure the host's launch path).
 """
@@ -118,6 +118,9 @@ def main() -> None:
             ops["cutlass_sm90"] = kernels.gemm_sm90
             for tile, (channels, rows) in enumerate([] if args.no_tiles else kernels.sm90_tiles):
                 ops[f"sm90_{channels}x{rows}"] = lambda *a, tile=tile: kernels.gemm_sm90(*a, tile)
+            for splits in (2, 4):
+                ops[f"sm90_split{splits}"] = lambda x, q, s, y, stream, splits=splits: kernels.gemm_sm90(
+                    x, q, s, y, stream, -1, torch.empty((splits, x.shape[0], y.shape[1]), device=x.device))
         make = int8_operands
     stream = torch.cuda.current_stream().cuda_stream
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -54,6 +54,7 @@
 #                                                                     # W4 decode A/B, fp16 beside
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh large-batch  # 7.2B/1.5B decode at 128-512 rows, fp32 and fp16
 #                                                                   # state; 7.2B batch 256 per kernel (fp16 state)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w8-split  # split K for the int8 Hopper GEMM: tests, GEMMs, W8 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -786,6 +787,27 @@ large-batch)  # where the batch-256/512 targets (fp16 state, performance-limits.
     results+=($out)
     [ -n "$OUT" ] && tar czf "$OUT/large_batch.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[0]}"
+    ;;
+w8-split)  # split K for the int8 Hopper GEMM: build, the Hopper GEMM GPU tests, W8A16 decode with it (and 1.5B
+    # without it), fp16 beside
+    build
+    step 200 "Hopper GEMM GPU tests (int8 and 4-bit, split K)" python -m pytest -q -rf --tb=short -p no:cacheprovider \
+        test/test_quant_cuda.py test/test_fused_cuda.py -k "split or w8a16 or every_cutlass or hopper_uses or w4_hopper"
+    results=()
+    out=bench/results/decode_h200_w8_split.json
+    step 150 "W8A16 decode, split K" python bench/bench_decode.py --engine cutlass \
+        --sizes 7.2b,1.5b --batches 64,128,256 --steps 20 --wkv cuda --no-checks --out $out
+    results+=($out)
+    out=bench/results/experiment_w8_no_split_h200.json  # the A/B's off side
+    step 100 "W8A16 decode, no split K" env RWKV_W8_SPLIT_K=0 python bench/bench_decode.py --engine cutlass \
+        --sizes 1.5b --batches 64,128,256 --steps 20 --wkv cuda --no-checks --out $out
+    results+=($out)
+    out=bench/results/experiment_fp16_beside_w8_split_h200.json
+    step 120 "fp16 decode beside them" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 64,128,256 \
+        --steps 20 --wkv cuda --no-checks --out $out
+    results+=($out)
+    [ -n "$OUT" ] && tar czf "$OUT/w8_split.tgz" "${results[@]}" 2>/dev/null
+    python bench/brief.py "${results[@]}"
     ;;
 *)
     echo "unknown part $PART" >&2

@@ -52,12 +52,13 @@
 #if defined(W8A16_WITH_CUTLASS_SM90)
 // cuda/w8a16_gemm_sm90.cu: the same product with CUTLASS 3's Hopper mixed-input WGMMA kernel, in one of
 // w8a16_gemm_sm90_tile_count() tiles (-1: chosen per problem).
+// splits > 1: split K, fp32 partial products in partials [splits, partial_rows, N].
 int w8a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* w, const void* scale, void* y,
-                    cudaStream_t stream, int status_base, int tile);
+                    cudaStream_t stream, int status_base, int tile, int splits, void* partials, int64_t partial_rows);
 int w8a16_gemm_sm90_tile_count();
 int w8a16_gemm_sm90_tile_shape(int tile, int which);
 // The same kernel for 4-bit GemLite weights (A16W4_HQQ_INT, K-major words): see cuda/w8a16_gemm_sm90.cuh.
-// splits > 1: split K, fp32 partial products in partials [splits, partial_rows, N].
+// (splits as above)
 int w4a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* words, const void* scale,
                     const void* zero, int64_t group, void* y, cudaStream_t stream, int status_base, int tile,
                     int splits, void* partials, int64_t partial_rows);
@@ -251,16 +252,19 @@ extern "C" int w8a16_gemm_sm90_tile(int tile, int which) {
 #endif
 }
 
-// The same product with the Hopper GEMM in tile `tile` (-1: chosen per problem); kGemmNotBuilt without it.
+// The same product with the Hopper GEMM in tile `tile` (-1: chosen per problem), K split in `splits` (> 1: fp32
+// partials [splits, partial_rows, N]); kGemmNotBuilt without it.
 extern "C" int w8a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
-                                      const void* w, const void* scale, void* y, int tile) {
+                                      const void* w, const void* scale, void* y, int tile, int splits, void* partials,
+                                      int64_t partial_rows) {
 #if defined(W8A16_WITH_CUTLASS_SM90)
     return w8a16::on_device(device, [&] {
         return w8a16_gemm_sm90(M, N, K, x, w, scale, y, reinterpret_cast<cudaStream_t>(stream),
-                               w8a16::kCutlassStatusBase, tile);
+                               w8a16::kCutlassStatusBase, tile, splits, partials, partial_rows);
     });
 #else
-    (void)device, (void)stream, (void)M, (void)N, (void)K, (void)x, (void)w, (void)scale, (void)y, (void)tile;
+    (void)device, (void)stream, (void)M, (void)N, (void)K, (void)x, (void)w, (void)scale, (void)y, (void)tile,
+        (void)splits, (void)partials, (void)partial_rows;
     return w8a16::kGemmNotBuilt;
 #endif
 }

@@ -22,7 +22,8 @@ extern "C" int w8a16_gemm_launch(int device, int64_t stream, int64_t M, int64_t 
 extern "C" int w8a16_gemm_sm90_tiles();
 extern "C" int w8a16_gemm_sm90_tile(int tile, int which);
 extern "C" int w8a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
-                                      const void* w, const void* scale, void* y, int tile);
+                                      const void* w, const void* scale, void* y, int tile, int splits, void* partials,
+                                      int64_t partial_rows);
 extern "C" int w4a16_gemm_sm90_launch(int device, int64_t stream, int64_t M, int64_t N, int64_t K, const void* x,
                                       const void* words, const void* scale, const void* zero, int64_t group, void* y,
                                       int tile, int splits, void* partials, int64_t partial_rows);
@@ -62,6 +63,21 @@ void check_output(const char* op, const torch::Tensor& y, int64_t M, int64_t N) 
                 "], got ", shape(y));
 }
 
+// Split K of the Hopper GEMMs: (splits, rows) of `partials` (fp32 [splits >= 2, rows >= 1, N], on x's device), K
+// cut in `splits` slices of whole `step`s (the 4-bit group; 64 for int8); (1, 0) without partials.
+std::pair<int64_t, int64_t> split_of(const char* op, const std::optional<torch::Tensor>& partials,
+                                     const torch::Device& device, int64_t N, int64_t K, int64_t step) {
+    if (!partials.has_value()) return {1, 0};
+    check(*partials, device, torch::kFloat32, op, "partials");
+    TORCH_CHECK(partials->dim() == 3 && partials->size(0) >= 2 && partials->size(1) >= 1 && partials->size(2) == N,
+                op, ": partials must have shape [splits >= 2, rows >= 1, ", num(N), "], got ", shape(*partials));
+    const int64_t splits = partials->size(0);
+    TORCH_CHECK(K % (splits * step) == 0 && (K / splits) % 64 == 0 && N % 4 == 0, op, ": K = ", num(K),
+                " cannot be split in ", num(splits), " slices of whole groups of ", num(step),
+                " and of 64 (or N = ", num(N), " is not a multiple of 4)");
+    return {splits, partials->size(1)};
+}
+
 // y[M, N] = x[M, K] @ (w[N, K] * scale[N, None])^T: checks, then one launch through
 // launch(device, stream, M, N, K, x, w, scale, y).
 template <typename Launch>
@@ -95,12 +111,21 @@ void gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y
     run("w8a16 gemm", w8a16_gemm_launch, x, w, scale, y, stream);
 }
 
-void gemm_sm90(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y, int64_t stream, int64_t tile) {
-    TORCH_CHECK(tile >= -1 && tile < w8a16_gemm_sm90_tiles(), "w8a16 gemm (sm90): tile ", num(tile), " of ",
+// With partials (fp32 [splits, rows, N], splits >= 2; scratch): K is split as gemm_w4_sm90 does.
+void gemm_sm90(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y, int64_t stream, int64_t tile,
+               std::optional<torch::Tensor> partials) {
+    const char* op = "w8a16 gemm (sm90)";
+    TORCH_CHECK(tile >= -1 && tile < w8a16_gemm_sm90_tiles(), op, ": tile ", num(tile), " of ",
                 num(w8a16_gemm_sm90_tiles()));
-    run("w8a16 gemm (sm90)", [tile](int device, int64_t s, int64_t M, int64_t N, int64_t K, const void* xp,
-                                    const void* wp, const void* sp, void* yp) {
-        return w8a16_gemm_sm90_launch(device, s, M, N, K, xp, wp, sp, yp, static_cast<int>(tile));
+    TORCH_CHECK(w.dim() == 2, op, ": w must be [N, K], got ", shape(w));
+    // (splits, rows of x per chunk): not a structured binding, which a C++17 lambda cannot capture
+    const std::pair<int64_t, int64_t> split = split_of(op, partials, activation_device(op, x, y), w.size(0),
+                                                       w.size(1), 64);
+    void* partial_data = partials.has_value() ? partials->data_ptr() : nullptr;
+    run(op, [&](int device, int64_t s, int64_t M, int64_t N, int64_t K, const void* xp, const void* wp,
+                const void* sp, void* yp) {
+        return w8a16_gemm_sm90_launch(device, s, M, N, K, xp, wp, sp, yp, static_cast<int>(tile),
+                                      static_cast<int>(split.first), partial_data, split.second);
     }, x, w, scale, y, stream);
 }
 
@@ -125,16 +150,7 @@ void gemm_w4_sm90(torch::Tensor x, torch::Tensor words, torch::Tensor scale, tor
         TORCH_CHECK(t->dim() == 2 && t->size(0) == K / group && t->size(1) == N, op, ": scale and zero must have shape [",
                     num(K / group), ", ", num(N), "], got ", shape(*t));
     check_output(op, y, M, N);
-    int64_t splits = 1, partial_rows = 0;
-    if (partials.has_value()) {
-        check(*partials, device, torch::kFloat32, op, "partials");
-        TORCH_CHECK(partials->dim() == 3 && partials->size(0) >= 2 && partials->size(1) >= 1 && partials->size(2) == N,
-                    op, ": partials must have shape [splits >= 2, rows >= 1, ", num(N), "], got ", shape(*partials));
-        splits = partials->size(0), partial_rows = partials->size(1);
-        TORCH_CHECK(K % (splits * group) == 0 && (K / splits) % 64 == 0 && N % 4 == 0, op, ": K = ", num(K),
-                    " cannot be split in ", num(splits), " slices of whole groups of ", num(group),
-                    " and of 64 (or N = ", num(N), " is not a multiple of 4)");
-    }
+    const auto [splits, partial_rows] = split_of(op, partials, device, N, K, group);
     if (M == 0) return;
     const int err = w4a16_gemm_sm90_launch(static_cast<int>(device.index()), stream, M, N, K, x.data_ptr(),
                                            words.data_ptr(), scale.data_ptr(), zero.data_ptr(), group, y.data_ptr(),
@@ -158,9 +174,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("y"), py::arg("stream"));
     m.def("gemm", &gemm, "gemm(x, w, scale, y, stream): the same product with the CUTLASS tensor-core GEMM",
           py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("y"), py::arg("stream"));
-    m.def("gemm_sm90", &gemm_sm90, "gemm_sm90(x, w, scale, y, stream, tile=-1): the same product with the Hopper "
-          "WGMMA GEMM in tile `tile` of gemm_sm90_tiles() (-1: chosen from the shape)",
-          py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("y"), py::arg("stream"), py::arg("tile") = -1);
+    m.def("gemm_sm90", &gemm_sm90, "gemm_sm90(x, w, scale, y, stream, tile=-1, partials=None): the same product with "
+          "the Hopper WGMMA GEMM in tile `tile` of gemm_sm90_tiles() (-1: chosen from the shape); partials (fp32 "
+          "[splits, rows, N]) splits K",
+          py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("y"), py::arg("stream"), py::arg("tile") = -1,
+          py::arg("partials") = py::none());
     m.def("gemm_w4_sm90", &gemm_w4_sm90, "gemm_w4_sm90(x, words, scale, zero, group, y, stream, tile=-1, "
           "partials=None): y = x @ W.T for 4-bit weights (words [N, K/8] int32, scale and zero [K/group, N]) with the "
           "Hopper WGMMA GEMM; partials (fp32 [splits, rows, N]) splits K",

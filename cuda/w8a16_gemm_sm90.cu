@@ -26,13 +26,14 @@ using Run = int (*)(const Problem&, cudaStream_t, int);
 
 struct Tile {
     int m, n;  // output channels x batch rows
-    Run int8, uint4, uint4_split;
+    Run int8, uint4, int8_split, uint4_split;
 };
 
 template <int TILE_M, int TILE_N>
 constexpr Tile tile() {
     return {TILE_M, TILE_N, w8a16_sm90::gemm<Int8Rows, TILE_M, TILE_N, Half>,
-            w8a16_sm90::gemm<Uint4Groups, TILE_M, TILE_N, Half>, w8a16_sm90::gemm<Uint4Groups, TILE_M, TILE_N, float>};
+            w8a16_sm90::gemm<Uint4Groups, TILE_M, TILE_N, Half>, w8a16_sm90::gemm<Int8Rows, TILE_M, TILE_N, float>,
+            w8a16_sm90::gemm<Uint4Groups, TILE_M, TILE_N, float>};
 }
 
 // In order of preference: tallest batch tile first, then more channels per tile.
@@ -82,6 +83,30 @@ int run(int64_t M, int64_t N, int64_t K, Problem p, Run Tile::*format, cudaStrea
     return (kTiles[tile].*format)(p, stream, status_base);
 }
 
+// `p` with K split in p.splits slices (> 1), each a whole number of `step` elements (the 4-bit group; 64 for
+// int8) and of the K step, `format` one of the split kernels: partial_rows rows of x at a time, each chunk's slice products written to `partials`
+// (packed [splits, chunk rows, N]) and summed into y (N a multiple of 4).
+int run_split(int64_t M, int64_t N, int64_t K, Problem p, int64_t step, Run Tile::*format, cudaStream_t stream,
+              int status_base, int tile, void* partials, int64_t partial_rows) {
+    if (partials == nullptr || partial_rows <= 0 || N % 4 || K % (p.splits * step) || (K / p.splits) % 64)
+        return cudaErrorInvalidValue;
+    __half* y = static_cast<__half*>(p.y);
+    for (int64_t first = 0; first < M; first += partial_rows) {
+        const int64_t rows = std::min(partial_rows, M - first);
+        Problem chunk = p;
+        chunk.x = static_cast<const __half*>(p.x) + first * K;
+        chunk.y = partials;
+        int err = run(rows, N, K, chunk, format, stream, status_base, tile);
+        if (err != 0) return err;
+        const int64_t count4 = rows * N / 4;
+        constexpr int kThreads = 256;
+        sum_splits_kernel<<<static_cast<unsigned>((count4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+            static_cast<const float4*>(partials), p.splits, count4, reinterpret_cast<__half2*>(y + first * N));
+        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    }
+    return cudaSuccess;
+}
+
 }  // namespace
 
 int w8a16_gemm_sm90_tile_count() { return kTileCount; }
@@ -90,36 +115,25 @@ int w8a16_gemm_sm90_tile_shape(int tile, int which) {
     return tile < 0 || tile >= kTileCount ? -1 : which == 0 ? kTiles[tile].m : kTiles[tile].n;
 }
 
-// y[M, N] = x[M, K] @ (w[N, K] * scale[N, None])^T with tile `tile` (-1: chosen per problem).
+// y[M, N] = x[M, K] @ (w[N, K] * scale[N, None])^T with tile `tile` (-1: chosen per problem). splits > 1: K cut
+// into that many slices of whole K steps (64), their fp32 products written to partials [splits, partial_rows, N]
+// and summed into y, partial_rows rows of x at a time (N a multiple of 4).
 int w8a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* w, const void* scale, void* y,
-                    cudaStream_t stream, int status_base, int tile) {
-    return run(M, N, K, {0, 0, 0, x, w, scale, nullptr, 0, y, 1}, &Tile::int8, stream, status_base, tile);
+                    cudaStream_t stream, int status_base, int tile, int splits, void* partials, int64_t partial_rows) {
+    if (splits < 1) return cudaErrorInvalidValue;
+    const Problem p{0, 0, 0, x, w, scale, nullptr, 0, y, splits};
+    if (splits == 1) return run(M, N, K, p, &Tile::int8, stream, status_base, tile);
+    return run_split(M, N, K, p, 64, &Tile::int8_split, stream, status_base, tile, partials, partial_rows);
 }
 
 // y[M, N] = x[M, K] @ W^T for 4-bit W (words [N, K / 8], scale and zero [K / group, N]; group a multiple of the
-// K step, 64), with tile `tile` (-1: chosen per problem). splits > 1: K cut into that many slices of whole groups
-// (and of the K step), their fp32 products written to partials [splits, partial_rows, N] and summed into y,
-// partial_rows rows of x at a time (N a multiple of 4).
+// K step, 64), with tile `tile` (-1: chosen per problem). splits > 1: K cut into that many slices of whole groups,
+// as w8a16_gemm_sm90 does.
 int w4a16_gemm_sm90(int64_t M, int64_t N, int64_t K, const void* x, const void* words, const void* scale,
                     const void* zero, int64_t group, void* y, cudaStream_t stream, int status_base, int tile,
                     int splits, void* partials, int64_t partial_rows) {
     if (group <= 0 || group > K || K % group || splits < 1) return cudaErrorInvalidValue;
     const Problem p{0, 0, 0, x, words, scale, zero, static_cast<int>(group), y, splits};
     if (splits == 1) return run(M, N, K, p, &Tile::uint4, stream, status_base, tile);
-    if (partials == nullptr || partial_rows <= 0 || N % 4 || K % (splits * group) || (K / splits) % 64)
-        return cudaErrorInvalidValue;
-    for (int64_t first = 0; first < M; first += partial_rows) {
-        const int64_t rows = std::min(partial_rows, M - first);
-        Problem chunk = p;
-        chunk.x = static_cast<const __half*>(x) + first * K;
-        chunk.y = partials;
-        int err = run(rows, N, K, chunk, &Tile::uint4_split, stream, status_base, tile);
-        if (err != 0) return err;
-        const int64_t count4 = rows * N / 4;
-        constexpr int kThreads = 256;
-        sum_splits_kernel<<<static_cast<unsigned>((count4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-            static_cast<const float4*>(partials), splits, count4, static_cast<__half2*>(y) + first * N / 2);
-        if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    }
-    return cudaSuccess;
+    return run_split(M, N, K, p, group, &Tile::uint4_split, stream, status_base, tile, partials, partial_rows);
 }

@@ -140,7 +140,7 @@ extern "C" int w8a16_gemm_sm90_tiles() { return 0; }
 extern "C" int w8a16_gemm_sm90_tile(int, int) { return -1; }
 
 extern "C" int w8a16_gemm_sm90_launch(int, int64_t, int64_t, int64_t, int64_t, const void*, const void*,
-                                      const void*, void*, int) {
+                                      const void*, void*, int, int, void*, int64_t) {
     return w8a16::kGemmNotBuilt;
 }
 

@@ -540,14 +540,14 @@ def test_w4_hopper_gemm_tiles_match_gemlite_weights(uint4_layer, rows):
 def test_w4_hopper_gemm_splits_k_of_long_matrices(kernels):
     """A 4-bit layer of few output tiles and a long K (1,024 x 8,192, like an FFN value) splits K on the Hopper
     GEMM: against float64 products of its weights, a row's bits the same alone as in a batch of 200, in a CUDA
-    graph as eagerly, and close to the unsplit GEMM; above W4_SPLIT_MAX_ROWS it is not split."""
+    graph as eagerly, and close to the unsplit GEMM; above SPLIT_MAX_ROWS it is not split."""
     if importlib.util.find_spec("gemlite") is None:
         pytest.skip("needs gemlite 0.6.x")
-    from infer.ops.linear_w8a16 import W4_SPLIT_MAX_ROWS, uint4_weights, w4_gemm_splits
+    from infer.ops.linear_w8a16 import SPLIT_MAX_ROWS, uint4_weights, gemm_splits
     lin = gemlite_uint4(1024, 8192, 64, seed=3)
     op, words = w4_hopper_gemm(lin)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert lin._w4_splits == w4_gemm_splits(1024, 8192, 64, sms) > 1 and "slices" in lin.kind
+    assert lin._w4_splits == gemm_splits(1024, 8192, 64, sms) > 1 and "slices" in lin.kind
     _, scale, zero, group = lin.uint4_groups
     dense = uint4_weights(words, scale, zero)
     x = torch.randn(200, 8192, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda").half()
@@ -562,7 +562,7 @@ def test_w4_hopper_gemm_splits_k_of_long_matrices(kernels):
     unsplit = torch.empty_like(batch)
     op(x, words, scale, zero, group, unsplit, torch.cuda.current_stream().cuda_stream)
     torch.testing.assert_close(batch, unsplit, atol=2e-3, rtol=2e-3)
-    tall = torch.cat([x] * (W4_SPLIT_MAX_ROWS // 200 + 1))
+    tall = torch.cat([x] * (SPLIT_MAX_ROWS // 200 + 1))
     assert torch.equal(lin(tall)[:200], unsplit)
 
 

@@ -513,14 +513,14 @@ def test_w8a16_kernels_choose_the_gemm_and_the_gemv_rows(tiles, monkeypatch):
     (16384, 4096, 64, 1),   # 7.2B FFN key: 256 tiles already
     (65536, 4096, 64, 1),   # head
     (2048, 8192, 64, 4),    # 1.5B FFN value: 32 tiles, four slices of 2,048
-    (2048, 2048, 64, 1),    # 1.5B r/k/v: a slice would be shorter than W4_SPLIT_MIN_K
+    (2048, 2048, 64, 1),    # 1.5B r/k/v: a slice would be shorter than SPLIT_MIN_K
     (768, 3072, 64, 1),     # 0.1B FFN value: likewise
     (4096, 16384, 4096, 2),  # groups as long as a slice
     (4096, 16384, 8192, 2),
     (4096, 16384, 16384, 1),  # one group: no whole-group slice
 ])
-def test_w4_gemm_splits_depend_on_the_matrix_only(n_out, n_in, group, splits):
-    from infer.ops.linear_w8a16 import W4_SPLIT_MIN_K, w4_gemm_splits
-    got = w4_gemm_splits(n_out, n_in, group, sms=132)
+def test_gemm_splits_depend_on_the_matrix_only(n_out, n_in, group, splits):
+    from infer.ops.linear_w8a16 import SPLIT_MIN_K, gemm_splits
+    got = gemm_splits(n_out, n_in, group, sms=132)
     assert got == splits
-    assert n_in % (got * group) == 0 and (got == 1 or n_in // got >= W4_SPLIT_MIN_K)
+    assert n_in % (got * group) == 0 and (got == 1 or n_in // got >= SPLIT_MIN_K)

@@ -121,6 +121,36 @@ def test_w4_hopper_gemm_split_k_matches_the_reference(kernels, n_out, n_in, grou
     assert relative_error(unsplit, want) <= KERNEL_TOL
 
 
+@pytest.mark.parametrize("n_out,n_in,splits", [(264, 768, 2), (2048, 8192, 4), (4096, 16384, 2)])
+@pytest.mark.parametrize("rows,partial_rows", [(9, 9), (128, 128), (300, 128)])
+def test_w8a16_hopper_gemm_split_k_matches_the_reference(kernels, n_out, n_in, splits, rows, partial_rows):
+    """The int8 Hopper GEMM with split K (each slice's product scaled per channel in fp32, the slices summed in
+    order) in each tile, whole or in chunks of partial_rows rows: against the dequantized product, the same bits in
+    every tile, and W8A16Linear splitting the matrices its rule picks."""
+    if not kernels.hopper_gemm:
+        pytest.skip("the Hopper GEMM is built for compute capability 9.0 with the CUTLASS headers")
+    from infer.ops.linear_w8a16 import SPLIT_MAX_ROWS, SPLIT_STEP, gemm_splits
+    gen = torch.Generator(device="cuda").manual_seed(rows + n_in + splits)
+    q = torch.randint(-127, 128, (n_out, n_in), generator=gen, device="cuda", dtype=torch.int8)
+    scale = (torch.rand(n_out, generator=gen, device="cuda") * 0.01 + 1e-3).half()
+    x = torch.randn(rows, n_in, generator=gen, device="cuda").half()
+    want = dequantize_matmul(x.float(), q, scale.float())
+    stream = torch.cuda.current_stream().cuda_stream
+    results = []
+    for tile in [-1, *range(len(kernels.sm90_tiles))]:
+        partials = torch.full((splits, partial_rows, n_out), float("nan"), device="cuda")
+        y = torch.full((rows, n_out), float("nan"), dtype=torch.float16, device="cuda")
+        kernels.gemm_sm90(x, q, scale, y, stream, tile, partials)
+        assert relative_error(y, want) <= KERNEL_TOL, tile
+        results.append(y)
+    assert all(torch.equal(results[0], y) for y in results[1:])
+    layer = W8A16Linear(q, scale)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert layer._splits == gemm_splits(n_out, n_in, SPLIT_STEP, sms)
+    if layer._splits > 1 and rows <= SPLIT_MAX_ROWS:
+        assert relative_error(layer(x), want) <= KERNEL_TOL
+
+
 def test_w4_hopper_gemm_rejects_bad_operands(kernels):
     if kernels.gemm_w4 is None:
         pytest.skip("the 4-bit Hopper GEMM is built for compute capability 9.0 with the CUTLASS headers")

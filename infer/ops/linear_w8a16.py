@@ -22,9 +22,10 @@ Checkpoint layout (``python -m infer.quant.export_quant``): each quantized matri
   other rows of the call.
 
 On Hopper builds the same extension also holds the WGMMA GEMM for 4-bit GemLite weights (``gemm_w4_sm90``: words
-[N, K/8] K-major, fp16 scale and zero per group; :func:`uint4_weights` is its reference; K optionally split in
-slices summed from fp32 partial products, :func:`w4_gemm_splits`), which ``infer.quant.gemlite_linear`` uses for
-larger batches.
+[N, K/8] K-major, fp16 scale and zero per group; :func:`uint4_weights` is its reference), which
+``infer.quant.gemlite_linear`` uses for larger batches. Both Hopper GEMMs may split K in slices summed from fp32
+partial products (:func:`gemm_splits`: matrices of few output tiles, batches of up to ``SPLIT_MAX_ROWS`` rows;
+``RWKV_W8_SPLIT_K=0`` / ``RWKV_W4_SPLIT_K=0`` never split).
 
 The extension is built on first use like the WKV kernel (``infer.ops.cuda_ext``) and checked against
 the dequantizing reference once; :func:`load_w8a16_kernels` never raises, it logs why and returns None.
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from infer.ops.cuda_ext import BuildOnce, compile_extension, env_int
+from infer.ops.cuda_ext import BuildOnce, compile_extension, env_flag, env_int
 from infer.ops.linear import cpu_row_blocks
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ CUDA_SOURCES = [ROOT / "cuda" / "w8a16_gemm_op.cpp", ROOT / "cuda" / "w8a16_gemm
 # compiles the tiles in parallel.
 SM90_TILES = ("64x256", "128x128", "64x128", "64x64")
 SM90_SOURCES = [ROOT / "cuda" / "w8a16_gemm_sm90.cu"] + [ROOT / "cuda" / f"{kernel}_{tile}.cu" for kernel in (
-    "w8a16_gemm_sm90", "w4a16_gemm_sm90", "w4a16_gemm_sm90_split") for tile in SM90_TILES]
+    "w8a16_gemm_sm90", "w4a16_gemm_sm90", "w8a16_gemm_sm90_split", "w4a16_gemm_sm90_split") for tile in SM90_TILES]
 # CUTLASS 3's Hopper kernels need the architecture-specific target (wgmma, setmaxnreg); an explicit
 # -gencode also stops torch from adding its own arch flags. NDEBUG: CUTLASS's device-side asserts are
 # calls that make ptxas serialize the WGMMA pipeline (warning C7510).
@@ -66,14 +67,15 @@ GPU_CHUNK_ELEMENTS = 1 << 26
 SM90_GEMV_ROWS = 4
 # The kernels load 16 bytes at a time (K) and the CUTLASS epilogue stores 8 fp16 at a time (N).
 K_MULTIPLE, N_MULTIPLE = 16, 8
-# Split K for the 4-bit Hopper GEMM (w4_gemm_splits): a slice keeps at least this much of K, and batches of more
-# rows than W4_SPLIT_MAX_ROWS are not split. Measured on the H200, the GEMMs replayed from CUDA graphs
+# Split K for the Hopper GEMMs, int8 and 4-bit (gemm_splits): a slice keeps at least this much of K, and batches
+# of more rows than SPLIT_MAX_ROWS are not split. Measured on the H200 for 4-bit weights, the GEMMs replayed from CUDA graphs
 # (bench/results/w4_gemm_split_graph_*_h200.json): 7.2B FFN value (K = 16,384) at 16-256 rows 70-83 -> 40-65 us,
 # 7.2B r/k/v/output 20-24 -> 14-22 us, 1.5B FFN value 38-39 -> 16-23 us in four slices; at 512 rows every split
 # was slower (7.2B FFN value 109 -> 122 us). W4 decode, 7.2B batch 128: 14,276 tok/s with slices of >= 2,048
 # against 13,482 with >= 4,096 (which leaves r/k/v/output whole; 11,674 unsplit on the machine of another call).
-W4_SPLIT_MIN_K = 2048
-W4_SPLIT_MAX_ROWS = 256
+SPLIT_MIN_K = 2048
+SPLIT_MAX_ROWS = 256
+SPLIT_STEP = 64  # int8 slices: whole K steps of the Hopper GEMM
 
 
 def dequantize_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -117,8 +119,9 @@ def random_uint4(gen: torch.Generator, n_out: int, n_in: int,
     return words, scale, zero
 
 
-def w4_gemm_splits(n_out: int, n_in: int, group: int, sms: int, min_k: int = W4_SPLIT_MIN_K) -> int:
-    """Into how many slices of K the 4-bit Hopper GEMM cuts an [n_out, n_in] matrix: doubling while its 64-channel
+def gemm_splits(n_out: int, n_in: int, group: int, sms: int, min_k: int = SPLIT_MIN_K) -> int:
+    """Into how many slices of K a Hopper GEMM cuts an [n_out, n_in] matrix (``group``: the 4-bit group, or the
+    K step, 64, for int8): doubling while its 64-channel
     output tiles (times the slices) give fewer than 90 % of the ``sms`` multiprocessors one each, and each slice
     stays a whole number of groups and of the K step, at least ``min_k`` long. A function of the matrix alone, so
     a row's sums do not depend on how many rows share the call."""
@@ -156,6 +159,12 @@ class W8A16Linear:
         if qweight.is_cuda and scale.dtype == torch.float16 and self.in_features % K_MULTIPLE == 0 \
                 and self.out_features % N_MULTIPLE == 0:
             self._kernels = load_w8a16_kernels()
+        # Hopper GEMM batches of up to SPLIT_MAX_ROWS rows split K when the matrix has few output tiles
+        self._splits = 1
+        if self._kernels is not None and self._kernels.hopper_gemm and env_flag("RWKV_W8_SPLIT_K", True):
+            sms = torch.cuda.get_device_properties(qweight.device).multi_processor_count
+            self._splits = gemm_splits(self.out_features, self.in_features, SPLIT_STEP, sms,
+                                       env_int("RWKV_W8_SPLIT_MIN_K", SPLIT_MIN_K))
         if self._kernels is None:
             self.kind = "w8a16 int8 (dequantize + matmul)"
         elif self._kernels.gemm_available:
@@ -176,8 +185,14 @@ class W8A16Linear:
             return dequantize_matmul(x, self.qweight, self.scale)
         x = aligned(x)
         y = torch.empty((rows, self.out_features), dtype=torch.float16, device=x.device)
-        op = kernels.gemv if rows <= kernels.gemv_rows or not kernels.gemm_available else kernels.gemm
-        op(x, self.qweight, self.scale, y, torch.cuda.current_stream(x.device).cuda_stream)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        if rows <= kernels.gemv_rows or not kernels.gemm_available:
+            kernels.gemv(x, self.qweight, self.scale, y, stream)
+        elif kernels.hopper_gemm and self._splits > 1 and rows <= SPLIT_MAX_ROWS:
+            partials = torch.empty((self._splits, rows, self.out_features), dtype=torch.float32, device=x.device)
+            kernels.gemm(x, self.qweight, self.scale, y, stream, -1, partials)
+        else:
+            kernels.gemm(x, self.qweight, self.scale, y, stream)
         return y
 
 
@@ -190,7 +205,7 @@ class W8A16Kernels:
         self.gemv_max_rows: int = module.gemv_max_rows()
         self.gemm_available: bool = module.gemm_available()
         self.gemm_sm80 = module.gemm
-        self.gemm_sm90 = module.gemm_sm90  # (x, w, scale, y, stream, tile=-1)
+        self.gemm_sm90 = module.gemm_sm90  # (x, w, scale, y, stream, tile=-1, partials=None)
         self.sm90_tiles: list[tuple[int, int]] = module.gemm_sm90_tiles()  # (channels, rows); [] unless sm_90a
         # 4-bit weights on the Hopper GEMM, (x, words, scale, zero, group, y, stream, tile=-1); None unless built
         # (or after a failed self-test)
@@ -254,17 +269,22 @@ def _compile():
     return compile_extension(name, sources, flags, what)
 
 
-def _check(op, rows: int) -> str | None:
-    """Run ``op`` on a random problem with ``rows`` rows against :func:`dequantize_matmul`; a reason if they disagree."""
+def _check(op, rows: int, splits: int = 1) -> str | None:
+    """Run ``op`` on a random problem with ``rows`` rows against :func:`dequantize_matmul`; a reason if they disagree.
+    With ``splits`` (the Hopper GEMM), K = 768 in that many slices, the rows 128 at a time."""
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device).manual_seed(rows)
-    n_out, n_in = 264, 720  # not multiples of the GEMV's 512-weight step or the GEMM's tiles: tails run too
+    n_out, n_in = 264, 720 if splits == 1 else 768  # 720: not a multiple of the GEMV's 512-weight step or a tile
     qweight = torch.randint(-127, 128, (n_out, n_in), generator=gen, device=device, dtype=torch.int8)
     scale = (torch.rand(n_out, generator=gen, device=device) * 0.01 + 1e-3).half()
     x = torch.randn(rows, n_in, generator=gen, device=device).half()
     expect = dequantize_matmul(x.float(), qweight, scale.float())
     y = torch.empty((rows, n_out), dtype=torch.float16, device=device)
-    op(x, qweight, scale, y, torch.cuda.current_stream(device).cuda_stream)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    if splits == 1:
+        op(x, qweight, scale, y, stream)
+    else:
+        op(x, qweight, scale, y, stream, -1, torch.empty((splits, min(rows, 128), n_out), device=device))
     torch.cuda.synchronize(device)
     return _disagreement(y, expect, rows)
 
@@ -300,7 +320,8 @@ def load_w8a16_kernels(verify: bool = True) -> W8A16Kernels | None:
         kernels = W8A16Kernels(_compile())
         if verify and (reason := _check(kernels.gemv, 1) or _check(kernels.gemv, kernels.gemv_max_rows)):
             return None, f"GEMV self-test failed ({reason}); dequantizing instead"
-        if verify and kernels.hopper_gemm and (gemm_error := _check(kernels.gemm, 40) or _check(kernels.gemm, 300)):
+        if verify and kernels.hopper_gemm and (gemm_error := _check(kernels.gemm, 40) or _check(kernels.gemm, 300)
+                                               or _check(kernels.gemm, 300, splits=2)):
             log.warning("W8A16 Hopper GEMM switched off: self-test failed (%s); using the SM80 GEMM", gemm_error)
             kernels.gemm = kernels.gemm_sm80
         if verify and kernels.gemm_w4 is not None and (w4_error := _check_w4(kernels.gemm_w4, 40)

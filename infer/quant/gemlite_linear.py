@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from infer.ops.cuda_ext import env_flag, env_int
-from infer.ops.linear_w8a16 import (W4_SPLIT_MAX_ROWS, W4_SPLIT_MIN_K, W8A16Linear, aligned, hopper_gemm_buildable,
-                                    load_w8a16_kernels, w4_gemm_splits)
+from infer.ops.linear_w8a16 import (SPLIT_MAX_ROWS, SPLIT_MIN_K, W8A16Linear, aligned, hopper_gemm_buildable,
+                                    load_w8a16_kernels, gemm_splits)
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +149,8 @@ class GemLiteLinear:
         # second copy of its 4-bit codes (the fused GEMV and GemLite read the first): the 4-bit matrices then take
         # about what int8 ones do, half of fp16. RWKV_W4_HOPPER_GEMM=0 leaves the copy out (GemLite's GEMM and
         # cuBLAS chunks serve those batches, at about half the fp16 engine's speed). Matrices with few output tiles
-        # and a long K (the FFN value; at 7.2B r/k/v/output too) split K for batches up to W4_SPLIT_MAX_ROWS rows
-        # (w4_gemm_splits; RWKV_W4_SPLIT_K=0 never splits, RWKV_W4_SPLIT_MIN_K sets the shortest slice).
+        # and a long K (the FFN value; at 7.2B r/k/v/output too) split K for batches up to SPLIT_MAX_ROWS rows
+        # (gemm_splits; RWKV_W4_SPLIT_K=0 never splits, RWKV_W4_SPLIT_MIN_K sets the shortest slice).
         self._w4_gemm: tuple[Callable[..., None], torch.Tensor] | None = None
         self._w4_splits = 1
         if (self.uint4_groups is not None and group % HOPPER_K_STEP == 0 and self.out_features % 8 == 0
@@ -161,9 +161,9 @@ class GemLiteLinear:
                 self._w4_gemm = (kernels.gemm_w4, w_q.t().contiguous())
                 if env_flag("RWKV_W4_SPLIT_K", True):
                     sms = torch.cuda.get_device_properties(w_q.device).multi_processor_count
-                    min_k = env_int("RWKV_W4_SPLIT_MIN_K", W4_SPLIT_MIN_K)
-                    self._w4_splits = w4_gemm_splits(self.out_features, self.in_features, group, sms, min_k)
-                split = f", K in {self._w4_splits} slices up to {W4_SPLIT_MAX_ROWS}" if self._w4_splits > 1 else ""
+                    min_k = env_int("RWKV_W4_SPLIT_MIN_K", SPLIT_MIN_K)
+                    self._w4_splits = gemm_splits(self.out_features, self.in_features, group, sms, min_k)
+                split = f", K in {self._w4_splits} slices up to {SPLIT_MAX_ROWS}" if self._w4_splits > 1 else ""
                 self.kind += f" (batches above {W4_HOPPER_ABOVE_ROWS}: 4-bit Hopper GEMM{split})"
         # (rows, matmul): batches above `rows` go to matmul(x, words, scale, zero); set by select_fused to the
         # fused kernels' uint4_matmul (fp16 chunks of W^T for cuBLAS)
@@ -179,7 +179,7 @@ class GemLiteLinear:
             rows = x.shape[0]
             y = torch.empty((rows, self.out_features), dtype=torch.float16, device=x.device)
             partials = None
-            if self._w4_splits > 1 and rows <= W4_SPLIT_MAX_ROWS:
+            if self._w4_splits > 1 and rows <= SPLIT_MAX_ROWS:
                 partials = torch.empty((self._w4_splits, rows, self.out_features), dtype=torch.float32,
                                        device=x.device)
             op(x, words, scale, zero, group, y, torch.cuda.current_stream(x.device).cuda_stream, -1, partials)
