@@ -398,23 +398,86 @@ __device__ __forceinline__ bool row_tokens_valid(int64_t first, int64_t last, in
 }
 __device__ __forceinline__ bool slot_valid(int64_t slot, int64_t num_slots) { return !(slot < 0 || slot >= num_slots); }
 
-// Whether a time-mix block's row has work (values the same for the whole block, so the early return is
-// block-uniform). If not, the block waits for its predecessor like any other and, for a row on a bad slot,
-// stores NaN outputs (its tokens first + offset, + stride, ... at channel col), leaving the state alone.
-__device__ __forceinline__ bool row_has_work(const TimeMixArgs& p, int64_t first, int64_t last, int64_t slot,
-                                             int64_t num_slots, int64_t num_tokens, int64_t C, int64_t col,
-                                             int offset, int stride) {
-    if (!row_tokens_valid(first, last, num_tokens)) {  // empty row or bad token range
-        dependency_wait();
-        return false;
-    }
+// Whether a row's tokens and slot are usable; stores NaN outputs for a row on a bad slot (its tokens first + offset,
+// + stride, ... at channel col), leaving the state alone. Only after dependency_wait: the outputs may still be read
+// by the predecessor.
+__device__ __forceinline__ bool row_usable(const TimeMixArgs& p, int64_t first, int64_t last, int64_t slot,
+                                           int64_t num_slots, int64_t num_tokens, int64_t C, int64_t col, int offset,
+                                           int stride) {
+    if (!row_tokens_valid(first, last, num_tokens)) return false;  // empty row or bad token range
     if (!slot_valid(slot, num_slots)) {
-        dependency_wait();
         for (int64_t t = first + offset; t <= last; t += stride)
             p.out[t * C + col] = __float2half_rn(__int_as_float(0x7fc00000));
         return false;
     }
     return true;
+}
+
+// Whether a time-mix block's row has work (values the same for the whole block, so the early return is
+// block-uniform). If not, the block waits for its predecessor like any other, then row_usable's stores.
+__device__ __forceinline__ bool row_has_work(const TimeMixArgs& p, int64_t first, int64_t last, int64_t slot,
+                                             int64_t num_slots, int64_t num_tokens, int64_t C, int64_t col,
+                                             int offset, int stride) {
+    if (!row_tokens_valid(first, last, num_tokens)) {
+        dependency_wait();
+        return false;
+    }
+    if (!slot_valid(slot, num_slots)) {
+        dependency_wait();
+        return row_usable(p, first, last, slot, num_slots, num_tokens, C, col, offset, stride);  // (false)
+    }
+    return true;
+}
+
+// The decode kernels' shared memory besides the state: a token's key-axis vectors and the reductions' scratch.
+struct TimeMixShared {
+    __align__(16) float r[N], w[N], k[N], a[N], b[N];
+    float scratch[6];
+};
+
+// Every token of one row through one head, a thread per state row (s = S[i][:], updated in place) and channel
+// col. `in` holds the first token's inputs; each token fetches the next one's before the barrier that ends it.
+__device__ __forceinline__ void time_mix_tokens(const TimeMixArgs& p, const ChannelParams& cp, int64_t first,
+                                                int64_t last, int64_t C, int64_t col, TokenInputs in, float (&s)[N],
+                                                TimeMixShared& sh) {
+    const int i = threadIdx.x;
+    for (int64_t t = first; t <= last; ++t) {
+        const int64_t o = t * C + col;
+        const TokenInputs cur = in;
+        const float r = cur.r, k = cur.k;
+        float v = cur.v;
+        const float w = __expf(-kExpMinusHalf * sigmoidf(cp.w0 + cur.dw));
+        const float a = sigmoidf(cp.a0 + cur.da);
+        const float kkr = k * cp.k_k;
+        const float kn = k * (1.0f + (a - 1.0f) * cp.k_a);
+        if (p.first_layer) {
+            p.v_first[o] = __float2half_rn(v);
+        } else {
+            v = v + (cur.v_first - v) * sigmoidf(cp.v0 + cur.dv);
+        }
+        const float norm = sqrtf(block_sum<2>(kkr * kkr, sh.scratch));
+        const float kk = kkr / fmaxf(norm, 1e-12f);
+        sh.r[i] = r;
+        sh.w[i] = w;
+        sh.k[i] = kn;
+        sh.a[i] = -kk;
+        sh.b[i] = kk * a;
+        __syncthreads();
+
+        const float y = wkv7::token_step(s, sh.a, sh.w, sh.k, sh.b, sh.r, v);
+
+        // group norm over the head, plus the bonus term sum_j r_j k'_j r_k_j
+        const float mean = block_sum<2>(y, sh.scratch + 2) * (1.0f / N);
+        const float bonus = block_sum<2>(r * kn * cp.r_k, sh.scratch + 4);
+        float var_part = (y - mean) * (y - mean);
+        // reuse scratch[0..1]: every thread read it before the barrier inside the mean's block_sum
+        const float var = block_sum<2>(var_part, sh.scratch) * (1.0f / N);
+        const float yn = (y - mean) * rsqrtf(var + kGroupNormEps) * cp.lnx_w + cp.lnx_b;
+        const float res = round_half(yn + bonus * v) * cur.g;
+        p.out[o] = __float2half_rn(res);
+        if (t < last) in = load_token_inputs(p, o + C);  // in flight across the barrier
+        __syncthreads();  // the key-axis buffers and scratch are rewritten by the next token
+    }
 }
 
 template <typename S>
@@ -430,8 +493,7 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
     if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
 
     __shared__ __align__(16) float tile[N][wkv7::LD];
-    __shared__ __align__(16) float kr[N], kw[N], kk_[N], ka[N], kb[N];  // key-axis vectors of the token
-    __shared__ float scratch[6];
+    __shared__ TimeMixShared sh;
 
     // The state block (16 KB fp32) and the first token's inputs are loaded together, and each token
     // fetches the next one's inputs before the barrier that ends it: at large batches this kernel moves most
@@ -440,57 +502,117 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
     wkv7::Staged<S> staged;
     wkv7::block_load(block, staged);  // only this kernel writes the state: safe before the wait
 
-    const auto [w0, r_k, lnx_w, lnx_b, a0, k_k, k_a, v0] = load_channel_params(p, col);
+    const ChannelParams cp = load_channel_params(p, col);
 
     dependency_wait();
-    TokenInputs in = load_token_inputs(p, first * C + col);
+    const TokenInputs in = load_token_inputs(p, first * C + col);
     wkv7::staged_to_tile(staged, tile);
     __syncthreads();
     float s[N];
     wkv7::tile_row_to_regs(tile[i], s);
 
-    for (int64_t t = first; t <= last; ++t) {
-        const int64_t o = t * C + col;
-        const TokenInputs cur = in;
-        const float r = cur.r, k = cur.k;
-        float v = cur.v;
-        const float w = __expf(-kExpMinusHalf * sigmoidf(w0 + cur.dw));
-        const float a = sigmoidf(a0 + cur.da);
-        const float kkr = k * k_k;
-        const float kn = k * (1.0f + (a - 1.0f) * k_a);
-        if (p.first_layer) {
-            p.v_first[o] = __float2half_rn(v);
-        } else {
-            v = v + (cur.v_first - v) * sigmoidf(v0 + cur.dv);
-        }
-        const float norm = sqrtf(block_sum<2>(kkr * kkr, scratch));
-        const float kk = kkr / fmaxf(norm, 1e-12f);
-        kr[i] = r;
-        kw[i] = w;
-        kk_[i] = kn;
-        ka[i] = -kk;
-        kb[i] = kk * a;
-        __syncthreads();
-
-        const float y = wkv7::token_step(s, ka, kw, kk_, kb, kr, v);
-
-        // group norm over the head, plus the bonus term sum_j r_j k'_j r_k_j
-        const float mean = block_sum<2>(y, scratch + 2) * (1.0f / N);
-        const float bonus = block_sum<2>(r * kn * r_k, scratch + 4);
-        float var_part = (y - mean) * (y - mean);
-        // reuse scratch[0..1]: every thread read it before the barrier inside the mean's block_sum
-        const float var = block_sum<2>(var_part, scratch) * (1.0f / N);
-        const float yn = (y - mean) * rsqrtf(var + kGroupNormEps) * lnx_w + lnx_b;
-        const float res = round_half(yn + bonus * v) * cur.g;
-        p.out[o] = __float2half_rn(res);
-        if (t < last) in = load_token_inputs(p, o + C);  // in flight across the barrier
-        __syncthreads();  // the key-axis buffers and scratch are rewritten by the next token
-    }
+    time_mix_tokens(p, cp, first, last, C, col, in, s, sh);
 
     __syncthreads();
     wkv7::regs_to_tile_row(s, tile[i]);
     __syncthreads();
     wkv7::tile_to_block(tile, block);
+}
+
+// ------------------------------------------------------------------------------------ time_mix, many rows
+// At large decode batches time_mix_kernel is bound by its blocks' latency, not by the memory: each block loads
+// its state, waits for it, computes and stores, and the eight blocks of 128 registers x 64 threads a multiprocessor
+// holds leave the memory idle while they compute (7.2B, batch 256, fp16 state: 3.41 ms of a 10.85 ms step, 2.5 of
+// the 4.3 TB/s; bench/results/profile_b256_fp16_state_h200.json). This kernel runs as many blocks as fit at once
+// (a multiple of H: a block keeps one head), each walking the (row, head) items with a stride, the next item's
+// state block copied into shared memory (cp.async) while the current one is computed. Same math, order and
+// rounding as time_mix_kernel (bit for bit; the launcher picks by the grid's size).
+__device__ __forceinline__ void copy_async16(void* dst_shared, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#else
+    *reinterpret_cast<uint4*>(dst_shared) = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int PENDING>  // wait until at most PENDING of this thread's newest commit groups are in flight
+__device__ __forceinline__ void copy_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+#endif
+}
+
+template <typename S>
+__global__ void __launch_bounds__(N)
+time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t items, S* __restrict__ state,
+                          const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
+                          const int64_t* __restrict__ lasts, TimeMixArgs p) {
+    // a head's state block in shared memory: row i at i * kRowBytes, padded by 16 bytes so that the 16-byte row
+    // reads of every eight consecutive threads fall in different banks
+    constexpr int kRowBytes = N * int(sizeof(S)) + 16;
+    constexpr int kRowVecs = N * int(sizeof(S)) / 16;  // a state row's 16-byte vectors
+    constexpr int kBlockVecs = N * kRowVecs;
+    __shared__ __align__(16) unsigned char buf[2][N * kRowBytes];
+    __shared__ TimeMixShared sh;
+    const int h = blockIdx.x % H;  // gridDim.x % H == 0: every item of the block is on head h
+    const int i = threadIdx.x;
+    const int64_t C = int64_t(H) * N;
+    const int64_t col = int64_t(h) * N + i;
+    const int64_t stride = gridDim.x;
+
+    // The state block of `item` into buf[b] when its row has work; one commit group either way, so that
+    // copy_async_wait<1> always leaves exactly the newest (the next item's) in flight.
+    auto fetch = [&](int64_t item, int b) {
+        if (item < items) {
+            const auto [first, last, slot] = time_mix_row(item / H, slots, starts, lasts);
+            if (row_tokens_valid(first, last, num_tokens) && slot_valid(slot, num_slots)) {
+                const unsigned char* src = reinterpret_cast<const unsigned char*>(state + (slot * H + h) * N * N);
+#pragma unroll
+                for (int c = 0; c < kBlockVecs / N; ++c) {
+                    const int f = i + N * c;
+                    copy_async16(&buf[b][(f / kRowVecs) * kRowBytes + (f % kRowVecs) * 16], src + int64_t(f) * 16);
+                }
+            }
+        }
+        copy_async_commit();
+    };
+
+    const ChannelParams cp = load_channel_params(p, col);
+    fetch(blockIdx.x, 0);  // only this kernel writes the state: safe before the wait
+    dependency_wait();
+    int b = 0;
+    for (int64_t item = blockIdx.x; item < items; item += stride, b ^= 1) {
+        __syncthreads();  // every thread has stored the previous item out of buf[b ^ 1]
+        fetch(item + stride, b ^ 1);
+        const auto [first, last, slot] = time_mix_row(item / H, slots, starts, lasts);
+        if (!row_usable(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) continue;
+        const TokenInputs in = load_token_inputs(p, first * C + col);
+        copy_async_wait<1>();
+        __syncthreads();  // the block's copies of this item are in buf[b]
+        unsigned char* row = &buf[b][i * kRowBytes];
+        float s[N];
+        wkv7::row_to_regs<S>(row, s);
+
+        time_mix_tokens(p, cp, first, last, C, col, in, s, sh);
+
+        wkv7::regs_to_row<S>(s, row);  // (each thread its own row: no barrier before)
+        __syncthreads();
+        unsigned char* dst = reinterpret_cast<unsigned char*>(state + (slot * H + h) * N * N);
+#pragma unroll
+        for (int c = 0; c < kBlockVecs / N; ++c) {
+            const int f = i + N * c;
+            *reinterpret_cast<uint4*>(dst + int64_t(f) * 16) =
+                *reinterpret_cast<const uint4*>(&buf[b][(f / kRowVecs) * kRowBytes + (f % kRowVecs) * 16]);
+        }
+    }
+    copy_async_wait<0>();
 }
 
 // ------------------------------------------------------------------------------------ time_mix, prefill
@@ -2421,6 +2543,29 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
     return tensor_cores ? kTimeMixChunkedTc : kTimeMixChunked;
 }
 
+// Blocks for time_mix_pipelined_kernel at a decode launch of `grid` (row, head) items: as many as fit on the device
+// at once, a multiple of H; 0 for time_mix_kernel instead (below two items per block, or RWKV_TIME_MIX_PIPELINED=0).
+// `requested` > 0 asks for that many (rounded down to a multiple of H; tests walk many items per block with it),
+// < 0 for none.
+template <typename Kernel>
+int64_t pipelined_blocks(Kernel kernel, int device, unsigned grid, int H, int64_t requested) {
+    static const bool enabled = env_flag("RWKV_TIME_MIX_PIPELINED", true);
+    static int per_multiprocessor[64] = {0};  // 0 unknown, else blocks + 1
+    if (requested < 0 || (requested == 0 && !enabled) || device < 0 || device >= 64) return 0;
+    int64_t blocks = requested;
+    if (blocks == 0) {
+        if (per_multiprocessor[device] == 0) {
+            int count = 0;
+            if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kernel, N, 0) != cudaSuccess) count = 0;
+            per_multiprocessor[device] = count + 1;
+        }
+        blocks = int64_t(per_multiprocessor[device] - 1) * multiprocessors(device);
+        if (int64_t(grid) < 2 * blocks) return 0;
+    }
+    if (blocks > int64_t(grid)) blocks = grid;
+    return blocks / H * H;
+}
+
 // Whether gemv_kernel takes a task: k a multiple of one 16-byte load (8 fp16 or 16 int8 weights); 4-bit:
 // whole 16-byte vectors of 4 channels (n % 4 == 0) and whole groups of whole words.
 inline bool gemv_takes(int64_t n, int64_t k, int weight_type, int64_t group) {
@@ -2663,6 +2808,8 @@ extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, 
 // params: w0, r_k, lnx_w, lnx_b (fp32 [C]), a0, v0, k_k, k_a (fp16 [C]; v0 unused in layer 0).
 // max_len: the longest row's tokens (a prefill when > 1, see time_mix_kernel_for).
 // scratch: fp32, fused_time_mix_scratch_floats(...) of them (none when that is 0).
+// pipeline_blocks: 0 lets a decode launch take time_mix_pipelined_kernel by its size, < 0 never, > 0 always, on that
+// many blocks (see pipelined_blocks).
 extern "C" int64_t fused_time_mix_scratch_floats(int64_t B, int64_t H, int64_t num_tokens, const void* const* tensors,
                                                  int first_layer, int64_t max_len) {
     using namespace fused;
@@ -2677,7 +2824,7 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
                                      const void* const* params, int first_layer, int64_t max_len, float* scratch,
-                                     int64_t scratch_floats) {
+                                     int64_t scratch_floats, int64_t pipeline_blocks) {
     using namespace fused;
     if (B == 0) return cudaSuccess;
     if (B < 0 || H <= 0 || B * H > INT_MAX) return cudaErrorInvalidConfiguration;
@@ -2692,9 +2839,14 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
         return cudaErrorInvalidConfiguration;
     if (kernel == kTimeMixSplit && (scratch == nullptr || scratch_floats < split_scratch_floats(num_tokens, H)))
         return cudaErrorInvalidValue;
-    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto chunked_tc_kernel,
-                   auto split2_kernel, auto split4_kernel) {
+    auto run = [&](auto* pool, auto decode_kernel, auto pipelined_kernel, auto prefill_kernel, auto chunked_kernel,
+                   auto chunked_tc_kernel, auto split2_kernel, auto split4_kernel) {
         return on_device(device, [&] {
+            const int64_t pipelined =
+                kernel == kTimeMixDecode ? pipelined_blocks(pipelined_kernel, device, grid, h, pipeline_blocks) : 0;
+            if (pipelined > 0)
+                return launch(pipelined_kernel, static_cast<unsigned>(pipelined), N, s, h, num_slots, num_tokens,
+                              int64_t(grid), pool, slots, starts, lasts, p);
             if (kernel == kTimeMixSplit) {
                 const int parts = split_parts(grid, multiprocessors(device));
                 const cudaError_t err =
@@ -2716,10 +2868,12 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
         });
     };
     if (state_dtype == wkv7::kFloat32)
-        return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_prefill_kernel<float>,
+        return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_pipelined_kernel<float>,
+                   time_mix_prefill_kernel<float>,
                    time_mix_chunked_kernel<float>, time_mix_chunked_tc_kernel<float>, time_mix_split_kernel<float, 2>,
                    time_mix_split_kernel<float, 4>);
-    return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_prefill_kernel<__half>,
+    return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_pipelined_kernel<__half>,
+               time_mix_prefill_kernel<__half>,
                time_mix_chunked_kernel<__half>, time_mix_chunked_tc_kernel<__half>, time_mix_split_kernel<__half, 2>,
                time_mix_split_kernel<__half, 4>);
 }

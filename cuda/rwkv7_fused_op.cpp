@@ -18,7 +18,7 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
                                      const void* const* params, int first_layer, int64_t max_len, float* scratch,
-                                     int64_t scratch_floats);
+                                     int64_t scratch_floats, int64_t pipeline_blocks);
 extern "C" int64_t fused_time_mix_scratch_floats(int64_t B, int64_t H, int64_t num_tokens, const void* const* tensors,
                                                  int first_layer, int64_t max_len);
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
@@ -106,9 +106,11 @@ void ln_shift_mix(torch::Tensor x, torch::Tensor ln_w, torch::Tensor ln_b, torch
 // params = [w0, r_k, lnx_w, lnx_b] fp32 [C] + [a0, v0, k_k, k_a] fp16 [C] (v0 may be empty in layer 0).
 // max_len: the longest row's tokens; with several, the launcher takes a prefill kernel (same results; see
 // cuda/rwkv7_fused.cu), for a small grid one that needs an fp32 scratch [T, C], allocated here.
+// pipeline_blocks: 0 lets a large decode launch walk its rows on a fixed grid (time_mix_pipelined_kernel, same
+// results), < 0 never, > 0 always, on that many blocks (rounded down to a multiple of the heads).
 void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, torch::Tensor lasts,
               std::vector<torch::Tensor> tensors, std::vector<torch::Tensor> params, bool first_layer,
-              int64_t max_len, int64_t stream) {
+              int64_t max_len, int64_t stream, int64_t pipeline_blocks) {
     const char* op = "time_mix";
     TORCH_CHECK(state.is_cuda() && state.dim() == 4 && state.size(2) == kHeadSize && state.size(3) == kHeadSize, op,
                 ": state must be a CUDA tensor [slots, heads, 64, 64], got ", shape(state));
@@ -144,7 +146,8 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
     raise_on(fused_time_mix_launch(static_cast<int>(device.index()), stream, state_dtype, B, H, state.size(0), T,
                                    state.data_ptr(), slots.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
                                    lasts.data_ptr<int64_t>(), tensor_ptr.data(), param_ptr.data(), first_layer ? 1 : 0,
-                                   max_len, scratch_floats > 0 ? scratch.data_ptr<float>() : nullptr, scratch_floats),
+                                   max_len, scratch_floats > 0 ? scratch.data_ptr<float>() : nullptr, scratch_floats,
+                                   pipeline_blocks),
              op);
 }
 
@@ -286,7 +289,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "Fused RWKV-7 forward kernels: layer norm + token shift + mix, time mix, grouped GEMV, sparse-input GEMV, "
             "relu^2, 4-bit dequantization";
     m.def("ln_shift_mix", &ln_shift_mix, "ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mix, out, stream)");
-    m.def("time_mix", &time_mix, "time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, stream)");
+    m.def("time_mix", &time_mix,
+          "time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, stream, pipeline_blocks=0)",
+          py::arg("state"), py::arg("slots"), py::arg("starts"), py::arg("lasts"), py::arg("tensors"),
+          py::arg("params"), py::arg("first_layer"), py::arg("max_len"), py::arg("stream"),
+          py::arg("pipeline_blocks") = 0);
     m.def("gemv", &gemv, "gemv(w, scale, zero, x, y, residual, group, epilogue, stream)");
     m.def("gemv_max_rows", &fused_gemv_max_rows);
     m.def("gemv_max_tasks", &fused_gemv_max_tasks);

@@ -146,6 +146,31 @@ __device__ __forceinline__ void regs_to_tile_row(const float (&s)[N], float* __r
         reinterpret_cast<float4*>(row)[c] = make_float4(s[4 * c + 0], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3]);
 }
 
+// A state row of storage type S held in shared memory as 16-byte vectors (N * sizeof(S) bytes) <-> fp32 registers.
+template <typename S>
+__device__ __forceinline__ void row_to_regs(const unsigned char* row, float (&s)[N]) {
+    constexpr int E = Vec16<S>::E;
+#pragma unroll
+    for (int c = 0; c < N / E; ++c) {
+        float vals[E];
+        Vec16<S>::to_f32(reinterpret_cast<const uint4*>(row)[c], vals);
+#pragma unroll
+        for (int e = 0; e < E; ++e) s[c * E + e] = vals[e];
+    }
+}
+
+template <typename S>
+__device__ __forceinline__ void regs_to_row(const float (&s)[N], unsigned char* row) {
+    constexpr int E = Vec16<S>::E;
+#pragma unroll
+    for (int c = 0; c < N / E; ++c) {
+        float vals[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) vals[e] = s[c * E + e];
+        reinterpret_cast<uint4*>(row)[c] = Vec16<S>::from_f32(vals);
+    }
+}
+
 // The recurrence on four consecutive state values s[0..3] = S[i][j..j+3] of one row, in two halves:
 //   dot4:    acc += S_old[i][j..j+3] * a[j..j+3]                       (partial sums of sa = S_old[i] . a)
 //   update4: S[i][j] = S[i][j]*w[j] + sa*b[j] + v*k[j];  out += S_new[i][j..j+3] * r[j..j+3]

@@ -2261,8 +2261,11 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
                                      const void* const* params, int first_layer, int64_t max_len, float* scratch,
-                                     int64_t scratch_floats) {
+                                     int64_t scratch_floats, int64_t pipeline_blocks) {
     using namespace fused;
+    // Not ported: the CUDA build's time_mix_pipelined_kernel (cp.async prefetch of the next row's state), so every
+    // decode launch here takes time_mix_kernel, whatever pipeline_blocks asks (the results are the same).
+    (void)pipeline_blocks;
     if (B == 0) return hipSuccess;
     if (B < 0 || H <= 0 || B * H > INT_MAX) return hipErrorInvalidConfiguration;
     const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);

@@ -106,6 +106,45 @@ def test_decode_matches_readable(pair, batch, wkv_dtype, gemv_rows, monkeypatch)
     assert_close_pools(*pools, wkv_tol=0.05)
 
 
+def decode_steps(model, rows: int, num_slots: int, wkv_dtype, steps: int = 3):
+    """``steps`` decode steps of ``rows`` rows (slots counted down from the top) from a random nonzero state:
+    each step's logits and the pool."""
+    pool = model.new_state_pool(num_slots, wkv_dtype)
+    gen = torch.Generator().manual_seed(rows)
+    pool.wkv.copy_(torch.randn(pool.wkv.shape, generator=gen).to(pool.wkv) * 0.2)
+    slots = list(range(num_slots - 1, num_slots - 1 - rows, -1))
+    tokens = [(7 * i + 3) % 1024 for i in range(rows)]
+    logits = []
+    for _ in range(steps):
+        out = model.forward(PackedBatch.from_rows([[t] for t in tokens], slots, model.device), pool)
+        logits.append(out)
+        tokens = out.argmax(-1).tolist()
+    return logits, pool
+
+
+@pytest.mark.parametrize("wkv_dtype", [torch.float32, torch.float16])
+def test_pipelined_time_mix_equals_the_per_row_kernel(pair, wkv_dtype, monkeypatch):
+    """time_mix_pipelined_kernel (a fixed grid walking the rows, each next state block prefetched) gives the bits of
+    time_mix_kernel (a block per row and head): the launcher may pick either by the batch's size. On 4 blocks (one
+    per head: 40 rows each) and 12, and the launcher's own choice for a batch large enough to take it."""
+    fused = pair[1]
+    heads = fused.config.n_embd // 64
+    monkeypatch.setattr(fused.fused, "time_mix_blocks", -1)
+    want, want_pool = decode_steps(fused, 40, 48, wkv_dtype)
+    for blocks in (heads, 3 * heads):
+        monkeypatch.setattr(fused.fused, "time_mix_blocks", blocks)
+        got, pool = decode_steps(fused, 40, 48, wkv_dtype)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), blocks
+        assert torch.equal(pool.wkv, want_pool.wkv) and torch.equal(pool.att_shift, want_pool.att_shift), blocks
+    big = 132 * 16 * 2 // heads + 1  # above two items per block on an H200's grid
+    monkeypatch.setattr(fused.fused, "time_mix_blocks", -1)
+    want, want_pool = decode_steps(fused, big, big, wkv_dtype, steps=2)
+    monkeypatch.setattr(fused.fused, "time_mix_blocks", 0)
+    got, pool = decode_steps(fused, big, big, wkv_dtype, steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(pool.wkv, want_pool.wkv)
+
+
 @pytest.mark.parametrize("lens", [[1, 1, 1], [5, 1, 12], [40], [3, 17, 2, 9], [70, 3]])
 @pytest.mark.parametrize("wkv_dtype", [torch.float32, torch.float16])
 def test_prefill_matches_readable(pair, lens, wkv_dtype):

@@ -45,7 +45,7 @@ class TorchFusedOps:
         shift[slots] = xn[lasts]
 
     @staticmethod
-    def time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, _stream) -> None:
+    def time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, _stream, _blocks=0) -> None:
         r, k, v, dw, da, dv, g, v_first, out = tensors
         w0, r_k, lnx_w, lnx_b, a0, v0, k_k, k_a = params
         T, C = r.shape

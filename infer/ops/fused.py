@@ -207,6 +207,10 @@ class FusedKernels:
         # 4-bit GemLite layers take uint4_matmul above this many rows (RWKV_UINT4_CUBLAS_ROWS, for A/B timing)
         self.uint4_cublas_rows: int = env_int("RWKV_UINT4_CUBLAS_ROWS", UINT4_CUBLAS_ABOVE_ROWS)
         self._uint4_scratch: dict[torch.device, torch.Tensor] = {}
+        # Decode time mixes of many (row, head) items walk them on a fixed grid, prefetching each next state block
+        # (time_mix_pipelined_kernel; same results): 0 lets the launcher choose by the grid's size
+        # (RWKV_TIME_MIX_PIPELINED=0: never), -1 never, > 0 always, on that many blocks (tests).
+        self.time_mix_blocks: int = 0
 
     # -------------------------------------------------------------- ops
     @staticmethod
@@ -286,7 +290,7 @@ class FusedKernels:
                   blk.v0 if blk.v0 is not None else empty, blk.k_k, blk.k_a]
         # the longest row: the launcher takes a prefill kernel when it is over 1, by the grid's size
         self._m.time_mix(state, batch.slots, batch.starts, batch.last, tensors, params, first_layer, max(batch.lens),
-                         self._stream(state))
+                         self._stream(state), self.time_mix_blocks)
 
     # -------------------------------------------------------------- forward
     def forward(self, model: "RWKV7", batch: PackedBatch, state: StatePool, all_logits: bool) -> torch.Tensor:
