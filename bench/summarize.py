@@ -28,6 +28,8 @@ ENGINE_NAMES = {"fp16": "fp16", "cutlass": "w8", "gemlite:A16W8_INT8": "gemlite_
                 "gemlite:A16W4_HQQ_INT": "w4"}
 WANTED += ["decode_bsz1_7.2b_w4_tok_s", "decode_b256_7.2b_w4_tok_s", "decode_bsz1_7.2b_gemlite_w8_tok_s",
            "decode_b256_7.2b_gemlite_w8_tok_s"]
+# performance-limits.md S2 states the batch-256/512 targets with fp16 state: those rows under keys of their own
+WANTED += ["decode_b256_7.2b_fp16_fp16state_tok_s", "decode_b512_7.2b_fp16_fp16state_tok_s"]
 
 
 # The batched-prefill figure is of 16 prompts or more: a file of only a few rows (an A/B of the small-grid
@@ -39,12 +41,14 @@ def decode_figures(path: Path) -> dict[str, dict]:
     data = json.loads(path.read_text())
     out = {}
     for row in data.get("decode", []):
-        if row.get("state") != "fp32" or "graph_tok_s" not in row:
+        state = row.get("state")
+        if state not in ("fp32", "fp16") or "graph_tok_s" not in row:
             continue
         batch = "bsz1" if row["batch"] == 1 else f"b{row['batch']}"
-        key = f"decode_{batch}_{row['size']}_{ENGINE_NAMES[row.get('engine', 'fp16')]}_tok_s"
+        suffix = "_fp16state" if state == "fp16" else ""
+        key = f"decode_{batch}_{row['size']}_{ENGINE_NAMES[row.get('engine', 'fp16')]}{suffix}_tok_s"
         out[key] = {"value": row["graph_tok_s"], "gpu": data["gpu"], "date": data["date"], "source": path.name,
-                    "note": f"model forward ({row.get('forward', 'readable')}) replayed as a CUDA graph, fp32 WKV "
+                    "note": f"model forward ({row.get('forward', 'readable')}) replayed as a CUDA graph, {state} WKV "
                             "state, no sampling"}
     for row in data.get("prefill", []):
         if row.get("engine", "fp16") != "fp16":
