@@ -354,6 +354,16 @@ struct TimeMixArgs {
     int first_layer;  // 1: layer 0 (no value residual; v_first := v)
 };
 
+// The per-token inputs in the order of the kernels that copy them as 16-byte vectors (r, k, v, dw, da, g, dv,
+// v_first; layer 0 reads the first six): chunk_input(p, j) is input j, chunk_inputs(p) how many the layer reads.
+// Those kernels' loads and the launcher's alignment check (inputs_aligned) go through these.
+constexpr int kChunkInputs = 8;
+__host__ __device__ __forceinline__ const __half* chunk_input(const TimeMixArgs& p, int j) {
+    return j == 0 ? p.r : j == 1 ? p.k : j == 2 ? p.v : j == 3 ? p.dw : j == 4 ? p.da : j == 5 ? p.g : j == 6 ? p.dv
+                                                                                                       : p.v_first;
+}
+__host__ __device__ __forceinline__ int chunk_inputs(const TimeMixArgs& p) { return p.first_layer ? 6 : kChunkInputs; }
+
 // One token's inputs to the time mix at one channel, as floats.
 struct TokenInputs {
     float r, k, v, dw, da, dv, g, v_first;
@@ -550,7 +560,7 @@ __device__ __forceinline__ void copy_async_wait() {
 }
 
 template <typename S>
-__global__ void __launch_bounds__(N)
+__global__ void __launch_bounds__(N, 8)
 time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t items, S* __restrict__ state,
                           const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
                           const int64_t* __restrict__ lasts, TimeMixArgs p) {
@@ -560,6 +570,7 @@ time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t 
     constexpr int kRowVecs = N * int(sizeof(S)) / 16;  // a state row's 16-byte vectors
     constexpr int kBlockVecs = N * kRowVecs;
     __shared__ __align__(16) unsigned char buf[2][N * kRowBytes];
+    __shared__ __align__(16) __half inputs[2][kChunkInputs][N];  // the item's first token's inputs at head h
     __shared__ TimeMixShared sh;
     const int h = blockIdx.x % H;  // gridDim.x % H == 0: every item of the block is on head h
     const int i = threadIdx.x;
@@ -567,9 +578,10 @@ time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t 
     const int64_t col = int64_t(h) * N + i;
     const int64_t stride = gridDim.x;
 
-    // The state block of `item` into buf[b] when its row has work; one commit group either way, so that
-    // copy_async_wait<1> always leaves exactly the newest (the next item's) in flight.
-    auto fetch = [&](int64_t item, int b) {
+    // Copies of `item` into buffers b when its row has work: its state block (`state`) and its first token's
+    // inputs (`tokens`: a 16-byte vector per thread; only after dependency_wait). One commit group either way, so
+    // that copy_async_wait<1> always leaves exactly the newest in flight.
+    auto fetch = [&](int64_t item, int b, bool state_block, bool tokens) {
         if (item < items) {
             const auto [first, last, slot] = time_mix_row(item / H, slots, starts, lasts);
             if (row_tokens_valid(first, last, num_tokens) && slot_valid(slot, num_slots)) {
@@ -577,25 +589,34 @@ time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t 
 #pragma unroll
                 for (int c = 0; c < kBlockVecs / N; ++c) {
                     const int f = i + N * c;
-                    copy_async16(&buf[b][(f / kRowVecs) * kRowBytes + (f % kRowVecs) * 16], src + int64_t(f) * 16);
+                    if (state_block)
+                        copy_async16(&buf[b][(f / kRowVecs) * kRowBytes + (f % kRowVecs) * 16], src + int64_t(f) * 16);
                 }
+                const int j = i / 8, e = (i % 8) * 8;  // input j, channels e .. e + 7 of the head
+                if (tokens && j < chunk_inputs(p)) copy_async16(&inputs[b][j][e], chunk_input(p, j) + first * C + h * N + e);
             }
         }
         copy_async_commit();
     };
 
-    const ChannelParams cp = load_channel_params(p, col);
-    fetch(blockIdx.x, 0);  // only this kernel writes the state: safe before the wait
+    // (in shared memory: held in registers across the loop they cost a spill at 128 registers a thread)
+    __shared__ ChannelParams channel[N];
+    channel[i] = load_channel_params(p, col);
+    const ChannelParams& cp = channel[i];
+    fetch(blockIdx.x, 0, true, false);  // only this kernel writes the state: safe before the wait
     dependency_wait();
+    fetch(blockIdx.x, 0, false, true);
     int b = 0;
     for (int64_t item = blockIdx.x; item < items; item += stride, b ^= 1) {
         __syncthreads();  // every thread has stored the previous item out of buf[b ^ 1]
-        fetch(item + stride, b ^ 1);
+        fetch(item + stride, b ^ 1, true, true);
         const auto [first, last, slot] = time_mix_row(item / H, slots, starts, lasts);
         if (!row_usable(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) continue;
-        const TokenInputs in = load_token_inputs(p, first * C + col);
         copy_async_wait<1>();
-        __syncthreads();  // the block's copies of this item are in buf[b]
+        __syncthreads();  // the block's copies of this item are in buffers b
+        const __half(*x)[N] = inputs[b];  // load_token_inputs' values, from the copies
+        const TokenInputs in = {h2f(x[0][i]), h2f(x[1][i]), h2f(x[2][i]), h2f(x[3][i]), h2f(x[4][i]),
+                                p.first_layer ? 0.0f : h2f(x[6][i]), h2f(x[5][i]), p.first_layer ? 0.0f : h2f(x[7][i])};
         unsigned char* row = &buf[b][i * kRowBytes];
         float s[N];
         wkv7::row_to_regs<S>(row, s);
@@ -841,7 +862,6 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
 // Same math and rounding points as time_mix_kernel; the dot products over the state rows are summed in another
 // order (as in time_mix_prefill_kernel), everything else in the same.
 constexpr int kChunkTokens = 8;
-constexpr int kChunkInputs = 8;  // r, k, v, dw, da, g, dv, v_first (layer 0: the first six)
 constexpr int kChunkRows = 4;    // state rows per thread in phase B
 
 struct ChunkBuffers {  // shared, per token of the chunk: key-axis vectors, v', g and y by channel, per-warp sums
@@ -850,13 +870,6 @@ struct ChunkBuffers {  // shared, per token of the chunk: key-axis vectors, v', 
     float norm[kChunkTokens][2], bonus[kChunkTokens][2], mean[kChunkTokens][2], var[kChunkTokens][2];
 };
 
-// Input j of the chunk (the order above), and how many the layer reads: the kernel's loads and the launcher's
-// alignment check (time_mix_kernel_for) go through these.
-__host__ __device__ __forceinline__ const __half* chunk_input(const TimeMixArgs& p, int j) {
-    return j == 0 ? p.r : j == 1 ? p.k : j == 2 ? p.v : j == 3 ? p.dw : j == 4 ? p.da : j == 5 ? p.g : j == 6 ? p.dv
-                                                                                                       : p.v_first;
-}
-__host__ __device__ __forceinline__ int chunk_inputs(const TimeMixArgs& p) { return p.first_layer ? 6 : kChunkInputs; }
 
 // One thread's share of inputs [J0, J1) of a chunk: 16 bytes (8 channels) of token threadIdx.x / 8 of each;
 // zeros past the row's end.
@@ -2528,15 +2541,21 @@ inline int split_parts(unsigned grid, int multiprocessors) {
     return grid * 2 <= unsigned(multiprocessors) && grid * 4 > unsigned(multiprocessors) ? 2 : 4;
 }
 
+// Whether every input the layer reads starts on 16 bytes (the kernels that copy them as vectors need it; C is a
+// multiple of 64).
+inline bool inputs_aligned(const TimeMixArgs& p) {
+    for (int j = 0; j < chunk_inputs(p); ++j)
+        if (reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16 != 0) return false;
+    return true;
+}
+
 inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill) {
     static const int64_t split_max_blocks = env_int("RWKV_SPLIT_MAX_BLOCKS", kSplitMaxBlocks);
     static const int64_t prefill_max_blocks = env_int("RWKV_PREFILL_MAX_BLOCKS", kPrefillMaxBlocks);
     static const bool chunked = env_flag("RWKV_TIME_MIX_CHUNKED", true);
     static const bool tensor_cores = env_flag("RWKV_TIME_MIX_TC", true);
     if (!prefill) return kTimeMixDecode;
-    bool aligned = true;
-    for (int j = 0; j < chunk_inputs(p); ++j)
-        aligned = aligned && reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16 == 0;
+    const bool aligned = inputs_aligned(p);
     if (grid <= split_max_blocks && aligned && reinterpret_cast<uintptr_t>(p.out) % 16 == 0) return kTimeMixSplit;
     if (grid < prefill_max_blocks) return kTimeMixPrefill;
     if (!chunked || !aligned) return kTimeMixDecode;
@@ -2544,14 +2563,19 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
 }
 
 // Blocks for time_mix_pipelined_kernel at a decode launch of `grid` (row, head) items: as many as fit on the device
-// at once, a multiple of H; 0 for time_mix_kernel instead (below two items per block, or RWKV_TIME_MIX_PIPELINED=0).
-// `requested` > 0 asks for that many (rounded down to a multiple of H; tests walk many items per block with it),
-// < 0 for none.
+// at once, a multiple of H; 0 for time_mix_kernel instead. By itself (requested == 0) the launcher takes it for fp16
+// states only, at two items per block or more, unless RWKV_TIME_MIX_PIPELINED=0: with fp32 states (16 KB a block,
+// five or six blocks a multiprocessor) it lost 2-4 % at most batches (bench/results/decode_h200_time_mix_pipelined
+// .json against experiment_time_mix_per_row_h200.json). `requested` > 0 asks for that many (rounded down to a
+// multiple of H; tests walk many items per block with it), < 0 for none. Never with inputs off 16 bytes.
 template <typename Kernel>
-int64_t pipelined_blocks(Kernel kernel, int device, unsigned grid, int H, int64_t requested) {
+int64_t pipelined_blocks(Kernel kernel, int device, unsigned grid, int H, bool fp16_state, const TimeMixArgs& p,
+                         int64_t requested) {
     static const bool enabled = env_flag("RWKV_TIME_MIX_PIPELINED", true);
     static int per_multiprocessor[64] = {0};  // 0 unknown, else blocks + 1
-    if (requested < 0 || (requested == 0 && !enabled) || device < 0 || device >= 64) return 0;
+    if (requested < 0 || (requested == 0 && !(enabled && fp16_state)) || device < 0 || device >= 64 ||
+        !inputs_aligned(p))
+        return 0;
     int64_t blocks = requested;
     if (blocks == 0) {
         if (per_multiprocessor[device] == 0) {
@@ -2843,7 +2867,9 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
                    auto chunked_tc_kernel, auto split2_kernel, auto split4_kernel) {
         return on_device(device, [&] {
             const int64_t pipelined =
-                kernel == kTimeMixDecode ? pipelined_blocks(pipelined_kernel, device, grid, h, pipeline_blocks) : 0;
+                kernel == kTimeMixDecode ? pipelined_blocks(pipelined_kernel, device, grid, h, state_dtype == wkv7::kFloat16,
+                                                           p, pipeline_blocks)
+                                         : 0;
             if (pipelined > 0)
                 return launch(pipelined_kernel, static_cast<unsigned>(pipelined), N, s, h, num_slots, num_tokens,
                               int64_t(grid), pool, slots, starts, lasts, p);
