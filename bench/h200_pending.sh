@@ -57,6 +57,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w8-split  # split K for the int8 Hopper GEMM: tests, GEMMs, W8 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh time-mix-pipelined  # decode time mix on a fixed grid: GPU tests,
 #                                                                   # decode A/B at 64-512 rows (fp32/fp16 state), profile
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh fused-verify  # the fused GPU tests (prefill too), 7.2B batch
+#                                                                    # 256/512 with fp16 state twice
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -831,6 +833,21 @@ time-mix-pipelined)  # time_mix_pipelined_kernel: bit-exact GPU tests, fp16-stat
     results+=($out)
     [ -n "$OUT" ] && tar czf "$OUT/time_mix_pipelined.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[0]}" "${results[1]}"
+    ;;
+fused-verify)  # after a change to the fused kernels' shared code: every fused GPU test but the quantized ones, then
+    # the large-batch fp16-state figures twice (machine noise between the runs)
+    build_fused
+    step 240 "fused GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
+        -k "not uint4 and not gemlite and not w4 and not w8a16 and not int8"
+    results=()
+    for run in 1 2; do
+        out=bench/results/decode_h200_fp16_state_run${run}.json
+        step 100 "7.2B decode, fp16 state, run $run" python bench/bench_decode.py --sizes 7.2b --batches 256,512 \
+            --states fp16 --steps 30 --wkv cuda --no-checks --out $out
+        results+=($out)
+    done
+    [ -n "$OUT" ] && tar czf "$OUT/fused_verify.tgz" "${results[@]}" 2>/dev/null
+    python bench/brief.py "${results[@]}"
     ;;
 *)
     echo "unknown part $PART" >&2
