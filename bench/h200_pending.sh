@@ -813,21 +813,22 @@ w8-split)  # split K for the int8 Hopper GEMM: build, the Hopper GEMM GPU tests,
     [ -n "$OUT" ] && tar czf "$OUT/w8_split.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[@]}"
     ;;
-time-mix-pipelined)  # time_mix_pipelined_kernel: bit-exact GPU tests, fp16-state decode with and without it, profile
+time-mix-pipelined)  # time_mix_pipelined_kernel: GPU tests (bit-exact, fused, WKV, graphs), fp16-state decode with and
+    # without it, 7.2B batch-256 profile
     build_fused
-    step 200 "fused GPU tests (pipelined time mix, decode, oracle, greedy, invariance)" python -m pytest -q -rf \
-        --tb=short -p no:cacheprovider test/test_fused_cuda.py \
-        -k "pipelined or decode_matches or cpu_fp32 or greedy or invariance"
+    step 200 "GPU tests (pipelined time mix, fused, WKV kernels, graphs)" python -m pytest -q -rf --tb=short \
+        -p no:cacheprovider test/test_fused_cuda.py test/test_wkv_cuda.py test/test_graphs_cuda.py \
+        -k "not uint4 and not gemlite and not w4 and not w8a16 and not int8"
     results=()
-    out=bench/results/decode_h200_time_mix_pipelined_inputs.json
+    out=bench/results/decode_h200_time_mix_pipelined_rows.json
     step 150 "decode, pipelined time mix" python bench/bench_decode.py --sizes 7.2b,1.5b --batches 128,256,512 \
         --states fp16 --steps 20 --wkv cuda --no-checks --out $out
     results+=($out)
-    out=bench/results/experiment_time_mix_per_row_inputs_h200.json  # the A/B's off side
+    out=bench/results/experiment_time_mix_per_row_rows_h200.json  # the A/B's off side
     step 150 "decode, per-row time mix" env RWKV_TIME_MIX_PIPELINED=0 python bench/bench_decode.py --sizes 7.2b,1.5b \
         --batches 128,256,512 --states fp16 --steps 20 --wkv cuda --no-checks --out $out
     results+=($out)
-    out=bench/results/profile_b256_fp16_state_pipelined_inputs_h200.json
+    out=bench/results/profile_b256_fp16_state_pipelined_rows_h200.json
     step 120 "7.2B batch 256 per kernel, fp16 state" python bench/profile_decode.py --sizes 7.2b --batches 256 \
         --state fp16 --out $out
     results+=($out)

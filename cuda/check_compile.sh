@@ -56,8 +56,11 @@ with_entry_points() {
     base=$(basename "$obj")
     base=${base%%.*}
     [ -e "cuda/${base}_op.cpp" ] || return 0
+    # the symbol table into a file first: piped into grep -q (which stops at the first match), nm could die of
+    # SIGPIPE and, under pipefail, fail the check for a symbol that is there
+    nm -g --defined-only "$obj" >"$obj.symbols" || return 1
     for name in $(grep -oP 'extern "C" [^(]*?\b\K\w+(?=\()' "cuda/${base}_op.cpp" | sort -u); do
-        nm -g --defined-only "$obj" | grep -qw "$name" || { echo "$obj lacks $name (cuda/${base}_op.cpp)"; status=1; }
+        grep -qw "$name" "$obj.symbols" || { echo "$obj lacks $name (cuda/${base}_op.cpp)"; status=1; }
     done
     return $status
 }

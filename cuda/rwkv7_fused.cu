@@ -546,6 +546,15 @@ __device__ __forceinline__ void copy_async16(void* dst_shared, const void* src) 
 #endif
 }
 
+__device__ __forceinline__ void copy_async8(void* dst_shared, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+#else
+    *reinterpret_cast<uint2*>(dst_shared) = *reinterpret_cast<const uint2*>(src);
+#endif
+}
+
 __device__ __forceinline__ void copy_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -578,42 +587,56 @@ time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t 
     const int64_t col = int64_t(h) * N + i;
     const int64_t stride = gridDim.x;
 
-    // Copies of `item` into buffers b when its row has work: its state block (`state`) and its first token's
-    // inputs (`tokens`: a 16-byte vector per thread; only after dependency_wait). One commit group either way, so
-    // that copy_async_wait<1> always leaves exactly the newest in flight.
-    auto fetch = [&](int64_t item, int b, bool state_block, bool tokens) {
-        if (item < items) {
-            const auto [first, last, slot] = time_mix_row(item / H, slots, starts, lasts);
-            if (row_tokens_valid(first, last, num_tokens) && slot_valid(slot, num_slots)) {
-                const unsigned char* src = reinterpret_cast<const unsigned char*>(state + (slot * H + h) * N * N);
+    // Rows of items n .. n + 3 (first, last, slot), a ring by n % 4: item n + 3's is copied while item n is computed,
+    // so that no fetch waits for a row's indices (an L2 round trip a block would pay per item).
+    __shared__ __align__(8) int64_t rows[4][3];
+    auto fetch_row = [&](int64_t item, int64_t (&dst)[3]) {  // threads 0-2, asynchronously
+        if (i < 3 && item < items) copy_async8(&dst[i], (i == 0 ? starts : i == 1 ? lasts : slots) + item / H);
+    };
+    // Copies of `item` (its row in `row`) into buffers b when the row has work: its state block (`state_block`) and
+    // its first token's inputs (`tokens`: a 16-byte vector per thread; only after dependency_wait).
+    auto fetch = [&](int64_t item, const int64_t (&row)[3], int b, bool state_block, bool tokens) {
+        const int64_t first = row[0], last = row[1], slot = row[2];
+        if (item >= items || !row_tokens_valid(first, last, num_tokens) || !slot_valid(slot, num_slots)) return;
+        if (state_block) {
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(state + (slot * H + h) * N * N);
 #pragma unroll
-                for (int c = 0; c < kBlockVecs / N; ++c) {
-                    const int f = i + N * c;
-                    if (state_block)
-                        copy_async16(&buf[b][(f / kRowVecs) * kRowBytes + (f % kRowVecs) * 16], src + int64_t(f) * 16);
-                }
-                const int j = i / 8, e = (i % 8) * 8;  // input j, channels e .. e + 7 of the head
-                if (tokens && j < chunk_inputs(p)) copy_async16(&inputs[b][j][e], chunk_input(p, j) + first * C + h * N + e);
+            for (int c = 0; c < kBlockVecs / N; ++c) {
+                const int f = i + N * c;
+                copy_async16(&buf[b][(f / kRowVecs) * kRowBytes + (f % kRowVecs) * 16], src + int64_t(f) * 16);
             }
         }
-        copy_async_commit();
+        const int j = i / 8, e = (i % 8) * 8;  // input j, channels e .. e + 7 of the head
+        if (tokens && j < chunk_inputs(p)) copy_async16(&inputs[b][j][e], chunk_input(p, j) + first * C + h * N + e);
     };
 
     // (in shared memory: held in registers across the loop they cost a spill at 128 registers a thread)
     __shared__ ChannelParams channel[N];
     channel[i] = load_channel_params(p, col);
     const ChannelParams& cp = channel[i];
-    fetch(blockIdx.x, 0, true, false);  // only this kernel writes the state: safe before the wait
+    if (i < 9) {  // the first three items' rows, read directly (no kernel of a step writes them: before the wait)
+        const int64_t item = blockIdx.x + (i / 3) * stride;
+        if (item < items) rows[i / 3][i % 3] = (i % 3 == 0 ? starts : i % 3 == 1 ? lasts : slots)[item / H];
+    }
+    __syncthreads();
+    fetch(blockIdx.x, rows[0], 0, true, false);  // only this kernel writes the state: safe before the wait
+    copy_async_commit();
     dependency_wait();
-    fetch(blockIdx.x, 0, false, true);
+    fetch(blockIdx.x, rows[0], 0, false, true);
+    copy_async_commit();
+    // Each iteration commits one group (item n + 1's copies, item n + 3's row), and copy_async_wait<1> leaves
+    // exactly that one in flight: item n's copies and item n + 2's row (the group before) have landed.
     int b = 0;
-    for (int64_t item = blockIdx.x; item < items; item += stride, b ^= 1) {
-        __syncthreads();  // every thread has stored the previous item out of buf[b ^ 1]
-        fetch(item + stride, b ^ 1, true, true);
-        const auto [first, last, slot] = time_mix_row(item / H, slots, starts, lasts);
-        if (!row_usable(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) continue;
+    int n = 0;
+    for (int64_t item = blockIdx.x; item < items; item += stride, b ^= 1, ++n) {
+        __syncthreads();  // every thread is done with item n - 1: its buffers (b ^ 1) and its row (slot (n + 3) % 4)
+        fetch(item + stride, rows[(n + 1) % 4], b ^ 1, true, true);
+        fetch_row(item + 3 * stride, rows[(n + 3) % 4]);
+        copy_async_commit();
         copy_async_wait<1>();
         __syncthreads();  // the block's copies of this item are in buffers b
+        const int64_t first = rows[n % 4][0], last = rows[n % 4][1], slot = rows[n % 4][2];
+        if (!row_usable(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) continue;
         const __half(*x)[N] = inputs[b];  // load_token_inputs' values, from the copies
         const TokenInputs in = {h2f(x[0][i]), h2f(x[1][i]), h2f(x[2][i]), h2f(x[3][i]), h2f(x[4][i]),
                                 p.first_layer ? 0.0f : h2f(x[6][i]), h2f(x[5][i]), p.first_layer ? 0.0f : h2f(x[7][i])};

@@ -57,9 +57,9 @@ struct Vec16<__half> {
         for (int e = 0; e < E; ++e) out[e] = __half2float(h[e]);
     }
     static __device__ __forceinline__ uint4 from_f32(const float (&in)[E]) {
-        __half h[E];
+        __half2 h[E / 2];  // one conversion instruction per pair, each rounded to nearest as __float2half_rn
 #pragma unroll
-        for (int e = 0; e < E; ++e) h[e] = __float2half_rn(in[e]);
+        for (int e = 0; e < E; e += 2) h[e / 2] = __floats2half2_rn(in[e], in[e + 1]);
         uint4 u;
         memcpy(&u, h, sizeof(u));
         return u;

@@ -126,12 +126,13 @@ def decode_steps(model, rows: int, num_slots: int, wkv_dtype, steps: int = 3):
 def test_pipelined_time_mix_equals_the_per_row_kernel(pair, wkv_dtype, monkeypatch):
     """time_mix_pipelined_kernel (a fixed grid walking the rows, each next state block prefetched) gives the bits of
     time_mix_kernel (a block per row and head): the launcher may pick either by the batch's size. On 4 blocks (one
-    per head: 40 rows each) and 12, and the launcher's own choice for a batch large enough to take it."""
+    per head: 40 rows each), 12 (13 or 14 items each) and 100 (one or two: the ring of rows runs past the end), and
+    the launcher's own choice for a batch large enough to take it."""
     fused = pair[1]
     heads = fused.config.n_embd // 64
     monkeypatch.setattr(fused.fused, "time_mix_blocks", -1)
     want, want_pool = decode_steps(fused, 40, 48, wkv_dtype)
-    for blocks in (heads, 3 * heads):
+    for blocks in (heads, 3 * heads, 25 * heads):
         monkeypatch.setattr(fused.fused, "time_mix_blocks", blocks)
         got, pool = decode_steps(fused, 40, 48, wkv_dtype)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), blocks

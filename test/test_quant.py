@@ -524,3 +524,16 @@ def test_gemm_splits_depend_on_the_matrix_only(n_out, n_in, group, splits):
     got = gemm_splits(n_out, n_in, group, sms=132)
     assert got == splits
     assert n_in % (got * group) == 0 and (got == 1 or n_in // got >= SPLIT_MIN_K)
+
+
+@pytest.mark.parametrize("n_out,n_in,splits", [
+    (2048, 2048, 2),    # 1.5B r/k/v/output: two slices of 1,024 (the only matrix the shorter slice changes)
+    (2048, 8192, 4),    # 1.5B FFN value: four, as for int8
+    (4096, 4096, 2),    # 7.2B r/k/v/output: two, as for int8
+    (4096, 16384, 2),   # 7.2B FFN value
+    (768, 768, 1),      # 0.1B: shorter than a slice
+])
+def test_w4_gemm_splits_take_slices_of_1024(n_out, n_in, splits):
+    from infer.ops.linear_w8a16 import gemm_splits
+    from infer.quant.gemlite_linear import W4_SPLIT_MIN_K
+    assert gemm_splits(n_out, n_in, 64, sms=132, min_k=W4_SPLIT_MIN_K) == splits

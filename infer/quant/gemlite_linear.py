@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from infer.ops.cuda_ext import env_flag, env_int
-from infer.ops.linear_w8a16 import (SPLIT_MAX_ROWS, SPLIT_MIN_K, W8A16Linear, aligned, hopper_gemm_buildable,
+from infer.ops.linear_w8a16 import (SPLIT_MAX_ROWS, W8A16Linear, aligned, hopper_gemm_buildable,
                                     load_w8a16_kernels, gemm_splits)
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,11 @@ SUPPORTED_VERSION = "0.6."
 W8A16_ABOVE_ROWS = 32  # A16W8_INT8 batches above this run on the W8A16 Hopper GEMM (see GemLiteLinear)
 W4_HOPPER_ABOVE_ROWS = 8  # A16W4 batches above this run on the 4-bit Hopper GEMM (see GemLiteLinear)
 HOPPER_K_STEP = 64  # the Hopper GEMM's K step: 4-bit groups must be a multiple of it
+# The shortest K slice of a split 4-bit Hopper GEMM (the int8 one keeps linear_w8a16.SPLIT_MIN_K). Only 1.5B's
+# r/k/v/output (2,048 x 2,048: 32 tiles) split at 1,024 and not at 2,048; 1.5B W4 decode with slices of >= 1,024
+# against >= 2,048 in one call: 5,795 / 20,184 / 34,218 / 50,318 against 5,403 / 19,165 / 32,868 / 49,746 tok/s at
+# batch 16 / 64 / 128 / 256, equal at 512 (bench/results/experiment_w4_split_min{1024,2048}_1.5b_h200.json).
+W4_SPLIT_MIN_K = 1024
 
 
 def require_gemlite(device: torch.device | str, act: torch.dtype = torch.float16,
@@ -161,7 +166,7 @@ class GemLiteLinear:
                 self._w4_gemm = (kernels.gemm_w4, w_q.t().contiguous())
                 if env_flag("RWKV_W4_SPLIT_K", True):
                     sms = torch.cuda.get_device_properties(w_q.device).multi_processor_count
-                    min_k = env_int("RWKV_W4_SPLIT_MIN_K", SPLIT_MIN_K)
+                    min_k = env_int("RWKV_W4_SPLIT_MIN_K", W4_SPLIT_MIN_K)
                     self._w4_splits = gemm_splits(self.out_features, self.in_features, group, sms, min_k)
                 split = f", K in {self._w4_splits} slices up to {SPLIT_MAX_ROWS}" if self._w4_splits > 1 else ""
                 self.kind += f" (batches above {W4_HOPPER_ABOVE_ROWS}: 4-bit Hopper GEMM{split})"
