@@ -90,6 +90,12 @@ build_fused() {
     step 240 "build the fused kernels" python -c "from infer.ops.fused import load_fused_kernels; assert load_fused_kernels()"
 }
 
+# profile_b256_fp16 OUT: the 7.2B batch-256 decode step per kernel with fp16 state, into OUT
+profile_b256_fp16() {
+    step 150 "7.2B batch 256 per kernel, fp16 state" python bench/profile_decode.py --sizes 7.2b --batches 256 \
+        --state fp16 --out "$1"
+}
+
 # The fused GPU tests of the prefill and decode paths (without the 4-bit and GemLite ones).
 fused_tests() {
     step 200 "fused GPU tests (prefill, decode, oracle, greedy, invariance)" python -m pytest -q -rs -p no:cacheprovider \
@@ -786,8 +792,7 @@ large-batch)  # where the batch-256/512 targets (fp16 state, performance-limits.
         --states fp32,fp16 --steps 20 --wkv cuda --no-checks --out $out
     results+=($out)
     out=bench/results/profile_b256_fp16_state_h200.json
-    step 150 "7.2B batch 256 per kernel, fp16 state" python bench/profile_decode.py --sizes 7.2b --batches 256 \
-        --state fp16 --out $out
+    profile_b256_fp16 $out
     results+=($out)
     [ -n "$OUT" ] && tar czf "$OUT/large_batch.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[0]}"
@@ -829,8 +834,7 @@ time-mix-pipelined)  # time_mix_pipelined_kernel: GPU tests (bit-exact, fused, W
         --batches 128,256,512 --states fp16 --steps 20 --wkv cuda --no-checks --out $out
     results+=($out)
     out=bench/results/profile_b256_fp16_state_pipelined_rows_h200.json
-    step 120 "7.2B batch 256 per kernel, fp16 state" python bench/profile_decode.py --sizes 7.2b --batches 256 \
-        --state fp16 --out $out
+    profile_b256_fp16 $out
     results+=($out)
     [ -n "$OUT" ] && tar czf "$OUT/time_mix_pipelined.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[0]}" "${results[1]}"
