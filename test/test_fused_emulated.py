@@ -328,8 +328,9 @@ def time_mix_inputs(C: int, T: int, layer: int, gen: torch.Generator) -> dict:
 
 TIME_MIX_KERNELS = {"decode": 0, "prefill": 1, "chunked": 2, "split": 3, "tc": 4}  # TimeMixKernel
 # the kernels the tests run: the split kernel with 4 blocks per (row, head) ("split") or 2 ("split2"); "tc" (the
-# chunked kernel on tensor cores) exists in the CUDA source only
-TIME_MIX_RUNS = {**TIME_MIX_KERNELS, "split2": TIME_MIX_KERNELS["split"]}
+# chunked kernel on tensor cores) and "pipelined" (time_mix_pipelined_kernel, the launcher's choice for large
+# fp16-state decode batches; here on two blocks per head) exist in the CUDA source only
+TIME_MIX_RUNS = {**TIME_MIX_KERNELS, "split2": TIME_MIX_KERNELS["split"], "pipelined": 5}
 # The tensor-core kernel's fp16 operands (the chunk's starting state, x, v', and the decayed key-axis vectors)
 # put its outputs and states ~1e-3 relative from the fp32 recurrence: measured against the fp32-intermediate
 # math, outputs within TC_OUT_ULPS fp16 ulp of the head's largest output and states within TC_STATE_TOL of the
@@ -338,8 +339,8 @@ TC_OUT_ULPS, TC_STATE_TOL = 4, 2e-3
 
 
 def skip_unless_cuda(variant: str, kernel: str) -> None:
-    if kernel == "tc" and variant != "cuda":
-        pytest.skip("the tensor-core time mix has no HIP port")
+    if kernel in ("tc", "pipelined") and variant != "cuda":
+        pytest.skip(f"the {kernel} time mix has no HIP port")
 
 
 def run_time_mix(so, layer, p, pool, slots, starts, lasts, kernel="decode"):
@@ -514,6 +515,19 @@ def test_time_mix_chunk_kernels_match_decode_kernel(variant, kernel, layer, stat
     else:
         assert_ulps(pool_c, pool_d, 1, f"fp16 state, {kernel} vs decode kernel", atol=STATE_ATOL)
     assert not torch.equal(pool_c, pool), "the state must have been updated"
+
+
+@pytest.mark.parametrize("layer,state_dtype", [(0, torch.float32), (2, torch.float32), (1, torch.float16)])
+def test_pipelined_kernel_equals_decode_kernel_bit_for_bit(layer, state_dtype, libs):
+    """time_mix_pipelined_kernel (blocks walking several rows, each next row's state, inputs and indices copied
+    ahead) gives time_mix_kernel's bits on rows of one and of several tokens: the launcher may take either for a
+    row by the size of the batch around it."""
+    pool, (decode, pipelined) = run_kernels_on_rows(libs["fused-cuda"], layer, state_dtype,
+                                                    [1, 1, 3, 1, 9, 1, 1, 2, 1], [4, 0, 2, 5, 1, 3, 8, 6, 7],
+                                                    31 + layer, ("decode", "pipelined"))
+    for a, b in zip(decode, pipelined):
+        assert torch.equal(a, b)
+    assert not torch.equal(pipelined[2], pool), "the state must have been updated"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

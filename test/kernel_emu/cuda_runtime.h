@@ -48,6 +48,11 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
     *value = 0;
     return cudaErrorNotSupported;
 }
+template <typename Kernel>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, int, size_t) {
+    *blocks = 0;
+    return cudaErrorNotSupported;
+}
 inline cudaError_t cudaGetLastError() { return cudaErrorNotSupported; }
 inline const char* cudaGetErrorString(cudaError_t) { return "CPU emulation: no CUDA runtime"; }
 template <typename... KernelArgs, typename... Args>

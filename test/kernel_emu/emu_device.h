@@ -403,6 +403,7 @@ struct alignas(4) __half2 {
 };
 static_assert(sizeof(__half2) == 4, "half2");
 inline __half2 __halves2half2(__half lo, __half hi) { return __half2{lo, hi}; }
+inline __half2 __floats2half2_rn(float lo, float hi) { return __half2{__float2half_rn(lo), __float2half_rn(hi)}; }
 inline float __low2float(__half2 h) { return __half2float(h.x); }
 inline float __high2float(__half2 h) { return __half2float(h.y); }
 namespace emu {

@@ -38,9 +38,12 @@ EMU_EXPORT int emu_fused_ln_shift_mix(int64_t T, int64_t C, int64_t num_slots, c
 
 EMU_EXPORT int emu_ln_span_for(int64_t T, int64_t B, int64_t C) { return fused::ln_span_for(T, B, C) ? 1 : 0; }
 
-// kernel: the one to run (TimeMixKernel); the launcher picks it with time_mix_kernel_for (exported below).
-// max_len: the longest row (the split kernel's finishing grid covers that many tokens per row). parts: the split
-// kernel's blocks per (row, head), 2 or 4 (the launcher picks it with split_parts, exported below).
+// kernel: the one to run (TimeMixKernel); the launcher picks it with time_mix_kernel_for (exported below), or
+// kTimeMixPipelined: time_mix_pipelined_kernel (CUDA only) on two blocks per head, each walking several rows (the
+// launcher's grid on a GPU is as many blocks as fit at once). max_len: the longest row (the split kernel's finishing
+// grid covers that many tokens per row). parts: the split kernel's blocks per (row, head), 2 or 4 (the launcher
+// picks it with split_parts, exported below).
+constexpr int kTimeMixPipelined = 5;
 EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t num_slots, int64_t num_tokens,
                                   void* state, const int64_t* slots, const int64_t* starts, const int64_t* lasts,
                                   const void* const* tensors, const void* const* params, int first_layer,
@@ -64,6 +67,16 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
                 time_mix_finish_kernel(h, B, num_slots, num_tokens, slots, starts, lasts, p, scratch.data());
             });
         }
+#ifdef FUSED_TIME_MIX_PIPELINED
+        if (kernel == kTimeMixPipelined) {  // (CUDA only)
+            using S = std::remove_pointer_t<decltype(pool)>;
+            return emu::run_grid(static_cast<unsigned>(2 * H), N, [&] {
+                time_mix_pipelined_kernel<S>(h, num_slots, num_tokens, int64_t(grid), pool, slots, starts, lasts, p);
+            });
+        }
+#else
+        if (kernel == kTimeMixPipelined) return -1;
+#endif
 #ifdef FUSED_TIME_MIX_TC
         if (kernel == kTimeMixChunkedTc) {  // (CUDA only)
             return emu::run_grid(grid, N, [&] {
