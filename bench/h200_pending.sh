@@ -57,6 +57,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w8-split  # split K for the int8 Hopper GEMM: tests, GEMMs, W8 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh time-mix-pipelined  # decode time mix on a fixed grid: GPU tests,
 #                                                                   # decode A/B at 64-512 rows (fp32/fp16 state), profile
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh time-mix-fp32  # the pipelined time mix for fp32 states too
+#                                                                    # (RWKV_TIME_MIX_PIPELINED=2): decode A/B, profile
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh fused-verify  # the fused GPU tests (prefill too), 7.2B batch
 #                                                                    # 256/512 with fp16 state twice
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
@@ -837,6 +839,24 @@ time-mix-pipelined)  # time_mix_pipelined_kernel: GPU tests (bit-exact, fused, W
     profile_b256_fp16 $out
     results+=($out)
     [ -n "$OUT" ] && tar czf "$OUT/time_mix_pipelined.tgz" "${results[@]}" 2>/dev/null
+    python bench/brief.py "${results[0]}" "${results[1]}"
+    ;;
+time-mix-fp32)  # the pipelined time mix (with its input and row prefetches) for fp32 states: decode A/B, profile
+    build_fused
+    results=()
+    for mode in 2 1; do
+        out=bench/results/decode_h200_time_mix_fp32_state.json
+        [ $mode = 1 ] && out=bench/results/experiment_time_mix_fp32_per_row_h200.json  # the A/B's off side
+        step 150 "decode, fp32 state, RWKV_TIME_MIX_PIPELINED=$mode" env RWKV_TIME_MIX_PIPELINED=$mode \
+            python bench/bench_decode.py --sizes 7.2b,1.5b --batches 128,256,512 --states fp32 --steps 20 --wkv cuda \
+            --no-checks --out $out
+        results+=($out)
+    done
+    out=bench/results/profile_b256_fp32_state_pipelined_h200.json
+    step 150 "7.2B batch 256 per kernel, fp32 state, pipelined" env RWKV_TIME_MIX_PIPELINED=2 \
+        python bench/profile_decode.py --sizes 7.2b --batches 256 --out $out
+    results+=($out)
+    [ -n "$OUT" ] && tar czf "$OUT/time_mix_fp32.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[0]}" "${results[1]}"
     ;;
 fused-verify)  # after a change to the fused kernels' shared code: every fused GPU test but the quantized ones, then

@@ -2587,18 +2587,20 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
 }
 
 // Blocks for time_mix_pipelined_kernel at a decode launch of `grid` (row, head) items: as many as fit on the device
-// at once, a multiple of H; 0 for time_mix_kernel instead. By itself (requested == 0) the launcher takes it for fp16
-// states only, at two items per block or more, unless RWKV_TIME_MIX_PIPELINED=0: with fp32 states (16 KB a block,
-// five or six blocks a multiprocessor) it lost 2-4 % at most batches (bench/results/decode_h200_time_mix_pipelined
-// .json against experiment_time_mix_per_row_h200.json). `requested` > 0 asks for that many (rounded down to a
-// multiple of H; tests walk many items per block with it), < 0 for none. Never with inputs off 16 bytes.
+// at once, a multiple of H; 0 for time_mix_kernel instead. By itself (requested == 0) the launcher takes it at two
+// items per block or more for fp16 states (RWKV_TIME_MIX_PIPELINED=1, the default), for fp32 states too (=2) or never
+// (=0): with fp32 states (16 KB a block, five or six blocks a multiprocessor) its first version, which prefetched
+// only the state, lost 2-4 % at most batches (bench/results/experiment_time_mix_pipelined_state_only_h200.json
+// against experiment_time_mix_per_row_h200.json; the present one is not measured there). `requested` > 0 asks for
+// that many (rounded down to a multiple of H; tests walk many items per block with it), < 0 for none. Never with
+// inputs off 16 bytes.
 template <typename Kernel>
 int64_t pipelined_blocks(Kernel kernel, int device, unsigned grid, int H, bool fp16_state, const TimeMixArgs& p,
                          int64_t requested) {
-    static const bool enabled = env_flag("RWKV_TIME_MIX_PIPELINED", true);
+    static const int64_t mode = env_int("RWKV_TIME_MIX_PIPELINED", 1);
     static int per_multiprocessor[64] = {0};  // 0 unknown, else blocks + 1
-    if (requested < 0 || (requested == 0 && !(enabled && fp16_state)) || device < 0 || device >= 64 ||
-        !inputs_aligned(p))
+    const bool automatic = mode >= 2 || (mode == 1 && fp16_state);
+    if (requested < 0 || (requested == 0 && !automatic) || device < 0 || device >= 64 || !inputs_aligned(p))
         return 0;
     int64_t blocks = requested;
     if (blocks == 0) {

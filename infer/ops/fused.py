@@ -208,8 +208,9 @@ class FusedKernels:
         self.uint4_cublas_rows: int = env_int("RWKV_UINT4_CUBLAS_ROWS", UINT4_CUBLAS_ABOVE_ROWS)
         self._uint4_scratch: dict[torch.device, torch.Tensor] = {}
         # Decode time mixes of many (row, head) items walk them on a fixed grid, prefetching each next state block
-        # (time_mix_pipelined_kernel; same results): 0 lets the launcher choose by the grid's size
-        # (RWKV_TIME_MIX_PIPELINED=0: never), -1 never, > 0 always, on that many blocks (tests).
+        # (time_mix_pipelined_kernel; same results): 0 lets the launcher choose by the grid's size and the state's
+        # dtype (RWKV_TIME_MIX_PIPELINED: 0 never, 1 fp16 states, 2 both), -1 never, > 0 always, on that many
+        # blocks (tests).
         self.time_mix_blocks: int = 0
 
     # -------------------------------------------------------------- ops
