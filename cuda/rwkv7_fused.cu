@@ -369,17 +369,23 @@ struct TokenInputs {
     float r, k, v, dw, da, dv, g, v_first;
 };
 
-__device__ __forceinline__ TokenInputs load_token_inputs(const TimeMixArgs& p, int64_t o) {
+// The inputs from input(j), the value of input j in chunk_input's order (layer 0 reads no dv and no v_first).
+template <typename Input>
+__device__ __forceinline__ TokenInputs token_inputs(const TimeMixArgs& p, Input input) {
     TokenInputs in;
-    in.r = h2f(p.r[o]);
-    in.k = h2f(p.k[o]);
-    in.v = h2f(p.v[o]);
-    in.dw = h2f(p.dw[o]);
-    in.da = h2f(p.da[o]);
-    in.g = h2f(p.g[o]);
-    in.dv = p.first_layer ? 0.0f : h2f(p.dv[o]);
-    in.v_first = p.first_layer ? 0.0f : h2f(p.v_first[o]);
+    in.r = input(0);
+    in.k = input(1);
+    in.v = input(2);
+    in.dw = input(3);
+    in.da = input(4);
+    in.g = input(5);
+    in.dv = p.first_layer ? 0.0f : input(6);
+    in.v_first = p.first_layer ? 0.0f : input(7);
     return in;
+}
+
+__device__ __forceinline__ TokenInputs load_token_inputs(const TimeMixArgs& p, int64_t o) {
+    return token_inputs(p, [&](int j) { return h2f(chunk_input(p, j)[o]); });
 }
 
 // Row `row` of a time-mix launch: its first and last token and its state slot.
@@ -587,12 +593,16 @@ time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t 
     const int64_t C = int64_t(H) * N;
     const int64_t col = int64_t(h) * N + i;
     const int64_t stride = gridDim.x;
+    // 16-byte vector f of the state block in buffer b (vector f of the block in global memory)
+    auto buffered = [&](int b, int f) { return &buf[b][(f / kRowVecs) * kRowBytes + (f % kRowVecs) * 16]; };
+    // where a row's index k lives: its first token (0), last token (1), slot (2)
+    auto row_index = [&](int k) { return k == 0 ? starts : k == 1 ? lasts : slots; };
 
     // Rows of items n .. n + 3 (first, last, slot), a ring by n % 4: item n + 3's is copied while item n is computed,
     // so that no fetch waits for a row's indices (an L2 round trip a block would pay per item).
     __shared__ __align__(8) int64_t rows[4][3];
     auto fetch_row = [&](int64_t item, int64_t (&dst)[3]) {  // threads 0-2, asynchronously
-        if (i < 3 && item < items) copy_async8(&dst[i], (i == 0 ? starts : i == 1 ? lasts : slots) + item / H);
+        if (i < 3 && item < items) copy_async8(&dst[i], row_index(i) + item / H);
     };
     // Copies of `item` (its row in `row`) into buffers b when the row has work: its state block (`state_block`) and
     // its first token's inputs (`tokens`: a 16-byte vector per thread; only after dependency_wait).
@@ -604,7 +614,7 @@ time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t 
 #pragma unroll
             for (int c = 0; c < kBlockVecs / N; ++c) {
                 const int f = i + N * c;
-                copy_async16(&buf[b][(f / kRowVecs) * kRowBytes + (f % kRowVecs) * 16], src + int64_t(f) * 16);
+                copy_async16(buffered(b, f), src + int64_t(f) * 16);
             }
         }
         const int j = i / 8, e = (i % 8) * 8;  // input j, channels e .. e + 7 of the head
@@ -617,7 +627,7 @@ time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t 
     const ChannelParams& cp = channel[i];
     if (i < 9) {  // the first three items' rows, read directly (no kernel of a step writes them: before the wait)
         const int64_t item = blockIdx.x + (i / 3) * stride;
-        if (item < items) rows[i / 3][i % 3] = (i % 3 == 0 ? starts : i % 3 == 1 ? lasts : slots)[item / H];
+        if (item < items) rows[i / 3][i % 3] = row_index(i % 3)[item / H];
     }
     __syncthreads();
     fetch(blockIdx.x, rows[0], 0, true, false);  // only this kernel writes the state: safe before the wait
@@ -638,9 +648,7 @@ time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t 
         __syncthreads();  // the block's copies of this item are in buffers b
         const int64_t first = rows[n % 4][0], last = rows[n % 4][1], slot = rows[n % 4][2];
         if (!row_usable(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) continue;
-        const __half(*x)[N] = inputs[b];  // load_token_inputs' values, from the copies
-        const TokenInputs in = {h2f(x[0][i]), h2f(x[1][i]), h2f(x[2][i]), h2f(x[3][i]), h2f(x[4][i]),
-                                p.first_layer ? 0.0f : h2f(x[6][i]), h2f(x[5][i]), p.first_layer ? 0.0f : h2f(x[7][i])};
+        const TokenInputs in = token_inputs(p, [&](int j) { return h2f(inputs[b][j][i]); });  // from the copies
         unsigned char* row = &buf[b][i * kRowBytes];
         float s[N];
         wkv7::row_to_regs<S>(row, s);
@@ -653,8 +661,7 @@ time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t 
 #pragma unroll
         for (int c = 0; c < kBlockVecs / N; ++c) {
             const int f = i + N * c;
-            *reinterpret_cast<uint4*>(dst + int64_t(f) * 16) =
-                *reinterpret_cast<const uint4*>(&buf[b][(f / kRowVecs) * kRowBytes + (f % kRowVecs) * 16]);
+            *reinterpret_cast<uint4*>(dst + int64_t(f) * 16) = *reinterpret_cast<const uint4*>(buffered(b, f));
         }
     }
     copy_async_wait<0>();
@@ -2892,10 +2899,11 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
     auto run = [&](auto* pool, auto decode_kernel, auto pipelined_kernel, auto prefill_kernel, auto chunked_kernel,
                    auto chunked_tc_kernel, auto split2_kernel, auto split4_kernel) {
         return on_device(device, [&] {
+            const bool fp16_state = state_dtype == wkv7::kFloat16;
             const int64_t pipelined =
-                kernel == kTimeMixDecode ? pipelined_blocks(pipelined_kernel, device, grid, h, state_dtype == wkv7::kFloat16,
-                                                           p, pipeline_blocks)
-                                         : 0;
+                kernel == kTimeMixDecode
+                    ? pipelined_blocks(pipelined_kernel, device, grid, h, fp16_state, p, pipeline_blocks)
+                    : 0;
             if (pipelined > 0)
                 return launch(pipelined_kernel, static_cast<unsigned>(pipelined), N, s, h, num_slots, num_tokens,
                               int64_t(grid), pool, slots, starts, lasts, p);

@@ -84,8 +84,8 @@ int run(int64_t M, int64_t N, int64_t K, Problem p, Run Tile::*format, cudaStrea
 }
 
 // `p` with K split in p.splits slices (> 1), each a whole number of `step` elements (the 4-bit group; 64 for
-// int8) and of the K step, `format` one of the split kernels: partial_rows rows of x at a time, each chunk's slice products written to `partials`
-// (packed [splits, chunk rows, N]) and summed into y (N a multiple of 4).
+// int8) and of the K step, `format` one of the split kernels: partial_rows rows of x at a time, each chunk's slice
+// products written to `partials` (packed [splits, chunk rows, N]) and summed into y (N a multiple of 4).
 int run_split(int64_t M, int64_t N, int64_t K, Problem p, int64_t step, Run Tile::*format, cudaStream_t stream,
               int status_base, int tile, void* partials, int64_t partial_rows) {
     if (partials == nullptr || partial_rows <= 0 || N % 4 || K % (p.splits * step) || (K / p.splits) % 64)

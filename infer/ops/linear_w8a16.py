@@ -68,7 +68,8 @@ SM90_GEMV_ROWS = 4
 # The kernels load 16 bytes at a time (K) and the CUTLASS epilogue stores 8 fp16 at a time (N).
 K_MULTIPLE, N_MULTIPLE = 16, 8
 # Split K for the Hopper GEMMs, int8 and 4-bit (gemm_splits): a slice keeps at least SPLIT_MIN_K of K (4-bit
-# layers: gemlite_linear.W4_SPLIT_MIN_K, shorter), and batches of more rows than SPLIT_MAX_ROWS are not split. Measured on the H200 for 4-bit weights, the GEMMs replayed from CUDA graphs
+# layers: gemlite_linear.W4_SPLIT_MIN_K, shorter), and batches of more rows than SPLIT_MAX_ROWS are not split.
+# Measured on the H200 for 4-bit weights, the GEMMs replayed from CUDA graphs
 # (bench/results/w4_gemm_split_graph_*_h200.json): 7.2B FFN value (K = 16,384) at 16-256 rows 70-83 -> 40-65 us,
 # 7.2B r/k/v/output 20-24 -> 14-22 us, 1.5B FFN value 38-39 -> 16-23 us in four slices; at 512 rows every split
 # was slower (7.2B FFN value 109 -> 122 us). W4 decode, 7.2B batch 128: 14,276 tok/s with slices of >= 2,048
