@@ -2,8 +2,8 @@
 # A/B of versions of cuda/rwkv7_fused.cu on one machine (a lent GPU may differ from the last one by a few percent,
 # so a comparison holds only within one call). The tree's own source runs first, then each FILE in turn (a copy of
 # the kernel file, left untracked so that it travels to the machine: from a branch, git show
-# wip/x:cuda/rwkv7_fused.cu > x.cu, or one of the prepared, not yet measured variants of bench/variants/:
-# cp cuda/rwkv7_fused.cu x.cu && patch x.cu < bench/variants/x.patch): the fused kernels are rebuilt from it and
+# wip/x:cuda/rwkv7_fused.cu > x.cu, or the tree with a prepared patch applied:
+# cp cuda/rwkv7_fused.cu x.cu && patch x.cu < x.patch): the fused kernels are rebuilt from it and
 # COMMAND runs ROUNDS times (default 3), with
 # {out} replaced by bench/results/experiment_ab_<name>_<round>_h200.json, <name> "tree" or the file's stem, and
 # {name} and {round} by those alone (for a COMMAND of several runs, each writing

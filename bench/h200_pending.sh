@@ -61,6 +61,9 @@
 #                                                                    # (RWKV_TIME_MIX_PIPELINED=2): decode A/B, profile
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh fused-verify  # the fused GPU tests (prefill too), 7.2B batch
 #                                                                    # 256/512 with fp16 state twice
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh time-mix-ncu  # Nsight Compute on the decode time mix (7.2B b256)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
+#                                                                   # decode A/B of the tree against FILE (a kernel file)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
 #
@@ -873,6 +876,31 @@ fused-verify)  # after a change to the fused kernels' shared code: every fused G
     done
     [ -n "$OUT" ] && tar czf "$OUT/fused_verify.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[@]}"
+    ;;
+time-mix-ncu)  # what bounds the decode time mix at 7.2B batch 256 (fp16 state): Nsight Compute's speed of light,
+    # occupancy, warp stalls and memory sections on one launch of the pipelined kernel and one of the per-row kernel
+    build_fused
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for kernel in time_mix_pipelined_kernel time_mix_kernel; do
+        mode=1
+        [ $kernel = time_mix_kernel ] && mode=0
+        out=bench/results/ncu_${kernel}_b256_fp16_state_h200.txt
+        step 200 "ncu $kernel" env RWKV_TIME_MIX_PIPELINED=$mode "$NCU" --clock-control none -k "regex:^${kernel}" \
+            --launch-skip 40 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+            --section MemoryWorkloadAnalysis --section SchedulerStats --section LaunchStats --log-file $out \
+            python bench/bench_decode.py --sizes 7.2b --batches 256 --states fp16 --steps 2 --wkv cuda --no-checks \
+            --out /tmp/ncu_decode.json
+        copy $out
+        grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Stall|Issued Warp|No Eligible|Registers Per|Block Limit" $out | head -40
+    done
+    ;;
+b1-ab)  # after a batch-1 change to the fused kernels: builds, the GEMV and W8A16 GPU tests, then batch-1 decode (fp16
+    # 1.5B and 7.2B, W8A16 7.2B) of the tree against FILE (the kernel file before the change), two rounds
+    build
+    int8_tests
+    step 400 "A/B at batch 1" env ROUNDS=2 bash bench/ab_kernels.sh "python bench/bench_decode.py --sizes 1.5b,7.2b \
+--batches 1 --steps 40 --wkv cuda --no-checks --out {out} && python bench/bench_decode.py --engine cutlass --sizes 7.2b \
+--batches 1 --steps 40 --wkv cuda --no-checks --out bench/results/experiment_ab_{name}_{round}_w8_h200.json" "${2:?b1-ab FILE}"
     ;;
 *)
     echo "unknown part $PART" >&2

@@ -212,6 +212,28 @@ __device__ __forceinline__ void layer_norm_row(const __half* __restrict__ x, con
     normalize_row(out, w, b, vecs, scratch);
 }
 
+// Asks this multiprocessor's L1 for the line of p ahead of a load (no effect on any value).
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+#endif
+}
+
+// This thread's vectors of the mixing vectors (weights: no kernel writes them), into L1 before the wait, so that
+// write_mixes' loads after the norm are not another round trip to memory.
+template <int VECS>
+__device__ __forceinline__ void prefetch_mixes(const MixArgs& args, int vecs) {
+#pragma unroll
+    for (int m = 0; m < kMaxMix; ++m) {
+        if (m >= args.count) break;
+#pragma unroll
+        for (int j = 0; j < VECS; ++j) {
+            const int v = threadIdx.x + j * kLnThreads;
+            if (v < vecs) prefetch_l1(args.mix[m] + v * 8);
+        }
+    }
+}
+
 // Token t's outputs: out[m][t] = xn + (pv - xn) * mix[m], xn its normalised input, pv the one before it.
 template <int VECS>
 __device__ __forceinline__ void write_mixes(const MixArgs& args, int64_t t, int C, int vecs,
@@ -268,6 +290,7 @@ ln_shift_mix_kernel(int C, int64_t num_slots, const __half* __restrict__ x, cons
         if (slot >= 0 && slot < num_slots) saved = shift + slot * C;  // a bad slot is left alone (its row reads zeros)
         load_row_or_zero(saved, vecs, pv);
     }
+    prefetch_mixes<VECS>(args, vecs);
     dependency_wait();
 
     float xn[VECS][8];
@@ -1843,8 +1866,7 @@ __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, 
 // y[m][n] = fp16(epilogue(fp16(product)) + residual[m][n]): the product rounded to fp16 first, as a
 // separate matmul would give it. A tanh or sigmoid epilogue gives the LoRA first halves' activations as the
 // readable forward rounds them (computed once per value, not by every row of the second half that reads it).
-__device__ __forceinline__ void store_rounded(__half* y, const __half* residual, int64_t o, float product,
-                                              int epilogue) {
+__device__ __forceinline__ float activate_rounded(float product, int epilogue) {
     float val = round_half(product);
     if (epilogue == kEpiReluSquare) {
         val = relu_square(val);
@@ -1853,6 +1875,11 @@ __device__ __forceinline__ void store_rounded(__half* y, const __half* residual,
     } else if (epilogue == kEpiSigmoid) {
         val = sigmoidf(val);
     }
+    return val;
+}
+__device__ __forceinline__ void store_rounded(__half* y, const __half* residual, int64_t o, float product,
+                                              int epilogue) {
+    float val = activate_rounded(product, epilogue);
     if (residual) val += __half2float(residual[o]);
     y[o] = __float2half_rn(val);
 }
@@ -1860,17 +1887,41 @@ __device__ __forceinline__ void store_output(const GemvTask& task, int m, int n,
     store_rounded(task.y, task.residual, int64_t(m) * task.n + n, product, task.epilogue);
 }
 
-// A band's outputs after the barrier, one per thread: (row m, channel first_col + j) for j below `band`, the
-// WARPS warps' sums added in warp order (deterministic), times the channel's scale if `scaled` (int8).
+// What a thread's output of a band takes besides the sums, (row m, channel first_col + j) with m = threadIdx.x /
+// band, j = threadIdx.x % band: the channel's scale (int8 weights; read before the PDL wait, no kernel writes it)
+// and the residual (read right after the wait). Loaded at the block's start, while its weights are in flight, they
+// are no round trip to memory at its end, after the barrier, where every block of the launch would wait for them.
+// Kept in shared memory (the thread that stores its output reads them back): held in registers across the
+// block's loop they spilled in the 16-warp blocks.
+struct BandOutput {
+    float scale, residual;
+};
+template <int M, int kWidth>
+__device__ __forceinline__ void load_band_output(const GemvTask& task, int band, int first_col, bool scaled,
+                                                 BandOutput (&out)[M][kWidth]) {
+    const int m = threadIdx.x / band, j = threadIdx.x % band;
+    const bool stores = m < M && first_col + j < task.n;
+    const float scale = scaled && stores ? __half2float(task.scale[first_col + j]) : 1.0f;
+    dependency_wait();
+    if (stores) {
+        out[m][j].scale = scale;
+        out[m][j].residual = task.residual ? __half2float(task.residual[int64_t(m) * task.n + first_col + j]) : 0.0f;
+    }
+}
+
+// A band's outputs after the barrier, one per thread (as in BandOutput), the WARPS warps' sums added in warp order
+// (deterministic), times the channel's scale (1 but for int8); store_rounded's math.
 template <int M, int kWidth, int WARPS>
 __device__ __forceinline__ void store_band_sums(const GemvTask& task, const float (&band_sum)[WARPS][M][kWidth],
-                                                int band, int first_col, bool scaled) {
+                                                int band, int first_col, const BandOutput (&out)[M][kWidth]) {
     const int m = threadIdx.x / band, j = threadIdx.x % band;
     if (m >= M || first_col + j >= task.n) return;
     float sum = band_sum[0][m][j];
 #pragma unroll
     for (int w = 1; w < WARPS; ++w) sum += band_sum[w][m][j];
-    store_output(task, m, first_col + j, scaled ? sum * __half2float(task.scale[first_col + j]) : sum);
+    float val = activate_rounded(sum * out[m][j].scale, task.epilogue);
+    if (task.residual) val += out[m][j].residual;
+    task.y[int64_t(m) * task.n + first_col + j] = __float2half_rn(val);
 }
 
 // ---- 4-bit weights: GemLite's A16W4_HQQ_INT layers, read where GemLite's own kernels read them.
@@ -2011,7 +2062,8 @@ __device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int
 // One block of WARPS warps of a 4-bit task with kWords channels per lane (see above). Every thread reaches the
 // barrier.
 template <int M, int kWords, int WARPS>
-__device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&band_sum)[WARPS][M][kUint4Band]) {
+__device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&band_sum)[WARPS][M][kUint4Band],
+                                                BandOutput (&out)[M][kUint4Band]) {
     constexpr int kBand = 8 * kWords;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int first_col = (int(blockIdx.x) - task.first_block) * kBand;
@@ -2024,7 +2076,7 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
     const bool busy = 4 * warp * slice < rows;  // warp-uniform: a warp past the last row has nothing to add
     Uint4Batch<kWords> b;
     if (busy) load_uint4_batch(task, col, begin, count, end, b);  // weights: load before the wait
-    dependency_wait();
+    load_band_output<M>(task, kBand, first_col, false, out);
 
     float d[kWords / 2][4];
 #pragma unroll
@@ -2049,16 +2101,17 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
         for (int i = 0; i < kWords; ++i) band_sum[warp][m][kWords * g + i] = d[i / 2][i % 2 * 2 + e];
     }
     __syncthreads();
-    store_band_sums<M>(task, band_sum, kBand, first_col, false);
+    store_band_sums<M>(task, band_sum, kBand, first_col, out);
 }
 
 template <int M, int WARPS>
 __device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
     __shared__ float band_sum[WARPS][M][kUint4Band];
+    __shared__ BandOutput out[M][kUint4Band];
     if (task.splits == 1) {
-        gemv_uint4_band<M, 4, WARPS>(task, band_sum);
+        gemv_uint4_band<M, 4, WARPS>(task, band_sum, out);
     } else {
-        gemv_uint4_band<M, 2, WARPS>(task, band_sum);
+        gemv_uint4_band<M, 2, WARPS>(task, band_sum, out);
     }
 }
 
@@ -2140,6 +2193,7 @@ __device__ __forceinline__ void mma_int8_band(const GemvTask& task, int c, int e
 template <int M, int WARPS>
 __device__ __forceinline__ void gemv_int8_band(const GemvTask& task) {
     __shared__ float band_sum[WARPS][M][kInt8Band];
+    __shared__ BandOutput out[M][kInt8Band];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int first_col = (int(blockIdx.x) - task.first_block) * kInt8Band;
     const int count = task.k / 16;  // 16-byte vectors per channel
@@ -2150,7 +2204,7 @@ __device__ __forceinline__ void gemv_int8_band(const GemvTask& task) {
     const uint4* hi = lo + int64_t(8) * count;
     uint4 w[2][kInt8Loads];
     load_int8_band(lo, hi, lo_ok, hi_ok, begin + t, end, w);  // weights: load before the wait
-    dependency_wait();
+    load_band_output<M>(task, kInt8Band, first_col, true, out);
 
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 1
@@ -2168,7 +2222,7 @@ __device__ __forceinline__ void gemv_int8_band(const GemvTask& task) {
         band_sum[warp][m][g + 8] = d[2 + e];
     }
     __syncthreads();
-    store_band_sums<M>(task, band_sum, kInt8Band, first_col, true);
+    store_band_sums<M>(task, band_sum, kInt8Band, first_col, out);
 }
 
 // The task this block computes (block-uniform).
@@ -2214,7 +2268,12 @@ __global__ void __launch_bounds__(kGemvWarps * 32, (M == 1 ? 32 : M <= 2 ? 24 : 
             load_weight_batch(row, sub, count, lanes, w);
         }
     }
+    // The storing lane's scale (a weight: before the wait) and, at one row, its residual (after it): as BandOutput,
+    // no round trip to memory at the block's end (at two rows the 80 registers of 24 warps a multiprocessor spill).
+    const bool stores = active && sub == 0 && split == 0;
+    const float scale = stores && task.scale ? __half2float(task.scale[n]) : 1.0f;
     dependency_wait();
+    const float residual = M == 1 && stores && task.residual ? __half2float(task.residual[n]) : 0.0f;
 
     float acc[M];
 #pragma unroll
@@ -2257,9 +2316,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32, (M == 1 ? 32 : M <= 2 ? 24 : 
         }
     }
     if (!active || sub != 0) return;
-    const float scale = task.scale ? __half2float(task.scale[n]) : 1.0f;
+    if constexpr (M == 1) {
+        float val = activate_rounded(acc[0] * scale, task.epilogue);
+        if (task.residual) val += residual;
+        task.y[n] = __float2half_rn(val);
+    } else {
 #pragma unroll
-    for (int m = 0; m < M; ++m) store_output(task, m, n, acc[m] * scale);
+        for (int m = 0; m < M; ++m) store_output(task, m, n, acc[m] * scale);
+    }
 }
 
 // Launches of few bands (gemv_wide_bands): a band's K over kWideBandWarps warps instead of kGemvWarps. A 7.2B output
@@ -2596,9 +2660,9 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
 // Blocks for time_mix_pipelined_kernel at a decode launch of `grid` (row, head) items: as many as fit on the device
 // at once, a multiple of H; 0 for time_mix_kernel instead. By itself (requested == 0) the launcher takes it at two
 // items per block or more for fp16 states (RWKV_TIME_MIX_PIPELINED=1, the default), for fp32 states too (=2) or never
-// (=0): with fp32 states (16 KB a block, five or six blocks a multiprocessor) its first version, which prefetched
-// only the state, lost 2-4 % at most batches (bench/results/experiment_time_mix_pipelined_state_only_h200.json
-// against experiment_time_mix_per_row_h200.json; the present one is not measured there). `requested` > 0 asks for
+// (=0): with fp32 states (16 KB a block, five or six blocks a multiprocessor) it loses 2-4 % at 256 and 512 rows
+// (H200, 7.2B 19,948 and 22,080 tok/s against 20,309 and 22,614, 1.5B at 512 71,671 against 74,256;
+// bench/results/decode_h200_time_mix_fp32_state.json against experiment_time_mix_fp32_per_row_h200.json). `requested` > 0 asks for
 // that many (rounded down to a multiple of H; tests walk many items per block with it), < 0 for none. Never with
 // inputs off 16 bytes.
 template <typename Kernel>
