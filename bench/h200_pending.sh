@@ -848,7 +848,7 @@ time-mix-fp32)  # the pipelined time mix (with its input and row prefetches) for
     build_fused
     results=()
     for mode in 2 1; do
-        out=bench/results/decode_h200_time_mix_fp32_state.json
+        out=bench/results/experiment_time_mix_fp32_pipelined_h200.json
         [ $mode = 1 ] && out=bench/results/experiment_time_mix_fp32_per_row_h200.json  # the A/B's off side
         step 150 "decode, fp32 state, RWKV_TIME_MIX_PIPELINED=$mode" env RWKV_TIME_MIX_PIPELINED=$mode \
             python bench/bench_decode.py --sizes 7.2b,1.5b --batches 128,256,512 --states fp32 --steps 20 --wkv cuda \

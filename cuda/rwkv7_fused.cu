@@ -2662,9 +2662,9 @@ inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill)
 // items per block or more for fp16 states (RWKV_TIME_MIX_PIPELINED=1, the default), for fp32 states too (=2) or never
 // (=0): with fp32 states (16 KB a block, five or six blocks a multiprocessor) it loses 2-4 % at 256 and 512 rows
 // (H200, 7.2B 19,948 and 22,080 tok/s against 20,309 and 22,614, 1.5B at 512 71,671 against 74,256;
-// bench/results/decode_h200_time_mix_fp32_state.json against experiment_time_mix_fp32_per_row_h200.json). `requested` > 0 asks for
-// that many (rounded down to a multiple of H; tests walk many items per block with it), < 0 for none. Never with
-// inputs off 16 bytes.
+// bench/results/experiment_time_mix_fp32_pipelined_h200.json against experiment_time_mix_fp32_per_row_h200.json).
+// `requested` > 0 asks for that many (rounded down to a multiple of H; tests walk many items per block with it), < 0
+// for none. Never with inputs off 16 bytes.
 template <typename Kernel>
 int64_t pipelined_blocks(Kernel kernel, int device, unsigned grid, int H, bool fp16_state, const TimeMixArgs& p,
                          int64_t requested) {
