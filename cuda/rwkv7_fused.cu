@@ -1767,7 +1767,7 @@ inline unsigned relu_square_blocks(int64_t n) {
 
 // ------------------------------------------------------------------------------------ gemv
 constexpr int kGemvWarps = 8;
-constexpr int kMaxTasks = 8;
+constexpr int kMaxTasks = 12;
 constexpr int kGemvMaxRows = 8;
 
 // kWeightInt8Band is the launcher's own: int8 weights read by gemv_int8_band (tensor cores) instead of the
@@ -1791,12 +1791,52 @@ struct GemvTask {
                              // each; 1 with splits > 1 and for 4-bit tasks
     int first_block;         // blocks [first_block, first_block + gemv_units(task) / kGemvWarps) compute this task
     int promote;             // int8 bands: sums moved out of the tensor cores per vector (see mma_int8_band)
+    // Stages of one launch (see task_dependency_wait): a producer task's blocks count themselves done in sync[0];
+    // a consumer task's blocks wait until `wait_for` have, then count themselves done in sync[1], and the last of
+    // the launch's `consumers` resets both to zero for the next launch.
+    unsigned* sync;          // [2], or null for a launch without stages
+    int producer;            // 1: a producer task
+    int wait_for;            // > 0: a consumer task (the launch's producer blocks)
+    int consumers;           // the launch's consumer blocks
 };
 
 struct GemvArgs {
     GemvTask task[kMaxTasks];
     int count;
 };
+
+#define FUSED_GEMV_STAGES 1  // (asked by the CPU emulator's harness: the HIP port has no staged launches)
+// A launch of two stages: tasks whose inputs are other tasks' outputs of the same launch (the LoRA second halves
+// after their first halves), so that they cost no launch of their own. Their blocks come after every producer's in
+// the grid, and blocks start in the order of their indices, so the producers run (or have run) while consumers wait:
+// a consumer block loads its first weights, then waits for its predecessor kernel (PDL) and for the producers'
+// blocks to be done (thread 0 polls the counter, the block's barrier orders the others' loads after it, as a
+// cooperative grid barrier does).
+__device__ __forceinline__ void task_dependency_wait(const GemvTask& task) {
+    dependency_wait();
+    if (task.wait_for > 0) {  // block-uniform
+        if (threadIdx.x == 0) {
+            while (*reinterpret_cast<volatile unsigned*>(task.sync) < unsigned(task.wait_for)) __nanosleep(32);
+            __threadfence();
+        }
+        __syncthreads();
+    }
+}
+
+// The end of a staged task's block, after its stores (every thread of the block calls it): producers count
+// themselves done; consumers too, and the last consumer resets the counters.
+__device__ __forceinline__ void finish_task_stage(const GemvTask& task) {
+    if (!task.producer && task.wait_for == 0) return;  // block-uniform
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    __threadfence();
+    if (task.producer) {
+        atomicAdd(&task.sync[0], 1u);
+    } else if (atomicAdd(&task.sync[1], 1u) == unsigned(task.consumers - 1)) {
+        task.sync[0] = 0u;  // every producer counted and every consumer past its wait: nothing reads them again
+        task.sync[1] = 0u;
+    }
+}
 
 // Each lane keeps kGemvLoads 16-byte weight loads in flight: the GEMV is a stream of the weights, and at
 // batch 1 a matrix takes only microseconds, so the bytes in flight per multiprocessor set its speed.
@@ -1902,7 +1942,7 @@ __device__ __forceinline__ void load_band_output(const GemvTask& task, int band,
     const int m = threadIdx.x / band, j = threadIdx.x % band;
     const bool stores = m < M && first_col + j < task.n;
     const float scale = scaled && stores ? __half2float(task.scale[first_col + j]) : 1.0f;
-    dependency_wait();
+    task_dependency_wait(task);
     if (stores) {
         out[m][j].scale = scale;
         out[m][j].residual = task.residual ? __half2float(task.residual[int64_t(m) * task.n + first_col + j]) : 0.0f;
@@ -2233,12 +2273,9 @@ __device__ __forceinline__ const GemvTask& task_of_block(const GemvArgs& args) {
     return args.task[t];
 }
 
-// Registers capped for occupancy: 32 warps per multiprocessor for one row (four blocks), 24 for two, else 16. (The
-// fp16/int8 code takes 64 registers at one row by itself; the cap keeps the 4-bit code from raising that.)
+// One block of gemv_kernel's grid: its part of `task` (4-bit and int8 bands, or warps of fp16/int8 rows).
 template <int M>
-__global__ void __launch_bounds__(kGemvWarps * 32, (M == 1 ? 32 : M <= 2 ? 24 : 16) / kGemvWarps)
-    gemv_kernel(GemvArgs args) {
-    const GemvTask& task = task_of_block(args);
+__device__ __forceinline__ void gemv_block(const GemvTask& task) {
     if (task.weight_type == kWeightUint4) {  // block-uniform
         gemv_uint4_block<M, kGemvWarps>(task);
         return;
@@ -2272,7 +2309,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, (M == 1 ? 32 : M <= 2 ? 24 : 
     // no round trip to memory at the block's end (at two rows the 80 registers of 24 warps a multiprocessor spill).
     const bool stores = active && sub == 0 && split == 0;
     const float scale = stores && task.scale ? __half2float(task.scale[n]) : 1.0f;
-    dependency_wait();
+    task_dependency_wait(task);
     const float residual = M == 1 && stores && task.residual ? __half2float(task.residual[n]) : 0.0f;
 
     float acc[M];
@@ -2324,6 +2361,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32, (M == 1 ? 32 : M <= 2 ? 24 : 
 #pragma unroll
         for (int m = 0; m < M; ++m) store_output(task, m, n, acc[m] * scale);
     }
+}
+
+// Registers capped for occupancy: 32 warps per multiprocessor for one row (four blocks), 24 for two, else 16. (The
+// fp16/int8 code takes 64 registers at one row by itself; the cap keeps the 4-bit code from raising that.)
+template <int M>
+__global__ void __launch_bounds__(kGemvWarps * 32, (M == 1 ? 32 : M <= 2 ? 24 : 16) / kGemvWarps)
+    gemv_kernel(GemvArgs args) {
+    const GemvTask& task = task_of_block(args);
+    gemv_block<M>(task);
+    finish_task_stage(task);
 }
 
 // Launches of few bands (gemv_wide_bands): a band's K over kWideBandWarps warps instead of kGemvWarps. A 7.2B output
@@ -2708,6 +2755,11 @@ inline int64_t gemv_units(const GemvTask& t, int splits) {
     return (int64_t(t.n) + t.rows_per_warp - 1) / t.rows_per_warp * splits;
 }
 
+// gemv_kernel blocks of a planned task
+inline int gemv_task_blocks(const GemvTask& t) {
+    return static_cast<int>((gemv_units(t, t.splits) + kGemvWarps - 1) / kGemvWarps);
+}
+
 // Short rows. A warp on a row of fewer than 32 * kGemvLoads vectors leaves lanes without loads, and a launch
 // of such rows (the LoRA second halves: 4,096 rows of 96-480 weights at 7.2B) runs many small warps, each
 // waiting out one round trip to memory: 8.7-10 us per layer for 6.8 MB (bench/results/profile_nopdl_h200.json).
@@ -2794,10 +2846,40 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
     for (int i = 0; i < count; ++i) {
         GemvTask& t = args.task[i];
         t.first_block = blocks;
-        blocks += static_cast<int>((gemv_units(t, t.splits) + kGemvWarps - 1) / kGemvWarps);
+        blocks += gemv_task_blocks(t);
     }
     return blocks;
 }
+
+// Marks the stages of a packed launch (stage[i]: 0 none, 1 producer, 2 consumer; see task_dependency_wait), sync
+// its counters ([2], zero). False unless every producer task precedes every consumer task, a launch with either has
+// both, and sync is given.
+inline bool stage_gemv(GemvArgs& args, const int* stage, unsigned* sync) {
+    int producers = 0, consumers = 0, last_producer = -1, first_consumer = args.count;
+    for (int i = 0; i < args.count; ++i) {
+        if (stage[i] == 1) {
+            producers += gemv_task_blocks(args.task[i]);
+            last_producer = i;
+        } else if (stage[i] == 2) {
+            consumers += gemv_task_blocks(args.task[i]);
+            first_consumer = first_consumer < i ? first_consumer : i;
+        } else if (stage[i] != 0) {
+            return false;
+        }
+    }
+    if (producers == 0 && consumers == 0) return true;
+    if (sync == nullptr || producers == 0 || consumers == 0 || last_producer > first_consumer) return false;
+    for (int i = 0; i < args.count; ++i) {
+        GemvTask& t = args.task[i];
+        t.sync = sync;
+        t.producer = stage[i] == 1;
+        t.wait_for = stage[i] == 2 ? producers : 0;
+        t.consumers = consumers;
+    }
+    return true;
+}
+
+inline bool gemv_staged(const GemvArgs& args) { return args.count > 0 && args.task[0].sync != nullptr; }
 
 // Whether every task of a packed launch is a band (4-bit or int8 on the tensor cores): what gemv_wide_band_kernel
 // computes.
@@ -2813,7 +2895,7 @@ inline bool gemv_all_bands(const GemvArgs& args) {
 // them. It reads the tasks' shapes only, never the rows of x: the two kernels add a band's warps' sums in
 // different orders, and a row's output is the same alone or in a batch.
 inline bool gemv_wide_bands(const GemvArgs& args, int blocks) {
-    return blocks <= kWideBandMaxBlocks && gemv_all_bands(args);
+    return blocks <= kWideBandMaxBlocks && gemv_all_bands(args) && !gemv_staged(args);
 }
 
 // The grid of a sparse-input GEMV of a K-major [k, n] weight: strips of kSparseStrip channels times slices
@@ -3005,13 +3087,15 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
 extern "C" int fused_gemv_max_rows() { return fused::kGemvMaxRows; }
 extern "C" int fused_gemv_max_tasks() { return fused::kMaxTasks; }
 
-// One launch computing `count` tasks y_i = epilogue(x_i W_i^T) (see GemvTask) for M rows each.
+// One launch computing `count` tasks y_i = epilogue(x_i W_i^T) (see GemvTask) for M rows each, in stages
+// (stage_gemv; sync: two uint32 counters, zero before the first launch and left so by each).
 // Weight k must be a multiple of 8 (fp16) or 16 (int8); 4-bit (weight type 2): n % 4 == 0, group % 8 == 0,
 // k % group == 0; every pointer 16-byte aligned. zero and group are read for 4-bit tasks only.
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
                                  const void* const* scale, const void* const* zero, const void* const* x,
                                  void* const* y, const void* const* residual, const int64_t* n, const int64_t* k,
-                                 const int64_t* group, const int* weight_type, const int* epilogue) {
+                                 const int64_t* group, const int* weight_type, const int* epilogue,
+                                 const int* stage, void* sync) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return cudaErrorInvalidValue;
     for (int i = 0; i < count; ++i)
@@ -3030,6 +3114,7 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
                        : weight_type[i];
     GemvArgs args{};
     const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, types, epilogue);
+    if (!stage_gemv(args, stage, static_cast<unsigned*>(sync))) return cudaErrorInvalidValue;
     if (int8_mode == 2)
         for (int i = 0; i < count; ++i) args.task[i].promote = 0;
     // RWKV_GEMV_WIDE_BANDS=0: every launch on gemv_kernel (A/B)

@@ -24,7 +24,8 @@ extern "C" int64_t fused_time_mix_scratch_floats(int64_t B, int64_t H, int64_t n
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
                                  const void* const* scale, const void* const* zero, const void* const* x,
                                  void* const* y, const void* const* residual, const int64_t* n, const int64_t* k,
-                                 const int64_t* group, const int* weight_type, const int* epilogue);
+                                 const int64_t* group, const int* weight_type, const int* epilogue,
+                                 const int* stage, void* sync);
 extern "C" int fused_gemv_max_rows();
 extern "C" int fused_gemv_max_tasks();
 extern "C" int fused_sparse_gemv_max_rows();
@@ -155,11 +156,13 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
 // 1 relu^2, 2 tanh, 3 sigmoid) (+ residual[i]). The weights' dtype says their kind: fp16 [out, in]; int8
 // [out, in] with an fp16 scale [out]; int32 [in/8, out]: GemLite's packed 4-bit words, with fp16 scale and zero
 // [in/group[i], out] (W = q * scale + zero per group of group[i] input columns). Empty tensors mean "none"
-// for scale, zero and residual; group[i] is read for 4-bit tasks only.
+// for scale, zero and residual; group[i] is read for 4-bit tasks only. stage (empty: none): 1 for a task whose output
+// another task of the launch reads (a producer), 2 for such a task (a consumer; after every producer), else 0; sync:
+// int32 [2] on the device, zero before the first staged launch (each leaves it so).
 void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::vector<torch::Tensor> zero,
           std::vector<torch::Tensor> x, std::vector<torch::Tensor> y, std::vector<torch::Tensor> residual,
-          std::vector<int64_t> group, std::vector<int64_t> epilogue,
-          int64_t stream) {
+          std::vector<int64_t> group, std::vector<int64_t> epilogue, int64_t stream, std::vector<int64_t> stage,
+          torch::Tensor sync) {
     const char* op = "gemv";
     const size_t count = w.size();
     TORCH_CHECK(count >= 1 && count <= static_cast<size_t>(fused_gemv_max_tasks()), op, ": 1 to ",
@@ -174,9 +177,15 @@ void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::v
     std::vector<const void*> w_ptr, s_ptr, z_ptr, x_ptr, r_ptr;
     std::vector<void*> y_ptr;
     std::vector<int64_t> n(count), k(count);
-    std::vector<int> wt(count), epi(count);
+    std::vector<int> wt(count), epi(count), stages(count, 0);
+    TORCH_CHECK(stage.empty() || stage.size() == count, op, ": stage needs one entry per task (or none)");
+    if (!stage.empty()) {
+        TORCH_CHECK(sync.defined(), op, ": a launch with stages needs its sync counters");
+        check(sync, device, torch::kInt32, {2}, op, "sync");
+    }
     for (size_t i = 0; i < count; ++i) {
         const std::string tag = "[" + num(i) + "]";
+        if (!stage.empty()) stages[i] = static_cast<int>(stage[i]);
         TORCH_CHECK(w[i].dim() == 2, op, ": w", tag, " must be 2-D, got ", shape(w[i]));
         const auto dtype = w[i].scalar_type();
         TORCH_CHECK(dtype == torch::kFloat16 || dtype == torch::kInt8 || dtype == torch::kInt32, op, ": w", tag,
@@ -215,7 +224,8 @@ void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::v
     }
     raise_on(fused_gemv_launch(static_cast<int>(device.index()), stream, M, static_cast<int>(count), w_ptr.data(),
                                s_ptr.data(), z_ptr.data(), x_ptr.data(), y_ptr.data(), r_ptr.data(), n.data(),
-                               k.data(), group.data(), wt.data(), epi.data()),
+                               k.data(), group.data(), wt.data(), epi.data(), stages.data(),
+                               stage.empty() ? nullptr : sync.data_ptr()),
              op);
 }
 
@@ -294,7 +304,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("state"), py::arg("slots"), py::arg("starts"), py::arg("lasts"), py::arg("tensors"),
           py::arg("params"), py::arg("first_layer"), py::arg("max_len"), py::arg("stream"),
           py::arg("pipeline_blocks") = 0);
-    m.def("gemv", &gemv, "gemv(w, scale, zero, x, y, residual, group, epilogue, stream)");
+    m.def("gemv", &gemv, "gemv(w, scale, zero, x, y, residual, group, epilogue, stream, stage=[], sync=None)",
+          py::arg("w"), py::arg("scale"), py::arg("zero"), py::arg("x"), py::arg("y"), py::arg("residual"),
+          py::arg("group"), py::arg("epilogue"), py::arg("stream"), py::arg("stage") = std::vector<int64_t>{},
+          py::arg("sync") = torch::Tensor());
     m.def("gemv_max_rows", &fused_gemv_max_rows);
     m.def("gemv_max_tasks", &fused_gemv_max_tasks);
     m.def("sparse_gemv", &sparse_gemv, "sparse_gemv(x, w_t, y, residual, partial, arrivals, stream)");

@@ -2295,13 +2295,17 @@ extern "C" int fused_gemv_max_tasks() { return fused::kMaxTasks; }
 
 // One launch computing `count` tasks y_i = epilogue(x_i W_i^T) (see GemvTask) for M rows each.
 // Weight k must be a multiple of 8 (fp16) or 16 (int8); 4-bit (weight type 2): n % 4 == 0, group % 8 == 0,
-// k % group == 0; every pointer 16-byte aligned. zero and group are read for 4-bit tasks only.
+// k % group == 0; every pointer 16-byte aligned. zero and group are read for 4-bit tasks only. stage and sync: the
+// CUDA source's staged launches, which this port does not have (every stage must be 0).
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
                                  const void* const* scale, const void* const* zero, const void* const* x,
                                  void* const* y, const void* const* residual, const int64_t* n, const int64_t* k,
-                                 const int64_t* group, const int* weight_type, const int* epilogue) {
+                                 const int64_t* group, const int* weight_type, const int* epilogue,
+                                 const int* stage, void* /*sync*/) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return hipErrorInvalidValue;
+    for (int i = 0; i < count; ++i)
+        if (stage[i] != 0) return hipErrorInvalidValue;
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return hipErrorInvalidValue;
     GemvArgs args{};

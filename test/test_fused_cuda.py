@@ -291,6 +291,57 @@ def test_gemv_tasks_match_matmul(kernels):
         torch.testing.assert_close(y6, torch.sigmoid(x @ w1.T), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gemv_staged_launch_equals_two_launches(kernels, rows):
+    """LoRA first halves, r/k/v-shaped matrices and the second halves in one staged launch (the second halves' blocks
+    wait on the GPU for the first halves' to be done) give the bits of two launches, 7.2B's shapes, 50 times in a
+    row (the counters reset by each launch), in a CUDA graph too."""
+    torch.manual_seed(rows)
+    dev, C = "cuda", 4096
+    lin = lambda n, k: DenseLinear(torch.randn(n, k, device=dev).half() * k ** -0.5)  # noqa: E731
+    ranks, epis = (128, 128, 96, 480), (EPI_TANH, EPI_NONE, EPI_NONE, EPI_SIGMOID)
+    x = torch.randn(rows, C, device=dev).half()
+    firsts = [lin(r, C) for r in ranks]
+    rkv = [lin(C, C) for _ in range(3)]
+    seconds = [lin(C, r) for r in ranks]
+    hidden = [torch.empty(rows, r, device=dev, dtype=torch.float16) for r in ranks]
+    outs = [torch.empty(rows, C, device=dev, dtype=torch.float16) for _ in range(7)]
+    tasks = [(w, x, h, e, None) for w, h, e in zip(firsts, hidden, epis)] + \
+            [(w, x, y, EPI_NONE, None) for w, y in zip(rkv, outs[:3])]
+    then = [(w, h, y, EPI_NONE, None) for w, h, y in zip(seconds, hidden, outs[3:])]
+    kernels.gemv(tasks)
+    kernels.gemv(then)
+    want = [t.clone() for t in hidden + outs]
+    for _ in range(50):
+        for t in hidden + outs:
+            t.fill_(0.0)
+        kernels.gemv(tasks, then=then)
+        got = hidden + outs
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert kernels._stage_sync[x.device].tolist() == [0, 0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.gemv(tasks, then=then)
+    for _ in range(5):
+        for t in hidden + outs:
+            t.fill_(0.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(hidden + outs, want))
+
+
+def test_staged_loras_change_no_output(pair, monkeypatch):
+    """The fused forward with each layer's LoRA second halves in the launch of their first halves gives the bits of
+    the forward with a launch for each, at 1 and 2 decode rows."""
+    fused = pair[1]
+    monkeypatch.setattr(fused.fused, "staged_loras", False)
+    want, want_pool = decode_steps(fused, 2, 4, torch.float32)
+    monkeypatch.setattr(fused.fused, "staged_loras", True)
+    got, pool = decode_steps(fused, 2, 4, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(pool.wkv, want_pool.wkv)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_gemv_split_rows_match_matmul(kernels, rows):
     """Long rows in a small launch are summed in up to 8 slices (plan_gemv_splits); a short task

@@ -91,6 +91,8 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
             so.emu_fused_uint4_dequantize.argtypes = [p, p, p, i64, i64, i64, i64, i64, p]
             so.emu_fused_gemv.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p, i32]
             so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p, p]
+            if hasattr(so, "emu_fused_gemv_staged"):
+                so.emu_fused_gemv_staged.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p, p, p]
             so.emu_fused_sparse_gemv.argtypes = [i64, p, p, p, p, p, p, i64, i64, i64, ctypes.c_uint]
             so.emu_fused_sparse_gemv_plan.argtypes = [i64, i64, i64, p]
             so.emu_f32_to_f16.argtypes = [p, p, i64]
@@ -915,6 +917,70 @@ def test_gemv_wide_bands(case, libs):
     tasks = [gemv_task(gen, M, *spec) for spec in specs]
     check_bands(so, tasks, M, wide=True)
     check_bands(so, tasks, M, wide=False)
+
+
+def run_gemv_staged(so, tasks, M, stages, sync):
+    """One staged launch (stages: 0, 1 producer, 2 consumer); a consumer task's "x" may be another task's "y"."""
+    ys = [t["y"] for t in tasks]
+    return so.emu_fused_gemv_staged(M, len(tasks), _ptrs([t["w"] for t in tasks]), _ptrs([t["scale"] for t in tasks]),
+                                    _ptrs([t["zero"] for t in tasks]), _ptrs([t["x"] for t in tasks]), _ptrs(ys),
+                                    _ptrs([None] * len(tasks)), _ints([t["n"] for t in tasks], ctypes.c_int64),
+                                    _ints([t["k"] for t in tasks], ctypes.c_int64),
+                                    _ints([t["group"] for t in tasks], ctypes.c_int64),
+                                    _ints([t["type"] for t in tasks], ctypes.c_int),
+                                    _ints([t["epi"] for t in tasks], ctypes.c_int), _ints(stages, ctypes.c_int),
+                                    _ptr(sync))
+
+
+@pytest.mark.parametrize("M,rkv", [(1, F16), (3, I8_BAND), (8, F16)])
+def test_gemv_staged_launch_equals_two_launches(M, rkv, libs):
+    """A launch of the LoRA first halves (producers: tanh/sigmoid epilogues), r/k/v-like tasks (fp16 or int8 bands)
+    and the second halves reading the first halves' outputs (consumers, after every producer in the grid) gives the
+    bits of the two launches it replaces, and leaves its counters at zero; twice in a row (the counters reused)."""
+    so = libs["fused-cuda"]
+    gen = torch.Generator().manual_seed(71 + M)
+    C, ranks = 256, (32, 48, 96)
+    first = [gemv_task(gen, M, rank, C, F16, epi) for rank, epi in zip(ranks, (EPI_TANH, EPI_NONE, EPI_SIGMOID))]
+    rkv_tasks = [gemv_task(gen, M, C, C, rkv) for _ in range(3)]
+    for t in first + rkv_tasks:
+        t["y"] = torch.full((M, t["n"]), 777.0).half()
+    second = []
+    for producer in first:
+        t = gemv_task(gen, M, C, producer["n"], F16)
+        t["x"], t["y"] = producer["y"], torch.full((M, C), 777.0).half()
+        second.append(t)
+    tasks = first + rkv_tasks + second
+    stages = [1] * len(first) + [0] * len(rkv_tasks) + [2] * len(second)
+    sync = torch.zeros(2, dtype=torch.int32)
+    for _ in range(2):
+        for t in tasks:
+            t["y"].fill_(777.0)
+        _check_rc(run_gemv_staged(so, tasks, M, stages, sync))
+        assert sync.tolist() == [0, 0], "the last consumer block resets the counters"
+        staged = [t["y"].clone() for t in tasks]
+        for t in tasks:
+            t["y"].fill_(777.0)
+        _check_rc(run_gemv_staged(so, first + rkv_tasks, M, [0] * 6, sync))
+        _check_rc(run_gemv_staged(so, second, M, [0] * 3, sync))
+        for i, (a, t) in enumerate(zip(staged, tasks)):
+            assert torch.equal(a, t["y"]), f"task {i}"
+            assert not torch.equal(a, torch.full_like(a, 777.0)), f"task {i} was not computed"
+
+
+def test_gemv_staged_launch_rejects_bad_orders(libs):
+    """A consumer before a producer (it could wait for a block that has not started), a launch of producers alone,
+    and an unknown stage are refused before anything runs."""
+    so = libs["fused-cuda"]
+    gen = torch.Generator().manual_seed(5)
+    a, b = gemv_task(gen, 1, 32, 64), gemv_task(gen, 1, 64, 32)
+    for t in (a, b):
+        t["y"] = torch.zeros(1, t["n"]).half()
+    b["x"] = a["y"]
+    sync = torch.zeros(2, dtype=torch.int32)
+    assert run_gemv_staged(so, [b, a], 1, [2, 1], sync) == -1
+    assert run_gemv_staged(so, [a, b], 1, [1, 0], sync) == -1
+    assert run_gemv_staged(so, [a, b], 1, [1, 3], sync) == -1
+    assert sync.tolist() == [0, 0]
 
 
 def test_gemv_wide_band_routing(libs):

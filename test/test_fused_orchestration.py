@@ -27,6 +27,10 @@ class TorchFusedOps:
         return GEMV_ROWS
 
     @staticmethod
+    def gemv_max_tasks() -> int:
+        return 12
+
+    @staticmethod
     def sparse_gemv_max_rows() -> int:
         return GEMV_ROWS
 
@@ -68,7 +72,9 @@ class TorchFusedOps:
         out.copy_(y.half() * g)
 
     @staticmethod
-    def gemv(ws, scales, zeros, xs, ys, residuals, groups, epilogues, _stream) -> None:
+    def gemv(ws, scales, zeros, xs, ys, residuals, groups, epilogues, _stream, stages=(), sync=None) -> None:
+        # a staged launch: every producer (1) before every consumer (2), in the order given
+        assert not stages or (sync is not None and list(stages) == sorted(stages, key=lambda st: st == 2))
         for w, scale, x, y, residual, epilogue in zip(ws, scales, xs, ys, residuals, epilogues):
             weight = w.float() * scale.float()[:, None] if scale.numel() else w.float()
             product = (x.float() @ weight.T).half().float()

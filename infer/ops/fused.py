@@ -212,6 +212,10 @@ class FusedKernels:
         # dtype (RWKV_TIME_MIX_PIPELINED: 0 never, 1 fp16 states, 2 both), -1 never, > 0 always, on that many
         # blocks (tests).
         self.time_mix_blocks: int = 0
+        # Whether a layer's LoRA second halves run in the launch of their first halves, as a second stage (see
+        # gemv's `then`; RWKV_GEMV_STAGED=0: a launch of their own, for A/B timing); the stages' counters per device.
+        self.staged_loras: bool = env_flag("RWKV_GEMV_STAGED", True) and torch.version.hip is None
+        self._stage_sync: dict[torch.device, torch.Tensor] = {}
 
     # -------------------------------------------------------------- ops
     @staticmethod
@@ -223,10 +227,14 @@ class FusedKernels:
         self._m.ln_shift_mix(x, ln_w, ln_b, shift, batch.prev_index(), batch.slots, batch.last, mixes, outs,
                              self._stream(x))
 
-    def gemv(self, tasks: list[tuple]) -> None:
-        """tasks: (linear, x, y, epilogue, residual or None); every x has the same rows."""
+    def gemv(self, tasks: list[tuple], then: list[tuple] = ()) -> None:
+        """tasks: (linear, x, y, epilogue, residual or None); every x has the same rows. `then`: tasks reading the
+        outputs of `tasks`, in the same launch (a second stage: its blocks wait for the blocks of the tasks whose
+        outputs they read)."""
         ws, scales, zeros, xs, ys, res, groups, epis = [], [], [], [], [], [], [], []
-        for linear, x, y, epi, residual in tasks:
+        read = {x.data_ptr() for _, x, _, _, _ in then}
+        stages = [1 if y.data_ptr() in read else 0 for _, _, y, _, _ in tasks] + [2] * len(then)
+        for linear, x, y, epi, residual in [*tasks, *then]:
             w, scale, zero, group, k_major = self.operands(linear)
             if k_major:
                 raise ValueError("a K-major linear takes the sparse-input GEMV (sparse_gemv), not the grouped one")
@@ -239,7 +247,13 @@ class FusedKernels:
             res.append(residual if residual is not None else empty)
             groups.append(group)
             epis.append(epi)
-        self._m.gemv(ws, scales, zeros, xs, ys, res, groups, epis, self._stream(xs[0]))
+        if not then:
+            self._m.gemv(ws, scales, zeros, xs, ys, res, groups, epis, self._stream(xs[0]))
+            return
+        sync = self._stage_sync.get(xs[0].device)
+        if sync is None:  # zero; every staged launch leaves it zero
+            sync = self._stage_sync[xs[0].device] = torch.zeros(2, dtype=torch.int32, device=xs[0].device)
+        self._m.gemv(ws, scales, zeros, xs, ys, res, groups, epis, self._stream(xs[0]), stages, sync)
 
     def sparse_gemv(self, linear: KMajorLinear, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += x W^T for a :class:`KMajorLinear`, reading only the weight rows of x's nonzero columns; more
@@ -319,12 +333,16 @@ class FusedKernels:
                 if not first:
                     tasks.append((blk.v1, xv, hv, EPI_NONE))
                 tasks += [(blk.receptance, xr, r, EPI_NONE), (blk.key, xk, k, EPI_NONE), (blk.value, xv, v, EPI_NONE)]
-                self.gemv([(lin, a, b, epi, None) for lin, a, b, epi in tasks])
                 second = [(blk.w2, hw, dw, EPI_NONE, None), (blk.a2, ha, da, EPI_NONE, None),
                           (blk.g2, hg, g, EPI_NONE, None)]
                 if not first:
                     second.append((blk.v2, hv, dv, EPI_NONE, None))
-                self.gemv(second)
+                tasks = [(lin, a, b, epi, None) for lin, a, b, epi in tasks]
+                if self.staged_loras and len(tasks) + len(second) <= self._m.gemv_max_tasks():
+                    self.gemv(tasks, then=second)
+                else:
+                    self.gemv(tasks)
+                    self.gemv(second)
             elif isinstance(blk.batched, BatchedWeights):
                 r, k, v, dw, da, dv = batched_projections(blk, mixed, first)
                 dv = _empty(x.device) if dv is None else dv

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <cstdio>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -299,12 +300,17 @@ inline bool run_block(const std::function<void()>& kernel, int threads) {
 }
 
 // Runs a 1-D grid block by block in a shuffled order (seeded by `seed`). Returns 0, or 1 + the index
-// of the first block that deadlocked.
-inline int run_grid(unsigned grid, int threads, const std::function<void()>& kernel, unsigned seed = 1) {
+// of the first block that deadlocked. `ordered` > 0: blocks [0, ordered) run before the others (each part
+// shuffled), as a GPU starts blocks in index order: a block that waits for lower-indexed blocks (a staged
+// GEMV launch's consumers) then finds them done.
+inline int run_grid(unsigned grid, int threads, const std::function<void()>& kernel, unsigned seed = 1,
+                    unsigned ordered = 0) {
     std::vector<unsigned> order(grid);
     std::iota(order.begin(), order.end(), 0u);
     std::mt19937 rng(seed);
-    std::shuffle(order.begin(), order.end(), rng);
+    ordered = ordered < grid ? ordered : grid;
+    std::shuffle(order.begin(), order.begin() + ordered, rng);
+    std::shuffle(order.begin() + ordered, order.end(), rng);
     gridDim = dim3(grid);
     for (const unsigned b : order) {
         blockIdx = dim3(b);
@@ -331,6 +337,12 @@ T __ldcs(const T* p) { return *p; }
 template <typename T>
 T __ldcg(const T* p) { return *p; }
 inline void __threadfence() {}  // the blocks of a grid run one after another
+// Only a staged GEMV launch's consumer polls (task_dependency_wait), and only while a producer block has not run:
+// here, where the producers run first, that wait could never end.
+inline void __nanosleep(unsigned) {
+    std::fprintf(stderr, "emulation: a block waits for blocks that have not run\n");
+    std::abort();
+}
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline unsigned __float_as_uint(float x) { return emu::f32_bits(x); }

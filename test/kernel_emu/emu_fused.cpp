@@ -113,41 +113,69 @@ EMU_EXPORT int emu_time_mix_kernel_for(const void* const* tensors, int first_lay
 }
 
 template <int M>
-int run_gemv(const fused::GemvArgs& args, int blocks, bool wide) {
+int run_gemv(const fused::GemvArgs& args, int blocks, bool wide, unsigned ordered) {
 #ifdef FUSED_WIDE_BANDS
     if (wide) {
         return emu::run_grid(static_cast<unsigned>(blocks), fused::kWideBandWarps * 32,
                              [&] { fused::gemv_wide_band_kernel<M>(args); });
     }
 #endif
-    return emu::run_grid(static_cast<unsigned>(blocks), fused::kGemvWarps * 32, [&] { fused::gemv_kernel<M>(args); });
+    return emu::run_grid(static_cast<unsigned>(blocks), fused::kGemvWarps * 32, [&] { fused::gemv_kernel<M>(args); },
+                         1, ordered);
 }
 
-EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const void* const* scale,
-                              const void* const* zero, const void* const* x, void* const* y,
-                              const void* const* residual, const int64_t* n, const int64_t* k, const int64_t* group,
-                              const int* weight_type, const int* epilogue, int wide) {
+// stage, sync: a staged launch (CUDA source only; null: none): the blocks before the first consumer's run first.
+int gemv_emulated(int64_t M, int count, const void* const* w, const void* const* scale, const void* const* zero,
+                  const void* const* x, void* const* y, const void* const* residual, const int64_t* n,
+                  const int64_t* k, const int64_t* group, const int* weight_type, const int* epilogue, int wide,
+                  const int* stage, void* sync) {
     using namespace fused;
     if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return -1;
     for (int i = 0; i < count; ++i)
         if (!gemv_takes(n[i], k[i], weight_type[i], group[i])) return -1;
     GemvArgs args{};
     const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, weight_type, epilogue);
+    unsigned ordered = 0;
+#ifdef FUSED_GEMV_STAGES
+    if (stage != nullptr) {
+        if (!stage_gemv(args, stage, static_cast<unsigned*>(sync))) return -1;
+        for (int i = count - 1; i >= 0; --i)
+            if (stage[i] == 2) ordered = static_cast<unsigned>(args.task[i].first_block);
+    }
+#else
+    if (stage != nullptr || sync != nullptr) return -1;
+#endif
 #ifdef FUSED_WIDE_BANDS
     // wide: gemv_wide_band_kernel, which takes bands only (the launcher's gemv_wide_bands also asks for few blocks,
     // a matter of speed: not asked here, so that small cases run it)
     if (wide && !gemv_all_bands(args)) return -1;
 #endif
     switch (M) {
-        case 1: return run_gemv<1>(args, blocks, wide);
-        case 2: return run_gemv<2>(args, blocks, wide);
-        case 3: return run_gemv<3>(args, blocks, wide);
-        case 4: return run_gemv<4>(args, blocks, wide);
-        case 5: return run_gemv<5>(args, blocks, wide);
-        case 6: return run_gemv<6>(args, blocks, wide);
-        case 7: return run_gemv<7>(args, blocks, wide);
-        default: return run_gemv<8>(args, blocks, wide);
+        case 1: return run_gemv<1>(args, blocks, wide, ordered);
+        case 2: return run_gemv<2>(args, blocks, wide, ordered);
+        case 3: return run_gemv<3>(args, blocks, wide, ordered);
+        case 4: return run_gemv<4>(args, blocks, wide, ordered);
+        case 5: return run_gemv<5>(args, blocks, wide, ordered);
+        case 6: return run_gemv<6>(args, blocks, wide, ordered);
+        case 7: return run_gemv<7>(args, blocks, wide, ordered);
+        default: return run_gemv<8>(args, blocks, wide, ordered);
     }
+}
+
+EMU_EXPORT int emu_fused_gemv(int64_t M, int count, const void* const* w, const void* const* scale,
+                              const void* const* zero, const void* const* x, void* const* y,
+                              const void* const* residual, const int64_t* n, const int64_t* k, const int64_t* group,
+                              const int* weight_type, const int* epilogue, int wide) {
+    return gemv_emulated(M, count, w, scale, zero, x, y, residual, n, k, group, weight_type, epilogue, wide, nullptr,
+                         nullptr);
+}
+
+EMU_EXPORT int emu_fused_gemv_staged(int64_t M, int count, const void* const* w, const void* const* scale,
+                                     const void* const* zero, const void* const* x, void* const* y,
+                                     const void* const* residual, const int64_t* n, const int64_t* k,
+                                     const int64_t* group, const int* weight_type, const int* epilogue,
+                                     const int* stage, void* sync) {
+    return gemv_emulated(M, count, w, scale, zero, x, y, residual, n, k, group, weight_type, epilogue, 0, stage, sync);
 }
 
 // min_blocks: the planner's threshold for two ballots per warp (the launcher's: kSparseMinBlocks); seed: the
