@@ -62,6 +62,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh fused-verify  # the fused GPU tests (prefill too), 7.2B batch
 #                                                                    # 256/512 with fp16 state twice
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh time-mix-ncu  # Nsight Compute on the decode time mix (7.2B b256)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh staged-loras  # LoRA second halves staged in one launch: GPU
+#                                                                   # tests, batch-1/2 decode A/B (fp16, W8A16)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
 #                                                                   # decode A/B of the tree against FILE (a kernel file)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
@@ -901,6 +903,23 @@ b1-ab)  # after a batch-1 change to the fused kernels: builds, the GEMV and W8A1
     step 400 "A/B at batch 1" env ROUNDS=2 bash bench/ab_kernels.sh "python bench/bench_decode.py --sizes 1.5b,7.2b \
 --batches 1 --steps 40 --wkv cuda --no-checks --out {out} && python bench/bench_decode.py --engine cutlass --sizes 7.2b \
 --batches 1 --steps 40 --wkv cuda --no-checks --out bench/results/experiment_ab_{name}_{round}_w8_h200.json" "${2:?b1-ab FILE}"
+    ;;
+staged-loras)  # each layer's LoRA second halves as a second stage of their first halves' launch (RWKV_GEMV_STAGED=1):
+    # builds, the staged GPU tests (real concurrency: consumers wait on the GPU) and the GEMV ones, then batch-1 and
+    # batch-2 decode (fp16 1.5B and 7.2B, W8A16 7.2B) with and without it, two rounds each. Flip the default if it wins.
+    build
+    step 200 "staged GEMV GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
+        -k "staged or gemv or decode_matches or greedy or invariance"
+    for round in 1 2; do
+        for staged in 1 0; do
+            out=bench/results/experiment_gemv_staged${staged}_${round}_h200.json
+            step 90 "decode, RWKV_GEMV_STAGED=$staged, round $round" env RWKV_GEMV_STAGED=$staged python \
+                bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,2 --steps 40 --wkv cuda --no-checks --out $out
+            copy $out
+            w8_decode 90 "W8A16 decode, RWKV_GEMV_STAGED=$staged, round $round" 7.2b 1,2 \
+                experiment_gemv_staged${staged}_${round}_w8_h200.json RWKV_GEMV_STAGED=$staged
+        done
+    done
     ;;
 *)
     echo "unknown part $PART" >&2

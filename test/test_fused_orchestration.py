@@ -22,6 +22,8 @@ GEMV_ROWS = 8
 class TorchFusedOps:
     """The extension module's ops as their contracts say, in torch (fp32 math, fp16 results)."""
 
+    staged_launches = 0  # gemv launches with stages so far
+
     @staticmethod
     def gemv_max_rows() -> int:
         return GEMV_ROWS
@@ -75,6 +77,7 @@ class TorchFusedOps:
     def gemv(ws, scales, zeros, xs, ys, residuals, groups, epilogues, _stream, stages=(), sync=None) -> None:
         # a staged launch: every producer (1) before every consumer (2), in the order given
         assert not stages or (sync is not None and list(stages) == sorted(stages, key=lambda st: st == 2))
+        TorchFusedOps.staged_launches += bool(stages)
         for w, scale, x, y, residual, epilogue in zip(ws, scales, xs, ys, residuals, epilogues):
             weight = w.float() * scale.float()[:, None] if scale.numel() else w.float()
             product = (x.float() @ weight.T).half().float()
@@ -126,12 +129,17 @@ def assert_match(outs, pools):
 @pytest.mark.parametrize("lens", [[1, 1, 1], [5, 1, 12], [40], [3, 2]])
 @pytest.mark.parametrize("all_logits", [True, False])
 @pytest.mark.parametrize("gemv_rows", [2, 8])
-def test_fused_forward_matches_readable(models, lens, all_logits, gemv_rows):
+@pytest.mark.parametrize("staged", [False, True])
+def test_fused_forward_matches_readable(models, lens, all_logits, gemv_rows, staged, monkeypatch):
     """Prefills and decode steps through the GEMV path (up to gemv_rows tokens) and the matmul path; without
     all_logits the last block runs on each row's last two tokens, which can switch a matmul-path prefill to the
     GEMV path for that block ([40]) or shrink a GEMV-path batch's buffers ([3, 2] at 8 rows)."""
+    monkeypatch.setattr(models[1].fused, "staged_loras", staged)  # LoRA second halves as a second stage
+    monkeypatch.setattr(TorchFusedOps, "staged_launches", 0)
     rows = [[(13 * i + 7 * j) % 512 for j in range(n)] for i, n in enumerate(lens)]
     outs, pools = run(models, rows, all_logits, gemv_rows)
+    # every layer of a step on the GEMV path stages its LoRAs (the first layer has no value LoRA: 3 second halves)
+    assert TorchFusedOps.staged_launches == (3 if staged and sum(lens) <= gemv_rows else 0)
     assert outs[0][1].shape[0] == (sum(lens) if all_logits else len(lens))
     assert_match(outs, pools)
 

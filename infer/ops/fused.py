@@ -213,8 +213,9 @@ class FusedKernels:
         # blocks (tests).
         self.time_mix_blocks: int = 0
         # Whether a layer's LoRA second halves run in the launch of their first halves, as a second stage (see
-        # gemv's `then`; RWKV_GEMV_STAGED=0: a launch of their own, for A/B timing); the stages' counters per device.
-        self.staged_loras: bool = env_flag("RWKV_GEMV_STAGED", True) and torch.version.hip is None
+        # gemv's `then`), instead of a launch of their own: RWKV_GEMV_STAGED=1. Off until timed on a GPU
+        # (`bash bench/h200_pending.sh staged-loras`); the CUDA source only. The stages' counters, per device.
+        self.staged_loras: bool = env_flag("RWKV_GEMV_STAGED", False) and torch.version.hip is None
         self._stage_sync: dict[torch.device, torch.Tensor] = {}
 
     # -------------------------------------------------------------- ops
