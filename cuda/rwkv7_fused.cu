@@ -1906,7 +1906,8 @@ __device__ __forceinline__ void fma_int8_batch(const GemvTask& task, int first, 
 // y[m][n] = fp16(epilogue(fp16(product)) + residual[m][n]): the product rounded to fp16 first, as a
 // separate matmul would give it. A tanh or sigmoid epilogue gives the LoRA first halves' activations as the
 // readable forward rounds them (computed once per value, not by every row of the second half that reads it).
-__device__ __forceinline__ float activate_rounded(float product, int epilogue) {
+// `add`: whether the task has a residual, `residual` its value here (loaded where the caller chose).
+__device__ __forceinline__ __half rounded_output(float product, int epilogue, bool add, float residual) {
     float val = round_half(product);
     if (epilogue == kEpiReluSquare) {
         val = relu_square(val);
@@ -1915,13 +1916,12 @@ __device__ __forceinline__ float activate_rounded(float product, int epilogue) {
     } else if (epilogue == kEpiSigmoid) {
         val = sigmoidf(val);
     }
-    return val;
+    if (add) val += residual;
+    return __float2half_rn(val);
 }
 __device__ __forceinline__ void store_rounded(__half* y, const __half* residual, int64_t o, float product,
                                               int epilogue) {
-    float val = activate_rounded(product, epilogue);
-    if (residual) val += __half2float(residual[o]);
-    y[o] = __float2half_rn(val);
+    y[o] = rounded_output(product, epilogue, residual != nullptr, residual ? __half2float(residual[o]) : 0.0f);
 }
 __device__ __forceinline__ void store_output(const GemvTask& task, int m, int n, float product) {
     store_rounded(task.y, task.residual, int64_t(m) * task.n + n, product, task.epilogue);
@@ -1950,7 +1950,7 @@ __device__ __forceinline__ void load_band_output(const GemvTask& task, int band,
 }
 
 // A band's outputs after the barrier, one per thread (as in BandOutput), the WARPS warps' sums added in warp order
-// (deterministic), times the channel's scale (1 but for int8); store_rounded's math.
+// (deterministic), times the channel's scale (1 but for int8); rounded_output.
 template <int M, int kWidth, int WARPS>
 __device__ __forceinline__ void store_band_sums(const GemvTask& task, const float (&band_sum)[WARPS][M][kWidth],
                                                 int band, int first_col, const BandOutput (&out)[M][kWidth]) {
@@ -1959,9 +1959,8 @@ __device__ __forceinline__ void store_band_sums(const GemvTask& task, const floa
     float sum = band_sum[0][m][j];
 #pragma unroll
     for (int w = 1; w < WARPS; ++w) sum += band_sum[w][m][j];
-    float val = activate_rounded(sum * out[m][j].scale, task.epilogue);
-    if (task.residual) val += out[m][j].residual;
-    task.y[int64_t(m) * task.n + first_col + j] = __float2half_rn(val);
+    task.y[int64_t(m) * task.n + first_col + j] =
+        rounded_output(sum * out[m][j].scale, task.epilogue, task.residual != nullptr, out[m][j].residual);
 }
 
 // ---- 4-bit weights: GemLite's A16W4_HQQ_INT layers, read where GemLite's own kernels read them.
@@ -2354,9 +2353,7 @@ __device__ __forceinline__ void gemv_block(const GemvTask& task) {
     }
     if (!active || sub != 0) return;
     if constexpr (M == 1) {
-        float val = activate_rounded(acc[0] * scale, task.epilogue);
-        if (task.residual) val += residual;
-        task.y[n] = __float2half_rn(val);
+        task.y[n] = rounded_output(acc[0] * scale, task.epilogue, task.residual != nullptr, residual);
     } else {
 #pragma unroll
         for (int m = 0; m < M; ++m) store_output(task, m, n, acc[m] * scale);

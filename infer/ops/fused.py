@@ -248,13 +248,14 @@ class FusedKernels:
             res.append(residual if residual is not None else empty)
             groups.append(group)
             epis.append(epi)
-        if not then:
-            self._m.gemv(ws, scales, zeros, xs, ys, res, groups, epis, self._stream(xs[0]))
-            return
-        sync = self._stage_sync.get(xs[0].device)
-        if sync is None:  # zero; every staged launch leaves it zero
-            sync = self._stage_sync[xs[0].device] = torch.zeros(2, dtype=torch.int32, device=xs[0].device)
-        self._m.gemv(ws, scales, zeros, xs, ys, res, groups, epis, self._stream(xs[0]), stages, sync)
+        staging = (stages, self._stage_counters(xs[0].device)) if then else ()
+        self._m.gemv(ws, scales, zeros, xs, ys, res, groups, epis, self._stream(xs[0]), *staging)
+
+    def _stage_counters(self, device: torch.device) -> torch.Tensor:
+        """The staged launches' two counters on ``device``: zero, and every staged launch leaves them zero."""
+        if device not in self._stage_sync:
+            self._stage_sync[device] = torch.zeros(2, dtype=torch.int32, device=device)
+        return self._stage_sync[device]
 
     def sparse_gemv(self, linear: KMajorLinear, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += x W^T for a :class:`KMajorLinear`, reading only the weight rows of x's nonzero columns; more
