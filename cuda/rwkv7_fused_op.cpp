@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -162,7 +163,7 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
 void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::vector<torch::Tensor> zero,
           std::vector<torch::Tensor> x, std::vector<torch::Tensor> y, std::vector<torch::Tensor> residual,
           std::vector<int64_t> group, std::vector<int64_t> epilogue, int64_t stream, std::vector<int64_t> stage,
-          torch::Tensor sync) {
+          std::optional<torch::Tensor> sync) {
     const char* op = "gemv";
     const size_t count = w.size();
     TORCH_CHECK(count >= 1 && count <= static_cast<size_t>(fused_gemv_max_tasks()), op, ": 1 to ",
@@ -180,8 +181,8 @@ void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::v
     std::vector<int> wt(count), epi(count), stages(count, 0);
     TORCH_CHECK(stage.empty() || stage.size() == count, op, ": stage needs one entry per task (or none)");
     if (!stage.empty()) {
-        TORCH_CHECK(sync.defined(), op, ": a launch with stages needs its sync counters");
-        check(sync, device, torch::kInt32, {2}, op, "sync");
+        TORCH_CHECK(sync.has_value(), op, ": a launch with stages needs its sync counters");
+        check(*sync, device, torch::kInt32, {2}, op, "sync");
     }
     for (size_t i = 0; i < count; ++i) {
         const std::string tag = "[" + num(i) + "]";
@@ -225,7 +226,7 @@ void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::v
     raise_on(fused_gemv_launch(static_cast<int>(device.index()), stream, M, static_cast<int>(count), w_ptr.data(),
                                s_ptr.data(), z_ptr.data(), x_ptr.data(), y_ptr.data(), r_ptr.data(), n.data(),
                                k.data(), group.data(), wt.data(), epi.data(), stages.data(),
-                               stage.empty() ? nullptr : sync.data_ptr()),
+                               stage.empty() ? nullptr : sync->data_ptr()),
              op);
 }
 
@@ -307,7 +308,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemv", &gemv, "gemv(w, scale, zero, x, y, residual, group, epilogue, stream, stage=[], sync=None)",
           py::arg("w"), py::arg("scale"), py::arg("zero"), py::arg("x"), py::arg("y"), py::arg("residual"),
           py::arg("group"), py::arg("epilogue"), py::arg("stream"), py::arg("stage") = std::vector<int64_t>{},
-          py::arg("sync") = torch::Tensor());
+          py::arg("sync") = py::none());
     m.def("gemv_max_rows", &fused_gemv_max_rows);
     m.def("gemv_max_tasks", &fused_gemv_max_tasks);
     m.def("sparse_gemv", &sparse_gemv, "sparse_gemv(x, w_t, y, residual, partial, arrivals, stream)");
