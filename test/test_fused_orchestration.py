@@ -4,6 +4,9 @@ writes, the GEMV and matmul paths, the last block on each row's last two tokens,
 The kernels themselves are tested by test_fused_emulated.py (CPU emulator) and test_fused_cuda.py (GPU)."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +17,7 @@ from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, FusedKernel
                              store_ffn_value_k_major)
 from infer.ops.wkv import TorchWKV
 from infer.random_model import make_config, random_state_dict
+from op_binding import BindingCheckedOps, build_cpu_binding
 from test_fused_cuda import assert_close_pools, run_both
 
 GEMV_ROWS = 8
@@ -99,12 +103,22 @@ class TorchFusedOps:
 
 
 @pytest.fixture(scope="module")
-def models():
-    """The same random fp16 model twice on the CPU: the readable forward, and the fused one on torch ops."""
+def binding(tmp_path_factory):
+    """cuda/rwkv7_fused_op.cpp built for the CPU: every op call of the fused forward goes through it first."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler to build the binding")
+    source = Path(__file__).resolve().parent.parent / "cuda" / "rwkv7_fused_op.cpp"
+    return build_cpu_binding(source, tmp_path_factory.mktemp("fused_binding"))
+
+
+@pytest.fixture(scope="module")
+def models(binding):
+    """The same random fp16 model twice on the CPU: the readable forward, and the fused one on torch ops (each
+    call checked against the real binding's argument types)."""
     sd = random_state_dict(make_config(3, 128, 512), seed=4, dtype=torch.float32)
     readable = RWKV7.from_state_dict({k: v.clone() for k, v in sd.items()}, device="cpu", dtype="fp16")
     fused = RWKV7.from_state_dict(sd, device="cpu", dtype="fp16")
-    kernels = FusedKernels(TorchFusedOps())
+    kernels = FusedKernels(BindingCheckedOps(TorchFusedOps(), binding))
     kernels._stream = lambda _tensor: 0  # no CUDA stream on the CPU
     for blk in fused.blocks:
         blk.batched = batch_weights(blk)
