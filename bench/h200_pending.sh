@@ -64,6 +64,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh time-mix-ncu  # Nsight Compute on the decode time mix (7.2B b256)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh staged-loras  # LoRA second halves staged in one launch: GPU
 #                                                                   # tests, batch-1/2 decode A/B (fp16, W8A16)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh staged-quant  # the staged GPU tests (W8A16 too), batch-1/2 W8A16
+#                                                                   # and W4 decode A/B of RWKV_GEMV_STAGED
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
 #                                                                   # decode A/B of the tree against FILE (a kernel file)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
@@ -918,6 +920,21 @@ staged-loras)  # each layer's LoRA second halves as a second stage of their firs
             copy $out
             w8_decode 90 "W8A16 decode, RWKV_GEMV_STAGED=$staged, round $round" 7.2b 1,2 \
                 experiment_gemv_staged${staged}_${round}_w8_h200.json RWKV_GEMV_STAGED=$staged
+        done
+    done
+    ;;
+staged-quant)  # staged LoRAs for quantized models: fp16 7.2B lost 2 % with them, W8A16 gained 1.3 % (staged-loras)
+    build
+    step 200 "staged GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py -k staged
+    for round in 1 2; do
+        for staged in 1 0; do
+            w8_decode 90 "W8A16 decode, RWKV_GEMV_STAGED=$staged, round $round" 7.2b 1,2 \
+                experiment_gemv_staged${staged}_${round}_w8_b_h200.json RWKV_GEMV_STAGED=$staged
+            out=bench/results/experiment_gemv_staged${staged}_${round}_w4_h200.json
+            step 150 "W4 decode, RWKV_GEMV_STAGED=$staged, round $round" env RWKV_GEMV_STAGED=$staged python \
+                bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 1,2 --steps 30 --wkv cuda \
+                --no-checks --out $out
+            copy $out
         done
     done
     ;;

@@ -330,14 +330,15 @@ def test_gemv_staged_launch_equals_two_launches(kernels, rows):
         assert all(torch.equal(a, b) for a, b in zip(hidden + outs, want))
 
 
-def test_staged_loras_change_no_output(pair, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_staged_loras_change_no_output(pair, rows, monkeypatch):
     """The fused forward with each layer's LoRA second halves in the launch of their first halves gives the bits of
-    the forward with a launch for each, at 1 and 2 decode rows."""
+    the forward with a launch for each."""
     fused = pair[1]
     monkeypatch.setattr(fused.fused, "staged_loras", False)
-    want, want_pool = decode_steps(fused, 2, 4, torch.float32)
+    want, want_pool = decode_steps(fused, rows, 4, torch.float32)
     monkeypatch.setattr(fused.fused, "staged_loras", True)
-    got, pool = decode_steps(fused, 2, 4, torch.float32)
+    got, pool = decode_steps(fused, rows, 4, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert torch.equal(pool.wkv, want_pool.wkv)
 
@@ -427,7 +428,8 @@ def test_gemv_int8_matches_the_exact_product_at_7b_shapes(kernels, rows):
     assert shrunk / outputs < 0.0012, shrunk / outputs
 
 
-def test_w8a16_model_fused_matches_readable(kernels):
+def w8a16_models(count: int) -> list[RWKV7]:
+    """``count`` copies of one random W8A16 model (L2 x C128, vocabulary 1,024) on the GPU."""
     from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
     from infer.quant.export_quant import quantize_matrix
     config = make_config(2, 128, 1024)
@@ -435,7 +437,11 @@ def test_w8a16_model_fused_matches_readable(kernels):
     for key in config.linear_keys():
         sd.update(quantize_matrix(key, sd.pop(key)))
     sd[W8A16_MARKER] = torch.tensor(W8A16_VERSION, dtype=torch.int32)
-    models = [RWKV7.from_state_dict(dict(sd), device="cuda", dtype="fp16", engine="cutlass") for _ in range(2)]
+    return [RWKV7.from_state_dict(dict(sd), device="cuda", dtype="fp16", engine="cutlass") for _ in range(count)]
+
+
+def test_w8a16_model_fused_matches_readable(kernels):
+    models = w8a16_models(2)
     select_fused(models[1], "on")
     assert models[1].fused.rows_for(models[1]) == 8  # int8 models take the GEMV up to 8 rows
     # GEMV at 2 and 4 rows, sequential prefill, matmuls (12 rows)
@@ -444,6 +450,19 @@ def test_w8a16_model_fused_matches_readable(kernels):
         ref, got = (m.forward(PackedBatch.from_rows(rows, list(range(len(rows))), "cuda"), p)
                     for m, p in zip(models, pools))
         assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_w8a16_staged_loras_change_no_output(kernels, rows, monkeypatch):
+    """A W8A16 model's int8 r/k/v bands share the staged launch with the fp16 LoRAs: the same bits as without."""
+    (model,) = w8a16_models(1)
+    select_fused(model, "on")
+    monkeypatch.setattr(model.fused, "staged_loras", False)
+    want, want_pool = decode_steps(model, rows, 8, torch.float32)
+    monkeypatch.setattr(model.fused, "staged_loras", True)
+    got, pool = decode_steps(model, rows, 8, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(pool.wkv, want_pool.wkv)
 
 
 def test_relu_square_matches_torch(kernels):
