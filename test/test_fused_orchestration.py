@@ -12,10 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from infer.batch import PackedBatch
+from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
 from infer.model import EXP_MINUS_HALF, GROUPNORM_EPS_PER_CHANNEL, LN_EPS, RWKV7
 from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, FusedKernels, batch_weights,
                              store_ffn_value_k_major)
 from infer.ops.wkv import TorchWKV
+from infer.quant.export_quant import quantize_matrix
 from infer.random_model import make_config, random_state_dict
 from op_binding import BindingCheckedOps, build_cpu_binding
 from test_fused_cuda import assert_close_pools, run_both
@@ -111,13 +113,11 @@ def binding(tmp_path_factory):
     return build_cpu_binding(source, tmp_path_factory.mktemp("fused_binding"))
 
 
-@pytest.fixture(scope="module")
-def models(binding):
-    """The same random fp16 model twice on the CPU: the readable forward, and the fused one on torch ops (each
-    call checked against the real binding's argument types)."""
-    sd = random_state_dict(make_config(3, 128, 512), seed=4, dtype=torch.float32)
-    readable = RWKV7.from_state_dict({k: v.clone() for k, v in sd.items()}, device="cpu", dtype="fp16")
-    fused = RWKV7.from_state_dict(sd, device="cpu", dtype="fp16")
+def fused_pair(sd: dict, binding, engine: str = "fp16") -> tuple[RWKV7, RWKV7]:
+    """The model of ``sd`` twice on the CPU: the readable forward, and the fused one on torch ops (each call checked
+    against the real binding's argument types)."""
+    readable = RWKV7.from_state_dict({k: v.clone() for k, v in sd.items()}, device="cpu", dtype="fp16", engine=engine)
+    fused = RWKV7.from_state_dict(sd, device="cpu", dtype="fp16", engine=engine)
     kernels = FusedKernels(BindingCheckedOps(TorchFusedOps(), binding))
     kernels._stream = lambda _tensor: 0  # no CUDA stream on the CPU
     for blk in fused.blocks:
@@ -125,6 +125,23 @@ def models(binding):
     store_ffn_value_k_major(fused, kernels)
     fused.fused = kernels
     return readable, fused
+
+
+@pytest.fixture(scope="module")
+def models(binding):
+    """A random fp16 model, readable and fused."""
+    return fused_pair(random_state_dict(make_config(3, 128, 512), seed=4, dtype=torch.float32), binding)
+
+
+@pytest.fixture(scope="module")
+def w8a16_models(binding):
+    """A random W8A16 model (int8 matrices, fp16 LoRAs), readable and fused."""
+    config = make_config(3, 128, 512)
+    sd = random_state_dict(config, seed=5, dtype=torch.float32)
+    for key in config.linear_keys():
+        sd.update(quantize_matrix(key, sd.pop(key)))
+    sd[W8A16_MARKER] = torch.tensor(W8A16_VERSION, dtype=torch.int32)
+    return fused_pair(sd, binding, engine="cutlass")
 
 
 def run(models, rows, all_logits=False, gemv_rows=2, steps=1):
@@ -143,18 +160,29 @@ def assert_match(outs, pools):
 @pytest.mark.parametrize("lens", [[1, 1, 1], [5, 1, 12], [40], [3, 2]])
 @pytest.mark.parametrize("all_logits", [True, False])
 @pytest.mark.parametrize("gemv_rows", [2, 8])
-@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("staged", [False, True, None])
 def test_fused_forward_matches_readable(models, lens, all_logits, gemv_rows, staged, monkeypatch):
     """Prefills and decode steps through the GEMV path (up to gemv_rows tokens) and the matmul path; without
     all_logits the last block runs on each row's last two tokens, which can switch a matmul-path prefill to the
     GEMV path for that block ([40]) or shrink a GEMV-path batch's buffers ([3, 2] at 8 rows)."""
-    monkeypatch.setattr(models[1].fused, "staged_loras", staged)  # LoRA second halves as a second stage
+    # LoRA second halves as a second stage: forced on, off, or by default (None: not for fp16 r/k/v)
+    monkeypatch.setattr(models[1].fused, "staged_loras", staged)
     monkeypatch.setattr(TorchFusedOps, "staged_launches", 0)
     rows = [[(13 * i + 7 * j) % 512 for j in range(n)] for i, n in enumerate(lens)]
     outs, pools = run(models, rows, all_logits, gemv_rows)
     # every layer of a step on the GEMV path stages its LoRAs (the first layer has no value LoRA: 3 second halves)
-    assert TorchFusedOps.staged_launches == (3 if staged and sum(lens) <= gemv_rows else 0)
+    assert TorchFusedOps.staged_launches == (3 if staged is True and sum(lens) <= gemv_rows else 0)
     assert outs[0][1].shape[0] == (sum(lens) if all_logits else len(lens))
+    assert_match(outs, pools)
+
+
+@pytest.mark.parametrize("staged", [None, False])
+def test_w8a16_forward_stages_loras_by_default(w8a16_models, staged, monkeypatch):
+    """With int8 r/k/v (a W8A16 model) every layer of a decode step stages its LoRAs unless switched off."""
+    monkeypatch.setattr(w8a16_models[1].fused, "staged_loras", staged)
+    monkeypatch.setattr(TorchFusedOps, "staged_launches", 0)
+    outs, pools = run(w8a16_models, [[5], [77]], gemv_rows=8, steps=2)
+    assert TorchFusedOps.staged_launches == (6 if staged is None else 0)
     assert_match(outs, pools)
 
 

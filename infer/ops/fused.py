@@ -26,6 +26,7 @@ activations; otherwise ``RWKV7.forward``'s readable code (with the CUDA WKV kern
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -213,9 +214,13 @@ class FusedKernels:
         # blocks (tests).
         self.time_mix_blocks: int = 0
         # Whether a layer's LoRA second halves run in the launch of their first halves, as a second stage (see
-        # gemv's `then`), instead of a launch of their own: RWKV_GEMV_STAGED=1. Off until timed on a GPU
-        # (`bash bench/h200_pending.sh staged-loras`); the CUDA source only. The stages' counters, per device.
-        self.staged_loras: bool = env_flag("RWKV_GEMV_STAGED", False) and torch.version.hip is None
+        # gemv's `then`), instead of a launch of their own. None: when its r/k/v matrices are quantized. H200,
+        # 7.2B, batch 1 / 2, two rounds each (bench/results/experiment_gemv_staged{0,1}_*_h200.json): W8A16
+        # 376.6 -> 379.2 / 669.3 -> 679.2 tok/s, W4 392.0 -> 398.5 / 691.6 -> 704.7, but fp16 269.6 -> 263.9 /
+        # 430.9 -> 427.4 (1.5B fp16: 820 either way). RWKV_GEMV_STAGED=0/1 forces it off/on; the CUDA source only.
+        staged = os.environ.get("RWKV_GEMV_STAGED")
+        self.staged_loras: bool | None = (False if torch.version.hip is not None else
+                                          None if not staged else env_flag("RWKV_GEMV_STAGED", False))
         self._stage_sync: dict[torch.device, torch.Tensor] = {}
 
     # -------------------------------------------------------------- ops
@@ -340,7 +345,7 @@ class FusedKernels:
                 if not first:
                     second.append((blk.v2, hv, dv, EPI_NONE, None))
                 tasks = [(lin, a, b, epi, None) for lin, a, b, epi in tasks]
-                if self.staged_loras and len(tasks) + len(second) <= self._m.gemv_max_tasks():
+                if self._stages_loras(blk) and len(tasks) + len(second) <= self._m.gemv_max_tasks():
                     self.gemv(tasks, then=second)
                 else:
                     self.gemv(tasks)
@@ -408,6 +413,12 @@ class FusedKernels:
         """:func:`gemv_operands`, unless they are 4-bit words and the 4-bit tasks are switched off."""
         ops = gemv_operands(linear)
         return None if ops is not None and ops.weight.dtype == torch.int32 and not self.uint4 else ops
+
+    def _stages_loras(self, blk: "Block") -> bool:
+        """Whether ``blk``'s LoRA second halves go into their first halves' launch (see ``staged_loras``)."""
+        if self.staged_loras is not None:
+            return self.staged_loras
+        return self.operands(blk.receptance).weight.dtype != torch.float16
 
     def _gemv_ok(self, blk: "Block") -> bool:
         linears = [blk.receptance, blk.key, blk.value, blk.output, blk.ffn_key, blk.ffn_value,
