@@ -66,8 +66,6 @@
 #                                                                   # tests, batch-1/2 decode A/B (fp16, W8A16)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh staged-quant  # the staged GPU tests (W8A16 too), batch-1/2 W8A16
 #                                                                   # and W4 decode A/B of RWKV_GEMV_STAGED
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh rolling    # int8/4-bit band GEMV GPU tests, batch-1/2 W8A16 and
-#                                                                   # W4 decode A/B of RWKV_GEMV_ROLLING (rolling loads)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
 #                                                                   # decode A/B of the tree against FILE (a kernel file)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
@@ -934,22 +932,6 @@ staged-quant)  # staged LoRAs for quantized models: fp16 7.2B lost 2 % with them
                 experiment_gemv_staged${staged}_${round}_w8_b_h200.json RWKV_GEMV_STAGED=$staged
             out=bench/results/experiment_gemv_staged${staged}_${round}_w4_h200.json
             step 150 "W4 decode, RWKV_GEMV_STAGED=$staged, round $round" env RWKV_GEMV_STAGED=$staged python \
-                bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 1,2 --steps 30 --wkv cuda \
-                --no-checks --out $out
-            copy $out
-        done
-    done
-    ;;
-rolling)  # int8/4-bit bands refill each batch's registers as they are used (RWKV_GEMV_ROLLING=1) or load it whole
-    build
-    step 200 "band GEMV GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
-        -k "gemv or int8 or uint4 or w8a16 or staged"
-    for round in 1 2; do
-        for rolling in 1 0; do
-            w8_decode 90 "W8A16 decode, RWKV_GEMV_ROLLING=$rolling, round $round" 7.2b 1,2 \
-                experiment_gemv_rolling${rolling}_${round}_w8_h200.json RWKV_GEMV_ROLLING=$rolling
-            out=bench/results/experiment_gemv_rolling${rolling}_${round}_w4_h200.json
-            step 150 "W4 decode, RWKV_GEMV_ROLLING=$rolling, round $round" env RWKV_GEMV_ROLLING=$rolling python \
                 bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 1,2 --steps 30 --wkv cuda \
                 --no-checks --out $out
             copy $out

@@ -1791,8 +1791,6 @@ struct GemvTask {
                              // each; 1 with splits > 1 and for 4-bit tasks
     int first_block;         // blocks [first_block, first_block + gemv_units(task) / kGemvWarps) compute this task
     int promote;             // int8 bands: sums moved out of the tensor cores per vector (see mma_int8_band)
-    int rolling;             // int8 and 4-bit bands: each load of the next batch issued as soon as its registers
-                             // are consumed (see gemv_uint4_band), else the whole batch after the current one
     // Stages of one launch (see task_dependency_wait): a producer task's blocks count themselves done in sync[0];
     // a consumer task's blocks wait until `wait_for` have, then count themselves done in sync[1], and the last of
     // the launch's `consumers` resets both to zero for the next launch.
@@ -2095,7 +2093,7 @@ __device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int
         scale[i] = as_half2(__byte_perm(word_of(b.scale, i / 2), 0u, dup));
         zero[i] = as_half2(__byte_perm(word_of(b.zero, i / 2), 0u, dup));
     }
-    if (next >= 0) load_uint4_meta(task, col, next, end, b);
+    if (next >= 0) load_uint4_meta(task, col, next, end, b);  // first: the next batch starts with them
 #pragma unroll
     for (int j = 0; j < b.kLoads; ++j) {
         if (j >= count) break;  // block-uniform: every lane reaches every mma
@@ -2140,14 +2138,17 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
         for (int e = 0; e < 4; ++e) d[h][e] = 0.0f;
     }
     if (busy) {
-        // Rolling: each word load of the next batch leaves as soon as the word it replaces is rebuilt, so a lane's
-        // loads stay in flight while it computes (its 64 bytes, not more registers); else after the whole batch.
+        // Rolling loads: each word of the next batch is asked for as soon as the word it replaces is rebuilt, so a
+        // lane's loads stay in flight while it computes. H200, 7.2B W4 batch 1 / 2: 390.1 / 682.7 tok/s against
+        // 387.9 / 675.0 loading the next batch after the whole current one; the int8 bands lost 5-8 % that way
+        // (bench/results/experiment_gemv_rolling{1,0}_*_h200.json) and keep whole batches. Not in 16-warp blocks
+        // at 8 rows, whose 64 registers then spill.
+        constexpr bool rolling = M < 8 || WARPS == kGemvWarps;
 #pragma unroll 1
         for (int c = begin, last = begin + slice; c < last;) {
             const int next = c + count;
-            const bool roll = task.rolling && next < last;
-            mma_uint4_batch<M, kWords>(task, c, count, end, g, col, roll ? next : -1, b, d);
-            if (!roll && next < last) load_uint4_batch(task, col, next, count, end, b);
+            mma_uint4_batch<M, kWords>(task, c, count, end, g, col, rolling && next < last ? next : -1, b, d);
+            if (!rolling && next < last) load_uint4_batch(task, col, next, count, end, b);
             c = next;
         }
     }
@@ -2192,23 +2193,14 @@ constexpr int kInt8Loads = 3;  // vectors per channel and lane in flight: 2 x 3 
 
 // Vectors first, first + 4, ... below end of the lane's two channels (none past the task's channels: zero
 // weights, as past end). Read once per step: streamed past the caches.
-struct Int8BandRows {
-    const uint4* lo;  // the lane's channels g and g + 8, as 16-byte vectors
-    const uint4* hi;
-    bool lo_ok, hi_ok;  // channel below the task's n
-};
-
-__device__ __forceinline__ void load_int8_vectors(const Int8BandRows& rows, int first, int j, int end,
-                                                  uint4 (&w)[2][kInt8Loads]) {
-    const int v = first + 4 * j;
-    w[0][j] = rows.lo_ok && v < end ? __ldcs(rows.lo + v) : uint4{};
-    w[1][j] = rows.hi_ok && v < end ? __ldcs(rows.hi + v) : uint4{};
-}
-
-__device__ __forceinline__ void load_int8_band(const Int8BandRows& rows, int first, int end,
-                                               uint4 (&w)[2][kInt8Loads]) {
+__device__ __forceinline__ void load_int8_band(const uint4* lo, const uint4* hi, bool lo_ok, bool hi_ok, int first,
+                                               int end, uint4 (&w)[2][kInt8Loads]) {
 #pragma unroll
-    for (int j = 0; j < kInt8Loads; ++j) load_int8_vectors(rows, first, j, end, w);
+    for (int j = 0; j < kInt8Loads; ++j) {
+        const int v = first + 4 * j;
+        w[0][j] = lo_ok && v < end ? __ldcs(lo + v) : uint4{};
+        w[1][j] = hi_ok && v < end ? __ldcs(hi + v) : uint4{};
+    }
 }
 
 // Two int8 of a word (as b + 128: the word XOR 0x80808080) as an exact f16x2: PRMT puts each byte under the
@@ -2233,11 +2225,9 @@ __device__ __forceinline__ void mma_int8_vector(const uint4& lo_w, const uint4& 
 // d += the batch's products: vectors c + t, c + t + 4, ... below end, x row g (zero past M). promote: each
 // vector's mmas sum from zero and the lane adds that to d in fp32, so the tensor cores never add a product
 // to a long running sum (whose alignment drops the product's low bits); else d accumulates in the mmas.
-// next >= 0: w is refilled with the vectors from `next` on (load_int8_band) as they are used.
 template <int M>
 __device__ __forceinline__ void mma_int8_band(const GemvTask& task, int c, int end, int g, int t,
-                                              const Int8BandRows& rows, int next, uint4 (&w)[2][kInt8Loads],
-                                              float (&d)[4]) {
+                                              const uint4 (&w)[2][kInt8Loads], float (&d)[4]) {
 #pragma unroll
     for (int j = 0; j < kInt8Loads; ++j) {
         if (c + 4 * j >= end) break;  // warp-uniform: every lane reaches every mma
@@ -2256,7 +2246,6 @@ __device__ __forceinline__ void mma_int8_band(const GemvTask& task, int c, int e
         } else {
             mma_int8_vector(w[0][j], w[1][j], xv, d);
         }
-        if (next >= 0) load_int8_vectors(rows, next + t, j, end, w);
     }
 }
 
@@ -2270,23 +2259,19 @@ __device__ __forceinline__ void gemv_int8_band(const GemvTask& task) {
     const int count = task.k / 16;  // 16-byte vectors per channel
     const int slice = (count + 4 * WARPS - 1) / (4 * WARPS) * 4;
     const int begin = min(warp * slice, count), end = min(begin + slice, count);
-    Int8BandRows rows;
-    rows.lo = reinterpret_cast<const uint4*>(task.w) + int64_t(first_col + g) * count;
-    rows.hi = rows.lo + int64_t(8) * count;
-    rows.lo_ok = first_col + g < task.n;
-    rows.hi_ok = first_col + g + 8 < task.n;
+    const bool lo_ok = first_col + g < task.n, hi_ok = first_col + g + 8 < task.n;
+    const uint4* lo = reinterpret_cast<const uint4*>(task.w) + int64_t(first_col + g) * count;
+    const uint4* hi = lo + int64_t(8) * count;
     uint4 w[2][kInt8Loads];
-    load_int8_band(rows, begin + t, end, w);  // weights: load before the wait
+    load_int8_band(lo, hi, lo_ok, hi_ok, begin + t, end, w);  // weights: load before the wait
     load_band_output<M>(task, kInt8Band, first_col, true, out);
 
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 1
-    for (int c = begin; c < end;) {  // rolling loads: see gemv_uint4_band
-        const int next = c + 4 * kInt8Loads;
-        const bool roll = task.rolling && next < end;
-        mma_int8_band<M>(task, c, end, g, t, rows, roll ? next : -1, w, d);
-        if (!roll && next < end) load_int8_band(rows, next + t, end, w);
-        c = next;
+    for (int c = begin; c < end;) {
+        mma_int8_band<M>(task, c, end, g, t, w, d);
+        c += 4 * kInt8Loads;
+        if (c < end) load_int8_band(lo, hi, lo_ok, hi_ok, c + t, end, w);
     }
     // Lane (g, t) holds rows m = 2t, 2t + 1 of x for channels g (d[0], d[1]) and g + 8 (d[2], d[3]).
 #pragma unroll
@@ -2873,7 +2858,6 @@ inline int pack_gemv(GemvArgs& args, int count, const void* const* w, const void
         t.weight_type = weight_type[i];
         t.epilogue = epilogue[i];
         t.promote = 1;
-        t.rolling = 1;
     }
     args.count = count;
     plan_gemv_splits(args);
@@ -3151,9 +3135,6 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
     if (!stage_gemv(args, stage, static_cast<unsigned*>(sync))) return cudaErrorInvalidValue;
     if (int8_mode == 2)
         for (int i = 0; i < count; ++i) args.task[i].promote = 0;
-    static const bool rolling = env_flag("RWKV_GEMV_ROLLING", true);  // =0: a band's batch loaded whole (A/B)
-    if (!rolling)
-        for (int i = 0; i < count; ++i) args.task[i].rolling = 0;
     // RWKV_GEMV_WIDE_BANDS=0: every launch on gemv_kernel (A/B)
     static const bool wide_bands = env_flag("RWKV_GEMV_WIDE_BANDS", true);
     const bool wide = wide_bands && gemv_wide_bands(args, blocks);
