@@ -325,14 +325,21 @@ def serve(args) -> None:
 
 
 def top_functions(profiler, n: int = 25) -> dict:
-    """cProfile of the event loop: the functions with the most own time, and the share of all."""
+    """cProfile of the event loop: the functions with the most own time, the share of all, and their main caller."""
     import pstats
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, callers)
     total = sum(v[2] for v in stats.values()) or 1.0
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:n]
+    def where(key) -> str:
+        file, line, name = key
+        return f"{name} ({Path(file).name}:{line})"
+
+    def top_caller(callers: dict) -> str:  # the caller that accounts for most of the function's own time
+        return where(max(callers, key=lambda c: callers[c][2])) if callers else ""
+
     return {"total_s": round(total, 3), "top_self": [
-        (f"{name} ({Path(file).name}:{line})", calls, round(100 * tt / total, 1), round(100 * ct / total, 1))
-        for (file, line, name), (_, calls, tt, ct, _) in rows]}
+        (where(key), calls, round(100 * tt / total, 1), round(100 * ct / total, 1), top_caller(callers))
+        for key, (_, calls, tt, ct, callers) in rows]}
 
 
 # ---------------------------------------------------------------------------- (b) http: client
