@@ -334,11 +334,16 @@ def test_gemv_staged_launch_equals_two_launches(kernels, rows):
 def test_staged_loras_change_no_output(pair, rows, monkeypatch):
     """The fused forward with each layer's LoRA second halves in the launch of their first halves gives the bits of
     the forward with a launch for each."""
-    fused = pair[1]
-    monkeypatch.setattr(fused.fused, "staged_loras", False)
-    want, want_pool = decode_steps(fused, rows, 4, torch.float32)
-    monkeypatch.setattr(fused.fused, "staged_loras", True)
-    got, pool = decode_steps(fused, rows, 4, torch.float32)
+    assert_staging_changes_no_output(pair[1], rows, monkeypatch)
+
+
+def assert_staging_changes_no_output(model: RWKV7, rows: int, monkeypatch) -> None:
+    """Decode steps of ``rows`` rows with the LoRAs staged and not: the same logits and states, bit for bit."""
+    results = []
+    for staged in (False, True):
+        monkeypatch.setattr(model.fused, "staged_loras", staged)
+        results.append(decode_steps(model, rows, 8, torch.float32))
+    (want, want_pool), (got, pool) = results
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert torch.equal(pool.wkv, want_pool.wkv)
 
@@ -457,12 +462,7 @@ def test_w8a16_staged_loras_change_no_output(kernels, rows, monkeypatch):
     """A W8A16 model's int8 r/k/v bands share the staged launch with the fp16 LoRAs: the same bits as without."""
     (model,) = w8a16_models(1)
     select_fused(model, "on")
-    monkeypatch.setattr(model.fused, "staged_loras", False)
-    want, want_pool = decode_steps(model, rows, 8, torch.float32)
-    monkeypatch.setattr(model.fused, "staged_loras", True)
-    got, pool = decode_steps(model, rows, 8, torch.float32)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert torch.equal(pool.wkv, want_pool.wkv)
+    assert_staging_changes_no_output(model, rows, monkeypatch)
 
 
 def test_relu_square_matches_torch(kernels):
