@@ -2428,15 +2428,21 @@ __global__ void __launch_bounds__(kWideBandWarps * 32, 32 / kWideBandWarps)
 // strip and add their sums in warp order; each block writes that sum to `partial`, and the block that
 // arrives last at its strip (a counter per strip, left at zero again) adds the blocks' sums in slice order
 // and stores the outputs: deterministic. Nothing can be loaded before the PDL wait (x says which rows).
+// int8 weights (a W8A16 FFN value stored K-major too): 8-byte loads of a lane's 8 channels, each channel's scale
+// applied to its sum at the end, as the grouped GEMV's int8 tasks do; up to 8 rows, the GEMV rows of int8 models,
+// so that a row's FFN value takes this kernel whatever the batch's size on the GEMV path.
 constexpr int kSparseWarps = 8;      // warps per block (one thread per output channel of a strip)
 constexpr int kSparseStrip = 256;    // output channels per warp and block
-constexpr int kSparseMaxRows = 4;    // rows of x (the union of their nonzeros is read)
+constexpr int kSparseMaxRows = 4;    // rows of x (the union of their nonzeros is read); fp16 weights
+constexpr int kSparseMaxRowsInt8 = 8;
 constexpr int kSparseMaxBallots = 2;
 constexpr int kSparseMinBlocks = 256;  // grid size from which a warp takes 64 rows instead of 32
+#define FUSED_SPARSE_INT8 1  // (asked by the CPU emulator's harness: the HIP port has fp16 weights only)
 
 struct SparseGemvArgs {
     const __half* x;         // [M, K]
-    const __half* w;         // [K, N]: K-major
+    const void* w;           // [K, N]: K-major, fp16, or int8 when scale is set
+    const __half* scale;     // [N]: the int8 weights' per-channel scale, else null
     __half* y;               // [M, N]
     const __half* residual;  // [M, N] or null (may alias y)
     float* partial;          // [slices, M, N]: the blocks' sums
@@ -2444,9 +2450,25 @@ struct SparseGemvArgs {
     int n, k, ballots, slices, strips;
 };
 
+// A lane's 8 weights of one K-major row: 16 bytes of fp16 or 8 of int8.
+template <bool kInt8>
+struct SparseLane {
+    using Vec = uint4;
+    __device__ static void unpack(const Vec& v, float (&out)[8]) { unpack8(v, out); }
+};
+template <>
+struct SparseLane<true> {
+    using Vec = uint2;
+    __device__ static void unpack(const Vec& v, float (&out)[8]) {
+        int8x4_to_float(v.x, out);
+        int8x4_to_float(v.y, out + 4);
+    }
+};
+
 // One block: strip blockIdx.x % strips, input rows of slice blockIdx.x / strips.
-template <int M>
+template <int M, bool kInt8 = false>
 __global__ void __launch_bounds__(kSparseWarps * 32, M == 1 ? 4 : 2) sparse_gemv_kernel(SparseGemvArgs args) {
+    using Lane = SparseLane<kInt8>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int strip = int(blockIdx.x) % args.strips, slice = int(blockIdx.x) / args.strips;
     const int col = strip * kSparseStrip + 8 * lane;  // this lane's 8 output channels
@@ -2477,12 +2499,13 @@ __global__ void __launch_bounds__(kSparseWarps * 32, M == 1 ? 4 : 2) sparse_gemv
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[m][e] = 0.0f;
     }
-    const uint4* w = reinterpret_cast<const uint4*>(args.w + col);
-    const int stride = args.n / 8;  // 16-byte vectors per weight row
+    const auto* w = reinterpret_cast<const typename Lane::Vec*>(
+        static_cast<const char*>(args.w) + int64_t(col) * sizeof(typename Lane::Vec) / 8);
+    const int stride = args.n / 8;  // a lane's vectors per weight row
 #pragma unroll 1
     while (todo) {  // warp-uniform
         int row[kGemvLoads];
-        uint4 v[kGemvLoads];
+        typename Lane::Vec v[kGemvLoads];
 #pragma unroll
         for (int j = 0; j < kGemvLoads; ++j) {  // the next flagged rows, in order, all loads issued first
             row[j] = todo ? __ffsll(static_cast<long long>(todo)) - 1 : -1;
@@ -2493,7 +2516,7 @@ __global__ void __launch_bounds__(kSparseWarps * 32, M == 1 ? 4 : 2) sparse_gemv
         for (int j = 0; j < kGemvLoads; ++j) {
             if (row[j] < 0) break;
             float wf[8];
-            unpack8(v[j], wf);
+            Lane::unpack(v[j], wf);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 const float xk = __shfl_sync(0xffffffffu, row[j] < 32 ? xs[0][m] : xs[1][m], row[j] & 31);
@@ -2503,24 +2526,30 @@ __global__ void __launch_bounds__(kSparseWarps * 32, M == 1 ? 4 : 2) sparse_gemv
         }
     }
 
-    // The block's sum over its warps, in warp order, to partial[slice]
-    __shared__ float warp_acc[kSparseWarps][M][kSparseStrip];
+    // The block's sum over its warps, in warp order, to partial[slice], kSparseMaxRows rows at a time (the shared
+    // memory of 8 rows at once is over the static limit)
+    constexpr int kGroup = M < kSparseMaxRows ? M : kSparseMaxRows;
+    __shared__ float warp_acc[kSparseWarps][kGroup][kSparseStrip];
     __shared__ bool last;
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) warp_acc[warp][m][8 * lane + e] = acc[m][e];
-    }
-    __syncthreads();
     const int c = strip * kSparseStrip + threadIdx.x;  // one output channel per thread from here on
     const bool out = c < args.n;
-    if (out) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float sum = warp_acc[0][m][threadIdx.x];
+    for (int m0 = 0; m0 < M; m0 += kGroup) {
+        if (m0 > 0) __syncthreads();  // the previous group's sums are read
 #pragma unroll
-            for (int v = 1; v < kSparseWarps; ++v) sum += warp_acc[v][m][threadIdx.x];
-            args.partial[(int64_t(slice) * M + m) * args.n + c] = sum;
+        for (int m = 0; m < kGroup && m0 + m < M; ++m) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) warp_acc[warp][m][8 * lane + e] = acc[m0 + m][e];
+        }
+        __syncthreads();
+        if (out) {
+#pragma unroll
+            for (int m = 0; m < kGroup && m0 + m < M; ++m) {
+                float sum = warp_acc[0][m][threadIdx.x];
+#pragma unroll
+                for (int v = 1; v < kSparseWarps; ++v) sum += warp_acc[v][m][threadIdx.x];
+                args.partial[(int64_t(slice) * M + m0 + m) * args.n + c] = sum;
+            }
         }
     }
     __threadfence();  // the sums are visible to the other blocks before this block's arrival is
@@ -2531,6 +2560,7 @@ __global__ void __launch_bounds__(kSparseWarps * 32, M == 1 ? 4 : 2) sparse_gemv
     if (threadIdx.x == 0) args.arrivals[strip] = 0u;  // ready for the next launch
     if (!out) return;
     __threadfence();
+    const float scale = kInt8 ? __half2float(args.scale[c]) : 1.0f;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         float sum = 0.0f;  // in slice order; kGemvLoads loads in flight at a time (this is the launch's tail)
@@ -2542,7 +2572,7 @@ __global__ void __launch_bounds__(kSparseWarps * 32, M == 1 ? 4 : 2) sparse_gemv
 #pragma unroll
             for (int j = 0; j < kGemvLoads; ++j) sum += part[j];
         }
-        store_rounded(args.y, args.residual, int64_t(m) * args.n + c, sum, kEpiNone);
+        store_rounded(args.y, args.residual, int64_t(m) * args.n + c, sum * scale, kEpiNone);
     }
 }
 
@@ -2938,17 +2968,23 @@ inline SparseGemvArgs plan_sparse_gemv(int64_t n, int64_t k, int64_t min_blocks 
     return args;
 }
 
-inline bool sparse_gemv_takes(int64_t M, int64_t n, int64_t k) {
-    return M >= 1 && M <= kSparseMaxRows && n > 0 && n % 8 == 0 && k > 0 && k <= INT_MAX / 2 &&
-           n * kSparseMaxRows <= INT_MAX;
+// The rows a launch takes: fp16 or int8 weights.
+inline int sparse_max_rows(bool int8) { return int8 ? kSparseMaxRowsInt8 : kSparseMaxRows; }
+
+inline bool sparse_gemv_takes(int64_t M, int64_t n, int64_t k, bool int8 = false) {
+    return M >= 1 && M <= sparse_max_rows(int8) && n > 0 && n % 8 == 0 && k > 0 && k <= INT_MAX / 2 &&
+           n * kSparseMaxRowsInt8 <= INT_MAX;
 }
 
-// The launch's arguments: the plan for a [k, n] weight (min_blocks: see plan_sparse_gemv) and the pointers.
+// The launch's arguments: the plan for a [k, n] weight (min_blocks: see plan_sparse_gemv) and the pointers
+// (scale: int8 weights').
 inline SparseGemvArgs make_sparse_gemv_args(int64_t n, int64_t k, int64_t min_blocks, const void* x, const void* w,
-                                            void* y, const void* residual, void* partial, void* arrivals) {
+                                            const void* scale, void* y, const void* residual, void* partial,
+                                            void* arrivals) {
     SparseGemvArgs args = plan_sparse_gemv(n, k, min_blocks);
     args.x = static_cast<const __half*>(x);
-    args.w = static_cast<const __half*>(w);
+    args.w = w;
+    args.scale = static_cast<const __half*>(scale);
     args.y = static_cast<__half*>(y);
     args.residual = static_cast<const __half*>(residual);
     args.partial = static_cast<float*>(partial);
@@ -3155,31 +3191,48 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
 
 extern "C" const char* fused_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 
-// Workspace of a sparse-input GEMV of a K-major [k, n] fp16 weight for up to fused_sparse_gemv_max_rows()
-// rows: `partial_floats` fp32 values and `arrivals` uint32 counters, which must be zero before the first
-// launch (every launch leaves them at zero). Returns cudaErrorInvalidValue for shapes it cannot take.
-extern "C" int fused_sparse_gemv_max_rows() { return fused::kSparseMaxRows; }
-extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int64_t* partial_floats, int64_t* arrivals) {
+// Workspace of a sparse-input GEMV of a K-major [k, n] weight for up to fused_sparse_gemv_max_rows(int8) rows
+// (int8 weights: 0 where the source has no such kernel): `partial_floats` fp32 values and `arrivals` uint32
+// counters, which must be zero before the first launch (every launch leaves them at zero). Returns
+// cudaErrorInvalidValue for shapes it cannot take.
+extern "C" int fused_sparse_gemv_max_rows(int int8) { return fused::sparse_max_rows(int8 != 0); }
+extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int int8, int64_t* partial_floats,
+                                           int64_t* arrivals) {
     using namespace fused;
     if (!sparse_gemv_takes(1, n, k)) return cudaErrorInvalidValue;
     const SparseGemvArgs args = plan_sparse_gemv(n, k);
-    *partial_floats = int64_t(args.slices) * kSparseMaxRows * n;
+    *partial_floats = int64_t(args.slices) * sparse_max_rows(int8 != 0) * n;
     *arrivals = args.strips;
     return cudaSuccess;
 }
 
-// y = x w (+ residual) for x [M, k] fp16 (M <= kSparseMaxRows), w [k, n] fp16 K-major, y and residual [M, n]
-// (residual may alias y or be null); partial and arrivals: a workspace of the sizes above (n % 8 == 0,
-// 16-byte aligned pointers).
-extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w, void* y,
-                                        const void* residual, void* partial, void* arrivals, int64_t n, int64_t k) {
+// y = x w (* scale) (+ residual) for x [M, k] fp16 (M <= fused_sparse_gemv_max_rows(int8)), w [k, n] K-major:
+// fp16, or int8 with its per-channel fp16 scale [n] (scale null for fp16); y and residual [M, n] (residual may
+// alias y or be null); partial and arrivals: a workspace of the sizes above (n % 8 == 0, 16-byte aligned
+// pointers).
+extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w,
+                                        const void* scale, void* y, const void* residual, void* partial,
+                                        void* arrivals, int64_t n, int64_t k) {
     using namespace fused;
-    if (!sparse_gemv_takes(M, n, k)) return cudaErrorInvalidValue;
+    const bool int8 = scale != nullptr;
+    if (!sparse_gemv_takes(M, n, k, int8)) return cudaErrorInvalidValue;
     const SparseGemvArgs args =
-        make_sparse_gemv_args(n, k, sparse_min_blocks(), x, w, y, residual, partial, arrivals);
+        make_sparse_gemv_args(n, k, sparse_min_blocks(), x, w, scale, y, residual, partial, arrivals);
     const unsigned grid = static_cast<unsigned>(args.strips * args.slices);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
+        if (int8) {
+            switch (M) {
+                case 1: return launch(sparse_gemv_kernel<1, true>, grid, kSparseWarps * 32, s, args);
+                case 2: return launch(sparse_gemv_kernel<2, true>, grid, kSparseWarps * 32, s, args);
+                case 3: return launch(sparse_gemv_kernel<3, true>, grid, kSparseWarps * 32, s, args);
+                case 4: return launch(sparse_gemv_kernel<4, true>, grid, kSparseWarps * 32, s, args);
+                case 5: return launch(sparse_gemv_kernel<5, true>, grid, kSparseWarps * 32, s, args);
+                case 6: return launch(sparse_gemv_kernel<6, true>, grid, kSparseWarps * 32, s, args);
+                case 7: return launch(sparse_gemv_kernel<7, true>, grid, kSparseWarps * 32, s, args);
+                default: return launch(sparse_gemv_kernel<8, true>, grid, kSparseWarps * 32, s, args);
+            }
+        }
         switch (M) {
             case 1: return launch(sparse_gemv_kernel<1>, grid, kSparseWarps * 32, s, args);
             case 2: return launch(sparse_gemv_kernel<2>, grid, kSparseWarps * 32, s, args);

@@ -29,10 +29,11 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
                                  const int* stage, void* sync);
 extern "C" int fused_gemv_max_rows();
 extern "C" int fused_gemv_max_tasks();
-extern "C" int fused_sparse_gemv_max_rows();
-extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int64_t* partial_floats, int64_t* arrivals);
-extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w, void* y,
-                                        const void* residual, void* partial, void* arrivals, int64_t n, int64_t k);
+extern "C" int fused_sparse_gemv_max_rows(int int8);
+extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int int8, int64_t* partial_floats, int64_t* arrivals);
+extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w,
+                                        const void* scale, void* y, const void* residual, void* partial,
+                                        void* arrivals, int64_t n, int64_t k);
 extern "C" int fused_relu_square_launch(int device, int64_t stream, int64_t n, void* x);
 extern "C" int fused_uint4_dequantize_launch(int device, int64_t stream, const void* words, const void* scale,
                                              const void* zero, int64_t N, int64_t K, int64_t group, int64_t n0,
@@ -230,39 +231,52 @@ void gemv(std::vector<torch::Tensor> w, std::vector<torch::Tensor> scale, std::v
              op);
 }
 
-// Sizes of the workspace of sparse_gemv for a K-major weight [k, n]: (fp32 values, uint32 counters).
-std::vector<int64_t> sparse_gemv_workspace(int64_t k, int64_t n) {
+// Sizes of the workspace of sparse_gemv for a K-major weight [k, n] (int8: of int8 weights): (fp32 values, uint32
+// counters).
+std::vector<int64_t> sparse_gemv_workspace(int64_t k, int64_t n, bool int8) {
     int64_t partial = 0, arrivals = 0;
-    TORCH_CHECK(fused_sparse_gemv_workspace(n, k, &partial, &arrivals) == 0, "sparse_gemv: cannot take a [",
-                num(k), ", ", num(n), "] weight (out_features % 8 == 0 needed)");
+    TORCH_CHECK(fused_sparse_gemv_workspace(n, k, int8, &partial, &arrivals) == 0, "sparse_gemv: cannot take a [",
+                num(k), ", ", num(n), "] ", int8 ? "int8" : "fp16", " weight (out_features % 8 == 0 needed",
+                int8 ? "; int8 weights: the CUDA source only)" : ")");
     return {partial, arrivals};
 }
 
-// y = x @ w_t (+ residual) skipping the rows of w_t whose input column of x is zero in every row: x [M, k]
-// fp16 (M <= sparse_gemv_max_rows()), w_t [k, n] fp16 (K-major: the transposed nn.Linear weight), y and
-// residual [M, n] fp16 (residual empty for none; it may be y itself); partial fp32 and arrivals int32: the
-// workspace of sparse_gemv_workspace(k, n), arrivals zero before the first launch (each launch leaves it so).
-void sparse_gemv(torch::Tensor x, torch::Tensor w_t, torch::Tensor y, torch::Tensor residual, torch::Tensor partial,
-                 torch::Tensor arrivals, int64_t stream) {
+int64_t sparse_gemv_max_rows(bool int8) { return fused_sparse_gemv_max_rows(int8); }
+
+// y = x @ w_t (* scale) (+ residual) skipping the rows of w_t whose input column of x is zero in every row: x [M, k]
+// fp16 (M <= sparse_gemv_max_rows(int8)), w_t [k, n] (K-major: the transposed nn.Linear weight) fp16, or int8 with
+// its fp16 per-output-channel scale [n] (empty for fp16 weights); y and residual [M, n] fp16 (residual empty for
+// none; it may be y itself); partial fp32 and arrivals int32: the workspace of sparse_gemv_workspace(k, n, int8),
+// arrivals zero before the first launch (each launch leaves it so).
+void sparse_gemv(torch::Tensor x, torch::Tensor w_t, torch::Tensor scale, torch::Tensor y, torch::Tensor residual,
+                 torch::Tensor partial, torch::Tensor arrivals, int64_t stream) {
     const char* op = "sparse_gemv";
     TORCH_CHECK(x.is_cuda() && x.dim() == 2 && w_t.dim() == 2, op, ": x and w_t must be 2-D CUDA tensors");
     const auto device = x.device();
     const int64_t M = x.size(0), k = w_t.size(0), n = w_t.size(1);
-    TORCH_CHECK(M >= 1 && M <= fused_sparse_gemv_max_rows(), op, ": 1 to ", num(fused_sparse_gemv_max_rows()),
-                " rows, got ", num(M));
+    const bool int8 = w_t.scalar_type() == torch::kInt8;
+    const int64_t max_rows = fused_sparse_gemv_max_rows(int8);
+    TORCH_CHECK(M >= 1 && M <= max_rows, op, ": 1 to ", num(max_rows), " rows", int8 ? " (int8 weights)" : "",
+                ", got ", num(M));
     check(x, device, torch::kFloat16, {M, k}, op, "x");
-    check(w_t, device, torch::kFloat16, {k, n}, op, "w_t");
+    check(w_t, device, int8 ? torch::kInt8 : torch::kFloat16, {k, n}, op, "w_t");
+    if (int8) {
+        check(scale, device, torch::kFloat16, {n}, op, "scale");
+    } else {
+        TORCH_CHECK(scale.numel() == 0, op, ": a scale goes with int8 weights only");
+    }
     check(y, device, torch::kFloat16, {M, n}, op, "y");
     if (residual.numel()) check(residual, device, torch::kFloat16, {M, n}, op, "residual");
-    const std::vector<int64_t> need = sparse_gemv_workspace(k, n);
+    const std::vector<int64_t> need = sparse_gemv_workspace(k, n, int8);
     check(partial, device, torch::kFloat32, {-1}, op, "partial");
     check(arrivals, device, torch::kInt32, {-1}, op, "arrivals");
     TORCH_CHECK(partial.numel() >= need[0] && arrivals.numel() >= need[1], op, ": the workspace needs ",
                 num(need[0]), " fp32 values and ", num(need[1]), " counters, got ", num(partial.numel()), " and ",
                 num(arrivals.numel()));
     raise_on(fused_sparse_gemv_launch(static_cast<int>(device.index()), stream, M, x.data_ptr(), w_t.data_ptr(),
-                                      y.data_ptr(), residual.numel() ? residual.data_ptr() : nullptr,
-                                      partial.data_ptr(), arrivals.data_ptr(), n, k),
+                                      int8 ? scale.data_ptr() : nullptr, y.data_ptr(),
+                                      residual.numel() ? residual.data_ptr() : nullptr, partial.data_ptr(),
+                                      arrivals.data_ptr(), n, k),
              op);
 }
 
@@ -311,9 +325,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("sync") = py::none());
     m.def("gemv_max_rows", &fused_gemv_max_rows);
     m.def("gemv_max_tasks", &fused_gemv_max_tasks);
-    m.def("sparse_gemv", &sparse_gemv, "sparse_gemv(x, w_t, y, residual, partial, arrivals, stream)");
-    m.def("sparse_gemv_workspace", &sparse_gemv_workspace, "sparse_gemv_workspace(k, n) -> [fp32 values, counters]");
-    m.def("sparse_gemv_max_rows", &fused_sparse_gemv_max_rows);
+    m.def("sparse_gemv", &sparse_gemv, "sparse_gemv(x, w_t, scale, y, residual, partial, arrivals, stream)");
+    m.def("sparse_gemv_workspace", &sparse_gemv_workspace,
+          "sparse_gemv_workspace(k, n, int8=False) -> [fp32 values, counters]", py::arg("k"), py::arg("n"),
+          py::arg("int8") = false);
+    m.def("sparse_gemv_max_rows", &sparse_gemv_max_rows, "sparse_gemv_max_rows(int8=False)",
+          py::arg("int8") = false);
     m.def("relu_square_", &relu_square_, "relu_square_(x, stream): x = relu(x)^2 in place");
     m.def("uint4_dequantize", &uint4_dequantize,
           "uint4_dequantize(words, scale, zero, n0, out, stream): columns of a 4-bit GemLite matrix's W^T in fp16");

@@ -2327,21 +2327,23 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
 
 extern "C" const char* fused_error_string(int code) { return hipGetErrorString(static_cast<hipError_t>(code)); }
 
-// The sparse-input GEMV's workspace and launch (see the CUDA file).
-extern "C" int fused_sparse_gemv_max_rows() { return fused::kSparseMaxRows; }
-extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int64_t* partial_floats, int64_t* arrivals) {
+// The sparse-input GEMV's workspace and launch (see the CUDA file): fp16 weights only here (int8: 0 rows).
+extern "C" int fused_sparse_gemv_max_rows(int int8) { return int8 ? 0 : fused::kSparseMaxRows; }
+extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int int8, int64_t* partial_floats,
+                                           int64_t* arrivals) {
     using namespace fused;
-    if (!sparse_gemv_takes(1, n, k)) return hipErrorInvalidValue;
+    if (int8 || !sparse_gemv_takes(1, n, k)) return hipErrorInvalidValue;
     const SparseGemvArgs args = plan_sparse_gemv(n, k);
     *partial_floats = int64_t(args.slices) * kSparseMaxRows * n;
     *arrivals = args.strips;
     return hipSuccess;
 }
 
-extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w, void* y,
-                                        const void* residual, void* partial, void* arrivals, int64_t n, int64_t k) {
+extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w,
+                                        const void* scale, void* y, const void* residual, void* partial,
+                                        void* arrivals, int64_t n, int64_t k) {
     using namespace fused;
-    if (!sparse_gemv_takes(M, n, k)) return hipErrorInvalidValue;
+    if (scale != nullptr || !sparse_gemv_takes(M, n, k)) return hipErrorInvalidValue;
     const SparseGemvArgs args =
         make_sparse_gemv_args(n, k, sparse_min_blocks(), x, w, y, residual, partial, arrivals);
     const hipStream_t s = reinterpret_cast<hipStream_t>(stream);

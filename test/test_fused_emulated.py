@@ -93,7 +93,7 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
             so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p, p]
             if hasattr(so, "emu_fused_gemv_staged"):
                 so.emu_fused_gemv_staged.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p, p, p]
-            so.emu_fused_sparse_gemv.argtypes = [i64, p, p, p, p, p, p, i64, i64, i64, ctypes.c_uint]
+            so.emu_fused_sparse_gemv.argtypes = [i64, p, p, p, p, p, p, p, i64, i64, i64, ctypes.c_uint]
             so.emu_fused_sparse_gemv_plan.argtypes = [i64, i64, i64, p]
             so.emu_f32_to_f16.argtypes = [p, p, i64]
             so.emu_f16_to_f32.argtypes = [p, p, i64]
@@ -1015,17 +1015,23 @@ def sparse_plan(so, n: int, k: int, min_blocks: int = SPARSE_MIN_BLOCKS) -> dict
     return dict(zip(("ballots", "slices", "strips", "partial"), out))
 
 
+SPARSE_MAX_ROWS = {False: 4, True: 8}  # rows of x the sparse GEMV takes: fp16, int8 weights
+
+
 def run_sparse_gemv(so, x: torch.Tensor, w_t: torch.Tensor, residual: torch.Tensor | None, min_blocks: int,
-                    seed: int = 1, workspace: tuple | None = None) -> tuple[torch.Tensor, tuple]:
-    """y = x @ w_t (+ residual, added in place as the forward does) through the emulated kernel; returns y and
-    the workspace (partial sums, arrival counters), reusable by a later call."""
+                    seed: int = 1, workspace: tuple | None = None,
+                    scale: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
+    """y = x @ w_t (* scale: int8 weights) (+ residual, added in place as the forward does) through the emulated
+    kernel; returns y and the workspace (partial sums, arrival counters), reusable by a later call."""
     M, (k, n) = x.shape[0], w_t.shape
     if workspace is None:
         plan = sparse_plan(so, n, k, min_blocks)
-        workspace = (torch.full((plan["partial"],), 555.0), torch.zeros(plan["strips"], dtype=torch.int32))
+        partial = plan["slices"] * SPARSE_MAX_ROWS[scale is not None] * n
+        workspace = (torch.full((partial,), 555.0), torch.zeros(plan["strips"], dtype=torch.int32))
     y = residual.clone() if residual is not None else torch.full((M, n), 777.0).half()
-    _check_rc(so.emu_fused_sparse_gemv(M, _ptr(x), _ptr(w_t), _ptr(y), _ptr(y if residual is not None else None),
-                                       _ptr(workspace[0]), _ptr(workspace[1]), n, k, min_blocks, seed))
+    _check_rc(so.emu_fused_sparse_gemv(M, _ptr(x), _ptr(w_t), _ptr(scale), _ptr(y),
+                                       _ptr(y if residual is not None else None), _ptr(workspace[0]),
+                                       _ptr(workspace[1]), n, k, min_blocks, seed))
     return y, workspace
 
 
@@ -1077,6 +1083,40 @@ def test_sparse_gemv(variant, case, libs):
         alone, _ = run_sparse_gemv(so, x[m:m + 1].clone(), w_t, None if residual is None else residual[m:m + 1].clone(),
                                    min_blocks)
         assert torch.equal(alone.view(torch.int16), y[m:m + 1].view(torch.int16)), f"row {m} alone differs"
+
+
+SPARSE_INT8_CASES = {
+    "one-block": (1, 256, 256, SPARSE_MIN_BLOCKS),
+    "ragged": (3, 264, 1000, SPARSE_MIN_BLOCKS),
+    "two-ballots": (5, 72, 1500, 2),  # two groups of rows through the block's shared sums (4 + 1)
+    "eight-rows": (8, 520, 2100, SPARSE_MIN_BLOCKS),
+}
+
+
+@pytest.mark.parametrize("case", SPARSE_INT8_CASES)
+def test_sparse_gemv_int8(case, libs):
+    """int8 K-major weights (a W8A16 FFN value) with their per-channel scale, up to 8 rows: the bounds of the
+    exact product times the scale (check_gemv), each row bit-identical alone, counters left at zero. The HIP
+    port refuses them."""
+    M, n, k, min_blocks = SPARSE_INT8_CASES[case]
+    so = libs["fused-cuda"]
+    gen = torch.Generator().manual_seed(M * 7919 + n + k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(n, generator=gen) * 0.01 + 0.001).half()
+    q_t = q.t().contiguous()
+    x = relu_square_input(gen, M, k)
+    residual = torch.randn(M, n, generator=gen).half() if M % 2 == 0 else None
+    y, workspace = run_sparse_gemv(so, x, q_t, residual, min_blocks, scale=scale)
+    check_gemv(dict(w=q, dense=None, scale=scale, type=WEIGHT_TYPE[I8], x=x, residual=residual, epi=EPI_NONE), y,
+               case)
+    assert not workspace[1].any(), "the arrival counters must be left at zero"
+    for m in range(M):
+        alone, _ = run_sparse_gemv(so, x[m:m + 1].clone(), q_t, None if residual is None else residual[m:m + 1].clone(),
+                                   min_blocks, scale=scale)
+        assert torch.equal(alone.view(torch.int16), y[m:m + 1].view(torch.int16)), f"row {m} alone differs"
+    for hip in ("fused-hip-wave64", "fused-hip-wave32"):
+        assert libs[hip].emu_fused_sparse_gemv(M, _ptr(x), _ptr(q_t), _ptr(scale), _ptr(y), None,
+                                               _ptr(workspace[0]), _ptr(workspace[1]), n, k, min_blocks, 1) == -1
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -180,14 +180,35 @@ EMU_EXPORT int emu_fused_gemv_staged(int64_t M, int count, const void* const* w,
 
 // min_blocks: the planner's threshold for two ballots per warp (the launcher's: kSparseMinBlocks); seed: the
 // order of the blocks.
-EMU_EXPORT int emu_fused_sparse_gemv(int64_t M, const void* x, const void* w, void* y, const void* residual,
-                                     void* partial, void* arrivals, int64_t n, int64_t k, int64_t min_blocks,
-                                     unsigned seed) {
+// scale: int8 weights' (sources with FUSED_SPARSE_INT8), else null.
+EMU_EXPORT int emu_fused_sparse_gemv(int64_t M, const void* x, const void* w, const void* scale, void* y,
+                                     const void* residual, void* partial, void* arrivals, int64_t n, int64_t k,
+                                     int64_t min_blocks, unsigned seed) {
     using namespace fused;
-    if (!sparse_gemv_takes(M, n, k)) return -1;
+#ifdef FUSED_SPARSE_INT8
+    const bool int8 = scale != nullptr;
+    if (!sparse_gemv_takes(M, n, k, int8)) return -1;
+    const SparseGemvArgs args = make_sparse_gemv_args(n, k, min_blocks, x, w, scale, y, residual, partial, arrivals);
+#else
+    if (scale != nullptr || !sparse_gemv_takes(M, n, k)) return -1;
     const SparseGemvArgs args = make_sparse_gemv_args(n, k, min_blocks, x, w, y, residual, partial, arrivals);
+#endif
     const unsigned grid = static_cast<unsigned>(args.strips * args.slices);
     auto run = [&](auto kernel) { return emu::run_grid(grid, kSparseStrip, [&] { kernel(args); }, seed); };
+#ifdef FUSED_SPARSE_INT8
+    if (int8) {
+        switch (M) {
+            case 1: return run(sparse_gemv_kernel<1, true>);
+            case 2: return run(sparse_gemv_kernel<2, true>);
+            case 3: return run(sparse_gemv_kernel<3, true>);
+            case 4: return run(sparse_gemv_kernel<4, true>);
+            case 5: return run(sparse_gemv_kernel<5, true>);
+            case 6: return run(sparse_gemv_kernel<6, true>);
+            case 7: return run(sparse_gemv_kernel<7, true>);
+            default: return run(sparse_gemv_kernel<8, true>);
+        }
+    }
+#endif
     switch (M) {
         case 1: return run(sparse_gemv_kernel<1>);
         case 2: return run(sparse_gemv_kernel<2>);
@@ -202,7 +223,7 @@ EMU_EXPORT void emu_fused_sparse_gemv_plan(int64_t n, int64_t k, int64_t min_blo
     out[0] = args.ballots;
     out[1] = args.slices;
     out[2] = args.strips;
-    out[3] = int64_t(args.slices) * fused::kSparseMaxRows * n;
+    out[3] = int64_t(args.slices) * fused::kSparseMaxRows * n;  // fp16 weights' rows
 }
 
 // The splits that pack_gemv plans for each task (the rest of GemvTask is not read): warps per output
