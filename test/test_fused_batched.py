@@ -119,7 +119,7 @@ def test_a_failed_4bit_self_test_switches_off_only_the_4bit_tasks():
 
     from infer.ops.fused import FusedKernels
     from infer.ops.linear import DenseLinear
-    kernels = FusedKernels(SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda: 4))
+    kernels = FusedKernels(SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 4))
     words = torch.zeros(16, 48, dtype=torch.int32)
     meta = torch.zeros(4, 48, dtype=torch.float16)
     uint4 = SimpleNamespace(uint4_groups=(words, meta, meta, 32), in_features=128, out_features=48)
@@ -141,8 +141,8 @@ def test_ffn_value_stored_k_major_keeps_the_product():
     from infer.ops.fused import FusedKernels, KMajorLinear, store_ffn_value_k_major
     model = model_fp16()
     asked = []
-    kernels = FusedKernels(SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda: 4,
-                                           sparse_gemv_workspace=lambda k, n: asked.append((k, n)) or [7, 3]))
+    kernels = FusedKernels(SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 4,
+                                           sparse_gemv_workspace=lambda k, n, int8: asked.append((k, n)) or [7, 3]))
     before = [blk.ffn_value.weight.clone() for blk in model.blocks]
     assert store_ffn_value_k_major(model, kernels) == len(model.blocks) == 2
     assert asked == [(3072, 768)]  # one workspace, of the FFN value shape
@@ -165,7 +165,34 @@ def test_ffn_value_stored_k_major_keeps_the_product():
     assert not kernels.operands(model.blocks[0].output).k_major
     w8 = model_fp16()
     w8.blocks[0].ffn_value = W8A16Linear(torch.zeros(768, 3072, dtype=torch.int8), torch.ones(768, dtype=torch.float16))
-    assert store_ffn_value_k_major(w8, kernels) == 1  # the fp16 one of block 1 only
+    assert store_ffn_value_k_major(w8, kernels) == 1  # the fp16 one of block 1 only (int8 ones: switched on below)
+
+
+def test_int8_ffn_value_stored_k_major_when_switched_on():
+    """With sparse_ffn_int8 a W8A16 FFN value becomes a KMajorW8A16Linear: the int8 weights transposed and
+    contiguous beside the [out, in] ones (which larger batches read), the same scale, a workspace asked for int8
+    weights; its product is still x (q * scale)^T."""
+    from types import SimpleNamespace
+
+    from infer.ops.fused import FusedKernels, KMajorW8A16Linear, store_ffn_value_k_major
+    from infer.ops.linear_w8a16 import dequantize_matmul
+    asked = []
+    kernels = FusedKernels(SimpleNamespace(
+        gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 8 if int8 else 4,
+        sparse_gemv_workspace=lambda k, n, int8: asked.append((k, n, int8)) or [7, 3]))
+    kernels.sparse_ffn, kernels.sparse_ffn_int8 = False, True
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randint(-127, 128, (768, 3072), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(768, generator=gen) * 0.01).half()
+    model = model_fp16()
+    model.blocks[0].ffn_value = W8A16Linear(q, scale)
+    assert store_ffn_value_k_major(model, kernels) == 1  # the W8A16 one only: fp16 ones are switched off here
+    lin = model.blocks[0].ffn_value
+    assert isinstance(lin, KMajorW8A16Linear) and asked == [(3072, 768, True)]
+    assert lin.weight_t.dtype == torch.int8 and lin.weight_t.is_contiguous() and torch.equal(lin.weight_t, q.t())
+    assert torch.equal(lin.qweight, q) and lin.scale is scale and "K-major" in lin.kind
+    x = torch.randn(ROWS, 3072, generator=gen).relu().square().half()
+    assert torch.equal(lin(x), dequantize_matmul(x, q, scale))
 
 
 def test_sparse_ffn_value_switch(monkeypatch):
@@ -174,9 +201,15 @@ def test_sparse_ffn_value_switch(monkeypatch):
     from types import SimpleNamespace
 
     from infer.ops.fused import FusedKernels
-    module = SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda: 4)
+    module = SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 8 if int8 else 4)
     monkeypatch.delenv("RWKV_SPARSE_FFN", raising=False)
+    monkeypatch.delenv("RWKV_SPARSE_FFN_INT8", raising=False)
     kernels = FusedKernels(module)
     assert kernels.sparse_ffn and kernels.sparse_rows == 4
+    assert not kernels.sparse_ffn_int8 and kernels.sparse_int8_rows == 8  # int8: off until timed
     monkeypatch.setenv("RWKV_SPARSE_FFN", "0")
     assert not FusedKernels(module).sparse_ffn
+    monkeypatch.setenv("RWKV_SPARSE_FFN_INT8", "1")
+    assert FusedKernels(module).sparse_ffn_int8
+    no_int8 = SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 0 if int8 else 4)
+    assert not FusedKernels(no_int8).sparse_ffn_int8  # a source without the int8 kernel (the HIP port)

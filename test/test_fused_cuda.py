@@ -529,12 +529,66 @@ def test_sparse_gemv_rejects_bad_arguments(kernels):
     lin = KMajorLinear(weight, kernels.sparse_workspace(weight))
     x, y = torch.randn(5, 128, device="cuda").half(), torch.empty(5, 64, device="cuda").half()
     partial, arrivals = lin.workspace
+    none = torch.empty(0, device="cuda").half()
     with pytest.raises(RuntimeError, match="rows"):
-        kernels._m.sparse_gemv(x, lin.weight_t, y, y, partial, arrivals, 0)
+        kernels._m.sparse_gemv(x, lin.weight_t, none, y, y, partial, arrivals, 0)
     with pytest.raises(RuntimeError, match="workspace"):
-        kernels._m.sparse_gemv(x[:1], lin.weight_t, y[:1], y[:1], partial[:3], arrivals, 0)
+        kernels._m.sparse_gemv(x[:1], lin.weight_t, none, y[:1], y[:1], partial[:3], arrivals, 0)
     with pytest.raises(RuntimeError, match="shape"):
-        kernels._m.sparse_gemv(x[:1, :64].contiguous(), lin.weight_t, y[:1], y[:1], partial, arrivals, 0)
+        kernels._m.sparse_gemv(x[:1, :64].contiguous(), lin.weight_t, none, y[:1], y[:1], partial, arrivals, 0)
+    with pytest.raises(RuntimeError, match="int8 weights only"):
+        kernels._m.sparse_gemv(x[:1], lin.weight_t, torch.ones(64, device="cuda").half(), y[:1], y[:1], partial,
+                               arrivals, 0)
+    q_t = torch.zeros(128, 64, dtype=torch.int8, device="cuda")
+    with pytest.raises(RuntimeError, match="scale"):  # int8 weights need their scale
+        kernels._m.sparse_gemv(x[:1], q_t, none, y[:1], y[:1], partial, arrivals, 0)
+
+
+@pytest.mark.parametrize("shape", [(16384, 4096), (1000, 264)])  # 7.2B's FFN value; a ragged one
+def test_sparse_gemv_int8_matches_dequantized(kernels, shape):
+    """int8 K-major weights (KMajorW8A16Linear), 1-8 rows of a relu^2 input against dequantize + matmul: close,
+    each row bit-identical alone and in a batch, counters back to zero; 9 rows take the W8A16 linear."""
+    from infer.ops.fused import KMajorW8A16Linear
+    from infer.ops.linear_w8a16 import W8A16Linear, dequantize_matmul
+    k, n = shape
+    gen = torch.Generator(device="cuda").manual_seed(k + 1)
+    q = torch.randint(-127, 128, (n, k), generator=gen, device="cuda", dtype=torch.int8)
+    scale = (torch.rand(n, generator=gen, device="cuda") * 2e-3 / k ** 0.5).half()
+    lin = KMajorW8A16Linear(W8A16Linear(q, scale), kernels.sparse_workspace(q))
+    x = torch.randn(9, k, generator=gen, device="cuda").relu().square().half()
+    x[:, 100:300] = 0.0
+    res = torch.randn(9, n, generator=gen, device="cuda").half()
+    alone = []
+    for m in range(8):
+        y = res[m:m + 1].clone()
+        kernels.sparse_gemv(lin, x[m:m + 1].clone(), y)
+        alone.append(y)
+    for rows in (1, 2, 5, 8, 9):
+        y = res[:rows].clone()
+        kernels.sparse_gemv(lin, x[:rows].contiguous(), y)
+        expect = res[:rows].float() + dequantize_matmul(x[:rows].float(), q, scale.float()).float()
+        torch.testing.assert_close(y.float(), expect, atol=2e-2, rtol=1e-2)
+        if rows <= kernels.sparse_int8_rows:
+            assert torch.equal(y, torch.cat(alone[:rows])), f"{rows} rows: a row differs from itself alone"
+    assert kernels.sparse_int8_rows == 8 and not lin.workspace[1].any()
+
+
+def test_w8a16_model_with_sparse_int8_ffn_value(kernels, monkeypatch):
+    """RWKV_SPARSE_FFN_INT8=1: the W8A16 model's FFN values K-major too, decode at 1, 2 and 8 rows against the
+    same model without (the int8 band GEMV): close logits and states."""
+    from infer.ops.fused import KMajorW8A16Linear, store_ffn_value_k_major
+    models = w8a16_models(2)
+    for model in models:
+        select_fused(model, "on")
+    monkeypatch.setattr(kernels, "sparse_ffn_int8", True)
+    assert store_ffn_value_k_major(models[1], kernels) == 2
+    assert all(isinstance(blk.ffn_value, KMajorW8A16Linear) for blk in models[1].blocks)
+    for rows in (1, 2, 8):
+        # one step: the two paths' rounding may pick different greedy tokens for later steps
+        (want, want_pool), (got, pool) = (decode_steps(m, rows, 8, torch.float32, steps=1) for m in models)
+        for a, b in zip(got, want):
+            assert (a - b).abs().max().item() <= 0.02 * b.abs().max().item() + 0.02
+        assert (pool.wkv - want_pool.wkv).abs().max().item() <= 0.05
 
 
 # --------------------------------------------------------------------------------------------- GemLite 4-bit

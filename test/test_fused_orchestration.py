@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from infer.batch import PackedBatch
 from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
 from infer.model import EXP_MINUS_HALF, GROUPNORM_EPS_PER_CHANNEL, LN_EPS, RWKV7
-from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, FusedKernels, batch_weights,
+from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, FusedKernels, KMajorW8A16Linear, batch_weights,
                              store_ffn_value_k_major)
 from infer.ops.wkv import TorchWKV
 from infer.quant.export_quant import quantize_matrix
@@ -39,11 +39,11 @@ class TorchFusedOps:
         return 12
 
     @staticmethod
-    def sparse_gemv_max_rows() -> int:
+    def sparse_gemv_max_rows(int8: bool = False) -> int:
         return GEMV_ROWS
 
     @staticmethod
-    def sparse_gemv_workspace(in_features: int, out_features: int) -> tuple[int, int]:
+    def sparse_gemv_workspace(in_features: int, out_features: int, int8: bool = False) -> tuple[int, int]:
         return 1, 1
 
     @staticmethod
@@ -96,8 +96,11 @@ class TorchFusedOps:
             y.copy_((product + residual.float() if residual.numel() else product).half())
 
     @staticmethod
-    def sparse_gemv(x, weight_t, y, residual, _partial, _arrivals, _stream) -> None:
-        y.copy_((residual.float() + x.float() @ weight_t.float()).half())
+    def sparse_gemv(x, weight_t, scale, y, residual, _partial, _arrivals, _stream) -> None:
+        product = x.float() @ weight_t.float()
+        if scale.numel():  # int8 weights
+            product = product * scale.float()
+        y.copy_((residual.float() + product.half().float()).half())
 
     @staticmethod
     def relu_square_(x, _stream) -> None:
@@ -173,6 +176,22 @@ def test_fused_forward_matches_readable(models, lens, all_logits, gemv_rows, sta
     # every layer of a step on the GEMV path stages its LoRAs (the first layer has no value LoRA: 3 second halves)
     assert TorchFusedOps.staged_launches == (3 if staged is True and sum(lens) <= gemv_rows else 0)
     assert outs[0][1].shape[0] == (sum(lens) if all_logits else len(lens))
+    assert_match(outs, pools)
+
+
+def test_w8a16_forward_with_sparse_int8_ffn_value(binding):
+    """RWKV_SPARSE_FFN_INT8's path: each W8A16 FFN value K-major too, decode rows through the sparse-input GEMV
+    (int8 weights, their scale) against the readable forward."""
+    config = make_config(3, 128, 512)
+    sd = random_state_dict(config, seed=6, dtype=torch.float32)
+    for key in config.linear_keys():
+        sd.update(quantize_matrix(key, sd.pop(key)))
+    sd[W8A16_MARKER] = torch.tensor(W8A16_VERSION, dtype=torch.int32)
+    readable, fused = fused_pair(sd, binding, engine="cutlass")
+    fused.fused.sparse_ffn_int8 = True
+    assert store_ffn_value_k_major(fused, fused.fused) == 3
+    assert all(isinstance(blk.ffn_value, KMajorW8A16Linear) for blk in fused.blocks)
+    outs, pools = run((readable, fused), [[5], [77], [300]], gemv_rows=8, steps=2)
     assert_match(outs, pools)
 
 

@@ -98,6 +98,23 @@ class KMajorLinear(DenseLinear):
         self.workspace = workspace  # (fp32 partial sums, int32 arrival counters), shared by a model's layers
 
 
+class KMajorW8A16Linear(W8A16Linear):
+    """A W8A16 FFN value matrix with a K-major copy of its int8 weights (``weight_t`` [in, out]) for the
+    sparse-input GEMV at decode, which then skips the weight rows of relu(k)^2's zero entries as for fp16
+    (:class:`KMajorLinear`). Larger batches multiply by the [out, in] int8 matrix as any W8A16 layer (the Hopper
+    GEMM reads that layout), so the matrix is stored twice: 67 MB more a 7.2B layer (2.1 GB for 32). Off unless
+    RWKV_SPARSE_FFN_INT8=1 until timed on a GPU (bench/h200_pending.sh sparse-int8)."""
+
+    def __init__(self, linear: W8A16Linear, workspace: tuple[torch.Tensor, torch.Tensor]):
+        super().__init__(linear.qweight, linear.scale)
+        self.weight_t = linear.qweight.t().contiguous()
+        self.workspace = workspace  # (fp32 partial sums, int32 arrival counters), shared by a model's layers
+        self.kind += ", K-major copy (sparse-input GEMV)"
+
+
+K_MAJOR_LINEARS = (KMajorLinear, KMajorW8A16Linear)
+
+
 def gemv_operands(linear) -> GemvOperands | None:
     """The tensors the grouped GEMV (or for K-major weights the sparse-input GEMV) computes this linear layer
     from, or None when it cannot."""
@@ -205,6 +222,10 @@ class FusedKernels:
         # self-test keep them dense (for A/B timing, and so that the other paths do not depend on it).
         self.sparse_rows: int = module.sparse_gemv_max_rows()
         self.sparse_ffn: bool = env_flag("RWKV_SPARSE_FFN", True)
+        # The same for int8 (W8A16) FFN value matrices, stored twice then (KMajorW8A16Linear; 0 rows: the source has
+        # no such kernel, as the HIP port); RWKV_SPARSE_FFN_INT8=1 until timed.
+        self.sparse_int8_rows: int = module.sparse_gemv_max_rows(True)
+        self.sparse_ffn_int8: bool = env_flag("RWKV_SPARSE_FFN_INT8", False) and self.sparse_int8_rows > 0
         # 4-bit GemLite layers take uint4_matmul above this many rows (RWKV_UINT4_CUBLAS_ROWS, for A/B timing)
         self.uint4_cublas_rows: int = env_int("RWKV_UINT4_CUBLAS_ROWS", UINT4_CUBLAS_ABOVE_ROWS)
         self._uint4_scratch: dict[torch.device, torch.Tensor] = {}
@@ -262,20 +283,22 @@ class FusedKernels:
             self._stage_sync[device] = torch.zeros(2, dtype=torch.int32, device=device)
         return self._stage_sync[device]
 
-    def sparse_gemv(self, linear: KMajorLinear, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += x W^T for a :class:`KMajorLinear`, reading only the weight rows of x's nonzero columns; more
-        rows than the kernel takes go through cuBLAS."""
-        if x.shape[0] > self.sparse_rows:
+    def sparse_gemv(self, linear: KMajorLinear | KMajorW8A16Linear, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += x W^T for a K-major linear, reading only the weight rows of x's nonzero columns; more rows than
+        the kernel takes go through the linear's own product."""
+        int8 = isinstance(linear, KMajorW8A16Linear)
+        if x.shape[0] > (self.sparse_int8_rows if int8 else self.sparse_rows):
             add_product(y, linear, x)
             return
         partial, arrivals = linear.workspace
-        self._m.sparse_gemv(x, linear.weight_t, y, y, partial, arrivals, self._stream(x))
+        scale = linear.scale if int8 else _empty(x.device)
+        self._m.sparse_gemv(x, linear.weight_t, scale, y, y, partial, arrivals, self._stream(x))
 
     def sparse_workspace(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A zeroed workspace for the sparse-input GEMV of a ``weight`` [out, in] of this shape (reusable by
-        same-shaped ones), on its device."""
+        """A zeroed workspace for the sparse-input GEMV of a ``weight`` [out, in] (fp16, or int8) of this shape
+        (reusable by same-shaped ones), on its device."""
         out_features, in_features = weight.shape
-        partial, arrivals = self._m.sparse_gemv_workspace(in_features, out_features)
+        partial, arrivals = self._m.sparse_gemv_workspace(in_features, out_features, weight.dtype == torch.int8)
         return (torch.zeros(partial, dtype=torch.float32, device=weight.device),
                 torch.zeros(arrivals, dtype=torch.int32, device=weight.device))
 
@@ -376,7 +399,7 @@ class FusedKernels:
                 self.gemv([(blk.output, y, x, EPI_NONE, x)])
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
                 self.gemv([(blk.ffn_key, kf, hidden, EPI_RELU_SQUARE, None)])
-                if isinstance(blk.ffn_value, KMajorLinear):
+                if isinstance(blk.ffn_value, K_MAJOR_LINEARS):
                     self.sparse_gemv(blk.ffn_value, hidden, x)
                 else:
                     self.gemv([(blk.ffn_value, hidden, x, EPI_NONE, x)])
@@ -443,9 +466,12 @@ def _self_test(kernels: FusedKernels) -> str | None:
     config = make_config(2, 128, 512)
     model = RWKV7.from_state_dict(random_state_dict(config, seed=1, dtype=torch.float16, device=str(device)),
                                   device=str(device), dtype="fp16")
-    if kernels.sparse_ffn and (sparse_error := _self_test_sparse(kernels, device)):
+    if kernels.sparse_ffn and (sparse_error := _self_test_sparse(kernels, device, int8=False)):
         log.warning("sparse-input FFN value GEMV switched off (%s): FFN value matrices stay dense", sparse_error)
         kernels.sparse_ffn = False
+    if kernels.sparse_ffn_int8 and (sparse_error := _self_test_sparse(kernels, device, int8=True)):
+        log.warning("int8 sparse-input FFN value GEMV switched off (%s)", sparse_error)
+        kernels.sparse_ffn_int8 = False
     for blk in model.blocks:  # as select_fused does: the prefill below takes the batched matmuls
         blk.batched = batch_weights(blk)
     if kernels.sparse_ffn:
@@ -474,20 +500,27 @@ def _self_test(kernels: FusedKernels) -> str | None:
     return reason
 
 
-def _self_test_sparse(kernels: FusedKernels, device: torch.device) -> str | None:
-    """The sparse-input GEMV against a matmul, at 1 and 2 rows of an input with half its columns zero."""
+def _self_test_sparse(kernels: FusedKernels, device: torch.device, int8: bool) -> str | None:
+    """The sparse-input GEMV (fp16 or int8 weights) against a matmul, at 1 and 2 rows of an input with half its
+    columns zero."""
     gen = torch.Generator(device=device).manual_seed(4)
     weight = (torch.randn(264, 1000, generator=gen, device=device) * 0.03).half()
-    linear = KMajorLinear(weight, kernels.sparse_workspace(weight))
+    if int8:
+        from infer.ops.linear_w8a16 import dequantize_matmul
+        scale = (weight.float().abs().amax(1) / 127).half()
+        q = (weight.float() / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+        linear = KMajorW8A16Linear(W8A16Linear(q, scale), kernels.sparse_workspace(q))
+    else:
+        linear = KMajorLinear(weight, kernels.sparse_workspace(weight))
     for rows in (1, 2):
         x = torch.randn(rows, 1000, generator=gen, device=device).relu().square().half()
         y = torch.randn(rows, 264, generator=gen, device=device).half()
-        expect = y.float() + x.float() @ weight.float().T
+        expect = y.float() + (dequantize_matmul(x, q, scale).float() if int8 else x.float() @ weight.float().T)
         kernels.sparse_gemv(linear, x, y)
         err = float((y.float() - expect).abs().max()) / (float(expect.abs().max()) + 1e-6)
         if not err <= 1e-2:
-            return (f"self-test of the sparse-input GEMV against a matmul failed ({rows} rows: relative max |diff| "
-                    f"{err:.3g})")
+            return (f"self-test of the {'int8 ' if int8 else ''}sparse-input GEMV against a matmul failed ({rows} "
+                    f"rows: relative max |diff| {err:.3g})")
     return None
 
 
@@ -559,18 +592,27 @@ def fused_unsupported(model: "RWKV7") -> str | None:
 
 def store_ffn_value_k_major(model: "RWKV7", kernels: FusedKernels) -> int:
     """Swap each block's dense fp16 FFN value linear for a :class:`KMajorLinear` of the same weights (one
-    matrix transposed at a time: the peak is one extra matrix); returns how many were swapped."""
-    workspace, swapped = None, 0
+    matrix transposed at a time: the peak is one extra matrix), and with ``kernels.sparse_ffn_int8`` each W8A16 one
+    for a :class:`KMajorW8A16Linear` (a K-major copy more); returns how many were swapped."""
+    workspaces: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+    swapped = 0
     for blk in model.blocks:
         lin = blk.ffn_value
-        if type(lin) is not DenseLinear or lin.weight.dtype != torch.float16 or lin.out_features % 8:
+        if lin.out_features % 8:
             continue
-        workspace = workspace or kernels.sparse_workspace(lin.weight)
-        blk.ffn_value = KMajorLinear(lin.weight, workspace)
+        if type(lin) is DenseLinear and lin.weight.dtype == torch.float16 and kernels.sparse_ffn:
+            weight, make = lin.weight, KMajorLinear
+        elif type(lin) is W8A16Linear and lin.scale.dtype == torch.float16 and kernels.sparse_ffn_int8:
+            weight, make = lin.qweight, KMajorW8A16Linear
+        else:
+            continue
+        if weight.dtype not in workspaces:
+            workspaces[weight.dtype] = kernels.sparse_workspace(weight)
+        blk.ffn_value = make(weight if make is KMajorLinear else lin, workspaces[weight.dtype])
         swapped += 1
     if swapped:
-        log.info("FFN value matrices stored K-major: %d (the sparse-input GEMV at up to %d rows)", swapped,
-                 kernels.sparse_rows)
+        log.info("FFN value matrices stored K-major: %d (the sparse-input GEMV at up to %d rows, int8 %d)", swapped,
+                 kernels.sparse_rows, kernels.sparse_int8_rows)
     return swapped
 
 
@@ -594,7 +636,7 @@ def select_fused(model: "RWKV7", prefer: str = "auto") -> FusedKernels | None:
         for blk in model.blocks:
             if blk.batched is None:
                 blk.batched = batch_weights(blk)
-        if chosen.sparse_ffn:
+        if chosen.sparse_ffn or chosen.sparse_ffn_int8:
             store_ffn_value_k_major(model, chosen)
         if chosen.uint4:
             for lin in model.projections():
