@@ -66,6 +66,8 @@
 #                                                                   # tests, batch-1/2 decode A/B (fp16, W8A16)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh staged-quant  # the staged GPU tests (W8A16 too), batch-1/2 W8A16
 #                                                                   # and W4 decode A/B of RWKV_GEMV_STAGED
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh sparse-int8  # int8 sparse FFN value: GPU tests, W8A16 decode at
+#                                                                   # 1/2/8 rows with RWKV_SPARSE_FFN_INT8=1 and 0
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
 #                                                                   # decode A/B of the tree against FILE (a kernel file)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
@@ -935,6 +937,19 @@ staged-quant)  # staged LoRAs for quantized models: fp16 7.2B lost 2 % with them
                 bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 1,2 --steps 30 --wkv cuda \
                 --no-checks --out $out
             copy $out
+        done
+    done
+    ;;
+sparse-int8)  # W8A16 FFN values also stored K-major, decode through the sparse-input GEMV (RWKV_SPARSE_FFN_INT8=1):
+    # the GPU tests, then W8A16 decode at 1/2/8 rows (tok/s and peak memory) with and without, two rounds. If it
+    # wins, decide the default (it costs 67 MB a 7.2B layer).
+    build
+    step 200 "sparse GEMV and W8A16 GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider \
+        test/test_fused_cuda.py -k "sparse or w8a16 or int8"
+    for round in 1 2; do
+        for sparse in 1 0; do
+            w8_decode 90 "W8A16 decode, RWKV_SPARSE_FFN_INT8=$sparse, round $round" 7.2b,1.5b 1,2,8 \
+                experiment_sparse_int8_${sparse}_${round}_h200.json RWKV_SPARSE_FFN_INT8=$sparse
         done
     done
     ;;
