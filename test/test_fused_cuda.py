@@ -497,31 +497,37 @@ def test_fused_model_stores_ffn_value_k_major(pair):
     assert "K-major" in fused.implementations()["linear"]
 
 
+def check_sparse_gemv(kernels, lin, product, k: int, n: int, gen: torch.Generator, limit: int) -> None:
+    """1 to limit + 1 rows of a relu^2 input (a whole run of zero columns) through kernels.sparse_gemv onto a
+    residual: close to residual + product(x), each row bit-identical alone and in a batch up to ``limit`` rows
+    (beyond: the linear's own product), the arrival counters back to zero after every launch."""
+    x = torch.randn(limit + 1, k, generator=gen, device="cuda").relu().square().half()
+    x[:, 100:300] = 0.0
+    res = torch.randn(limit + 1, n, generator=gen, device="cuda").half()
+    alone = []
+    for m in range(limit):
+        y = res[m:m + 1].clone()
+        kernels.sparse_gemv(lin, x[m:m + 1].clone(), y)
+        alone.append(y)
+    for rows in range(1, limit + 2):
+        y = res[:rows].clone()
+        kernels.sparse_gemv(lin, x[:rows].contiguous(), y)
+        torch.testing.assert_close(y.float(), res[:rows].float() + product(x[:rows]), atol=2e-2, rtol=1e-2)
+        if rows <= limit:
+            assert torch.equal(y, torch.cat(alone[:rows])), f"{rows} rows: a row differs from itself alone"
+    assert not lin.workspace[1].any()
+
+
 @pytest.mark.parametrize("shape", [(16384, 4096), (1000, 264)])  # 7.2B's FFN value; a ragged one
 def test_sparse_gemv_matches_matmul(kernels, shape):
-    """1-4 rows of a relu^2 input against the fp32 product: within fp16 rounding of the sum, each row
-    bit-identical alone and in a batch and from one launch to the next (the arrival counters come back to
-    zero), a whole run of zero columns skipped; 5 rows fall back to cuBLAS."""
+    """fp16 K-major weights, 1-4 rows against the fp32 product (see check_sparse_gemv); 5 rows fall back to
+    cuBLAS."""
     k, n = shape
     gen = torch.Generator(device="cuda").manual_seed(k)
     weight = (torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).half()
     lin = KMajorLinear(weight, kernels.sparse_workspace(weight))
-    x = torch.randn(5, k, generator=gen, device="cuda").relu().square().half()
-    x[:, 100:300] = 0.0
-    res = torch.randn(5, n, generator=gen, device="cuda").half()
-    alone = []
-    for m in range(5):
-        y = res[m:m + 1].clone()
-        kernels.sparse_gemv(lin, x[m:m + 1].clone(), y)
-        alone.append(y)
-    for rows in (1, 2, 3, 4, 5):
-        y = res[:rows].clone()
-        kernels.sparse_gemv(lin, x[:rows].contiguous(), y)
-        expect = res[:rows].float() + x[:rows].float() @ weight.float().T
-        torch.testing.assert_close(y.float(), expect, atol=2e-2, rtol=1e-2)
-        if rows <= kernels.sparse_rows:
-            assert torch.equal(y, torch.cat(alone[:rows])), f"{rows} rows: a row differs from itself alone"
-    assert not lin.workspace[1].any()
+    assert kernels.sparse_rows == 4
+    check_sparse_gemv(kernels, lin, lambda x: x.float() @ weight.float().T, k, n, gen, kernels.sparse_rows)
 
 
 def test_sparse_gemv_rejects_bad_arguments(kernels):
@@ -546,8 +552,8 @@ def test_sparse_gemv_rejects_bad_arguments(kernels):
 
 @pytest.mark.parametrize("shape", [(16384, 4096), (1000, 264)])  # 7.2B's FFN value; a ragged one
 def test_sparse_gemv_int8_matches_dequantized(kernels, shape):
-    """int8 K-major weights (KMajorW8A16Linear), 1-8 rows of a relu^2 input against dequantize + matmul: close,
-    each row bit-identical alone and in a batch, counters back to zero; 9 rows take the W8A16 linear."""
+    """int8 K-major weights (KMajorW8A16Linear), 1-8 rows against dequantize + matmul (see check_sparse_gemv); 9
+    rows take the W8A16 linear."""
     from infer.ops.fused import KMajorW8A16Linear
     from infer.ops.linear_w8a16 import W8A16Linear, dequantize_matmul
     k, n = shape
@@ -555,22 +561,9 @@ def test_sparse_gemv_int8_matches_dequantized(kernels, shape):
     q = torch.randint(-127, 128, (n, k), generator=gen, device="cuda", dtype=torch.int8)
     scale = (torch.rand(n, generator=gen, device="cuda") * 2e-3 / k ** 0.5).half()
     lin = KMajorW8A16Linear(W8A16Linear(q, scale), kernels.sparse_workspace(q))
-    x = torch.randn(9, k, generator=gen, device="cuda").relu().square().half()
-    x[:, 100:300] = 0.0
-    res = torch.randn(9, n, generator=gen, device="cuda").half()
-    alone = []
-    for m in range(8):
-        y = res[m:m + 1].clone()
-        kernels.sparse_gemv(lin, x[m:m + 1].clone(), y)
-        alone.append(y)
-    for rows in (1, 2, 5, 8, 9):
-        y = res[:rows].clone()
-        kernels.sparse_gemv(lin, x[:rows].contiguous(), y)
-        expect = res[:rows].float() + dequantize_matmul(x[:rows].float(), q, scale.float()).float()
-        torch.testing.assert_close(y.float(), expect, atol=2e-2, rtol=1e-2)
-        if rows <= kernels.sparse_int8_rows:
-            assert torch.equal(y, torch.cat(alone[:rows])), f"{rows} rows: a row differs from itself alone"
-    assert kernels.sparse_int8_rows == 8 and not lin.workspace[1].any()
+    assert kernels.sparse_int8_rows == 8
+    check_sparse_gemv(kernels, lin, lambda x: dequantize_matmul(x.float(), q, scale.float()).float(), k, n, gen,
+                      kernels.sparse_int8_rows)
 
 
 def test_w8a16_model_with_sparse_int8_ffn_value(kernels, monkeypatch):
