@@ -2450,14 +2450,19 @@ struct SparseGemvArgs {
     int n, k, ballots, slices, strips;
 };
 
-// A lane's 8 weights of one K-major row: 16 bytes of fp16 or 8 of int8.
+// A lane's 8 weights of one K-major row: 16 bytes of fp16 or 8 of int8, and the rows it loads at a time: as many
+// bytes in flight for int8 as for fp16 up to 4 rows of x (more rows: the registers of their sums).
 template <bool kInt8>
 struct SparseLane {
+    template <int M>
+    static constexpr int kLoads = kGemvLoads;
     using Vec = uint4;
     __device__ static void unpack(const Vec& v, float (&out)[8]) { unpack8(v, out); }
 };
 template <>
 struct SparseLane<true> {
+    template <int M>
+    static constexpr int kLoads = M <= 4 ? 2 * kGemvLoads : kGemvLoads;
     using Vec = uint2;
     __device__ static void unpack(const Vec& v, float (&out)[8]) {
         int8x4_to_float(v.x, out);
@@ -2504,16 +2509,17 @@ __global__ void __launch_bounds__(kSparseWarps * 32, M == 1 ? 4 : 2) sparse_gemv
     const int stride = args.n / 8;  // a lane's vectors per weight row
 #pragma unroll 1
     while (todo) {  // warp-uniform
-        int row[kGemvLoads];
-        typename Lane::Vec v[kGemvLoads];
+        constexpr int kLoads = Lane::template kLoads<M>;
+        int row[kLoads];
+        typename Lane::Vec v[kLoads];
 #pragma unroll
-        for (int j = 0; j < kGemvLoads; ++j) {  // the next flagged rows, in order, all loads issued first
+        for (int j = 0; j < kLoads; ++j) {  // the next flagged rows, in order, all loads issued first
             row[j] = todo ? __ffsll(static_cast<long long>(todo)) - 1 : -1;
             todo &= todo - 1;
             if (row[j] >= 0 && mine) v[j] = __ldcs(w + int64_t(k0 + row[j]) * stride);
         }
 #pragma unroll
-        for (int j = 0; j < kGemvLoads; ++j) {
+        for (int j = 0; j < kLoads; ++j) {
             if (row[j] < 0) break;
             float wf[8];
             Lane::unpack(v[j], wf);
