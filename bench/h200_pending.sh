@@ -952,6 +952,12 @@ sparse-int8)  # W8A16 FFN values also stored K-major, decode through the sparse-
                 experiment_sparse_int8_${sparse}_${round}_h200.json RWKV_SPARSE_FFN_INT8=$sparse
         done
     done
+    for sparse in 1 0; do  # the FFN value's own time per layer (PDL off: clean kernel times)
+        out=bench/results/profile_nopdl_w8_sparse${sparse}_h200.json
+        step 90 "W8A16 7.2B batch 1 per kernel, RWKV_SPARSE_FFN_INT8=$sparse" env RWKV_PDL=0 \
+            RWKV_SPARSE_FFN_INT8=$sparse python bench/profile_decode.py --engine cutlass --sizes 7.2b --batches 1 --out $out
+        copy $out
+    done
     ;;
 *)
     echo "unknown part $PART" >&2
