@@ -338,14 +338,17 @@ def test_staged_loras_change_no_output(pair, rows, monkeypatch):
 
 
 def assert_staging_changes_no_output(model: RWKV7, rows: int, monkeypatch) -> None:
-    """Decode steps of ``rows`` rows with the LoRAs staged and not: the same logits and states, bit for bit."""
+    """Decode steps of ``rows`` rows with the LoRAs staged (consumer blocks last or early in the grid) and not: the
+    same logits and states, bit for bit."""
     results = []
-    for staged in (False, True):
+    for staged, early in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(model.fused, "staged_loras", staged)
+        monkeypatch.setattr(model.fused, "consumers_early", early)
         results.append(decode_steps(model, rows, 8, torch.float32))
-    (want, want_pool), (got, pool) = results
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert torch.equal(pool.wkv, want_pool.wkv)
+    want, want_pool = results[0]
+    for got, pool in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert torch.equal(pool.wkv, want_pool.wkv)
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -932,11 +932,13 @@ def run_gemv_staged(so, tasks, M, stages, sync):
                                     _ptr(sync))
 
 
-@pytest.mark.parametrize("M,rkv", [(1, F16), (3, I8_BAND), (8, F16)])
-def test_gemv_staged_launch_equals_two_launches(M, rkv, libs):
+@pytest.mark.parametrize("M,rkv,early", [(1, F16, False), (3, I8_BAND, False), (8, F16, False), (2, F16, True),
+                                         (3, I8_BAND, True)])
+def test_gemv_staged_launch_equals_two_launches(M, rkv, early, libs):
     """A launch of the LoRA first halves (producers: tanh/sigmoid epilogues), r/k/v-like tasks (fp16 or int8 bands)
-    and the second halves reading the first halves' outputs (consumers, after every producer in the grid) gives the
-    bits of the two launches it replaces, and leaves its counters at zero; twice in a row (the counters reused)."""
+    and the second halves reading the first halves' outputs (consumers, after every producer in the grid: last, or
+    early, before the r/k/v tasks) gives the bits of the two launches it replaces, and leaves its counters at zero;
+    twice in a row (the counters reused)."""
     so = libs["fused-cuda"]
     gen = torch.Generator().manual_seed(71 + M)
     C, ranks = 256, (32, 48, 96)
@@ -949,8 +951,10 @@ def test_gemv_staged_launch_equals_two_launches(M, rkv, libs):
         t = gemv_task(gen, M, C, producer["n"], F16)
         t["x"], t["y"] = producer["y"], torch.full((M, C), 777.0).half()
         second.append(t)
-    tasks = first + rkv_tasks + second
-    stages = [1] * len(first) + [0] * len(rkv_tasks) + [2] * len(second)
+    if early:
+        tasks, stages = first + second + rkv_tasks, [1] * len(first) + [2] * len(second) + [0] * len(rkv_tasks)
+    else:
+        tasks, stages = first + rkv_tasks + second, [1] * len(first) + [0] * len(rkv_tasks) + [2] * len(second)
     sync = torch.zeros(2, dtype=torch.int32)
     for _ in range(2):
         for t in tasks:

@@ -243,6 +243,11 @@ class FusedKernels:
         self.staged_loras: bool | None = (False if torch.version.hip is not None else
                                           None if not staged else env_flag("RWKV_GEMV_STAGED", False))
         self._stage_sync: dict[torch.device, torch.Tensor] = {}
+        # Where a staged launch's consumer blocks go in its grid: last (behind every other task's blocks, so they
+        # never wait long but load their weights only at the launch's end), or with RWKV_GEMV_CONSUMERS_EARLY=1
+        # right after the producers' blocks and before the other tasks' (they wait while r/k/v stream, and the
+        # launch ends on r/k/v). Same results either way; early is not timed yet (h200 part consumers-early).
+        self.consumers_early: bool = env_flag("RWKV_GEMV_CONSUMERS_EARLY", False)
 
     # -------------------------------------------------------------- ops
     @staticmethod
@@ -260,8 +265,15 @@ class FusedKernels:
         outputs they read)."""
         ws, scales, zeros, xs, ys, res, groups, epis = [], [], [], [], [], [], [], []
         read = {x.data_ptr() for _, x, _, _, _ in then}
-        stages = [1 if y.data_ptr() in read else 0 for _, _, y, _, _ in tasks] + [2] * len(then)
-        for linear, x, y, epi, residual in [*tasks, *then]:
+        produces = [y.data_ptr() in read for _, _, y, _, _ in tasks]
+        if then and self.consumers_early:  # producers, consumers, then the rest (see consumers_early)
+            ordered = ([t for t, p in zip(tasks, produces) if p] + list(then) +
+                       [t for t, p in zip(tasks, produces) if not p])
+            stages = [1] * sum(produces) + [2] * len(then) + [0] * (len(tasks) - sum(produces))
+        else:
+            ordered = [*tasks, *then]
+            stages = [int(p) for p in produces] + [2] * len(then)
+        for linear, x, y, epi, residual in ordered:
             w, scale, zero, group, k_major = self.operands(linear)
             if k_major:
                 raise ValueError("a K-major linear takes the sparse-input GEMV (sparse_gemv), not the grouped one")
