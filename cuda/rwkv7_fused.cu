@@ -24,10 +24,12 @@
 //    warps of one block, summed in shared memory); fp16 or int8 (+ per-channel fp16 scale) weights, or
 //    GemLite's packed 4-bit weights read in place; int8 and 4-bit tasks run on the tensor cores, a block per
 //    band of output channels (gemv_int8_band, gemv_uint4_block), and a launch of few bands on 16 warps a
-//    block (gemv_wide_band_kernel); relu^2, tanh or sigmoid on the output, residual add.
+//    block (gemv_wide_band_kernel); relu^2, tanh or sigmoid on the output, residual add. A launch may run in two
+//    stages, tasks reading other tasks' outputs waiting on a device counter (task_dependency_wait).
 //
-// 4. sparse_gemv: y = x Wt + residual for the FFN value matrix stored K-major, reading only the weight rows
-//    whose input relu(k)^2 is nonzero in some row of x (see sparse_gemv_kernel).
+// 4. sparse_gemv: y = x Wt (* scale) + residual for the FFN value matrix stored K-major (fp16, or int8 with its
+//    per-channel scale), reading only the weight rows whose input relu(k)^2 is nonzero in some row of x (see
+//    sparse_gemv_kernel).
 //
 // 5. relu_square: x = relu(x)^2 in place (the FFN key's activation beside cuBLAS products).
 //
