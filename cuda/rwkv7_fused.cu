@@ -2984,6 +2984,30 @@ inline bool sparse_gemv_takes(int64_t M, int64_t n, int64_t k, bool int8 = false
            n * kSparseMaxRowsInt8 <= INT_MAX;
 }
 
+// run(kernel) for the sparse_gemv_kernel instance of M rows of x (sparse_gemv_takes) and the weights' type: the
+// launcher's and the CPU emulator's harness's one choice.
+template <typename Run>
+auto with_sparse_gemv_kernel(int64_t M, bool int8, Run run) {
+    if (int8) {
+        switch (M) {
+            case 1: return run(sparse_gemv_kernel<1, true>);
+            case 2: return run(sparse_gemv_kernel<2, true>);
+            case 3: return run(sparse_gemv_kernel<3, true>);
+            case 4: return run(sparse_gemv_kernel<4, true>);
+            case 5: return run(sparse_gemv_kernel<5, true>);
+            case 6: return run(sparse_gemv_kernel<6, true>);
+            case 7: return run(sparse_gemv_kernel<7, true>);
+            default: return run(sparse_gemv_kernel<8, true>);
+        }
+    }
+    switch (M) {
+        case 1: return run(sparse_gemv_kernel<1>);
+        case 2: return run(sparse_gemv_kernel<2>);
+        case 3: return run(sparse_gemv_kernel<3>);
+        default: return run(sparse_gemv_kernel<4>);
+    }
+}
+
 // The launch's arguments: the plan for a [k, n] weight (min_blocks: see plan_sparse_gemv) and the pointers
 // (scale: int8 weights').
 inline SparseGemvArgs make_sparse_gemv_args(int64_t n, int64_t k, int64_t min_blocks, const void* x, const void* w,
@@ -3229,24 +3253,9 @@ extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, c
     const unsigned grid = static_cast<unsigned>(args.strips * args.slices);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
-        if (int8) {
-            switch (M) {
-                case 1: return launch(sparse_gemv_kernel<1, true>, grid, kSparseWarps * 32, s, args);
-                case 2: return launch(sparse_gemv_kernel<2, true>, grid, kSparseWarps * 32, s, args);
-                case 3: return launch(sparse_gemv_kernel<3, true>, grid, kSparseWarps * 32, s, args);
-                case 4: return launch(sparse_gemv_kernel<4, true>, grid, kSparseWarps * 32, s, args);
-                case 5: return launch(sparse_gemv_kernel<5, true>, grid, kSparseWarps * 32, s, args);
-                case 6: return launch(sparse_gemv_kernel<6, true>, grid, kSparseWarps * 32, s, args);
-                case 7: return launch(sparse_gemv_kernel<7, true>, grid, kSparseWarps * 32, s, args);
-                default: return launch(sparse_gemv_kernel<8, true>, grid, kSparseWarps * 32, s, args);
-            }
-        }
-        switch (M) {
-            case 1: return launch(sparse_gemv_kernel<1>, grid, kSparseWarps * 32, s, args);
-            case 2: return launch(sparse_gemv_kernel<2>, grid, kSparseWarps * 32, s, args);
-            case 3: return launch(sparse_gemv_kernel<3>, grid, kSparseWarps * 32, s, args);
-            default: return launch(sparse_gemv_kernel<4>, grid, kSparseWarps * 32, s, args);
-        }
+        return with_sparse_gemv_kernel(M, int8, [&](auto kernel) {
+            return launch(kernel, grid, kSparseWarps * 32, s, args);
+        });
     });
 }
 

@@ -613,14 +613,14 @@ def store_ffn_value_k_major(model: "RWKV7", kernels: FusedKernels) -> int:
         if lin.out_features % 8:
             continue
         if type(lin) is DenseLinear and lin.weight.dtype == torch.float16 and kernels.sparse_ffn:
-            weight, make = lin.weight, KMajorLinear
+            weight, make, source = lin.weight, KMajorLinear, lin.weight
         elif type(lin) is W8A16Linear and lin.scale.dtype == torch.float16 and kernels.sparse_ffn_int8:
-            weight, make = lin.qweight, KMajorW8A16Linear
+            weight, make, source = lin.qweight, KMajorW8A16Linear, lin
         else:
             continue
         if weight.dtype not in workspaces:
             workspaces[weight.dtype] = kernels.sparse_workspace(weight)
-        blk.ffn_value = make(weight if make is KMajorLinear else lin, workspaces[weight.dtype])
+        blk.ffn_value = make(source, workspaces[weight.dtype])
         swapped += 1
     if swapped:
         log.info("FFN value matrices stored K-major: %d (the sparse-input GEMV at up to %d rows, int8 %d)", swapped,

@@ -196,25 +196,15 @@ EMU_EXPORT int emu_fused_sparse_gemv(int64_t M, const void* x, const void* w, co
     const unsigned grid = static_cast<unsigned>(args.strips * args.slices);
     auto run = [&](auto kernel) { return emu::run_grid(grid, kSparseStrip, [&] { kernel(args); }, seed); };
 #ifdef FUSED_SPARSE_INT8
-    if (int8) {
-        switch (M) {
-            case 1: return run(sparse_gemv_kernel<1, true>);
-            case 2: return run(sparse_gemv_kernel<2, true>);
-            case 3: return run(sparse_gemv_kernel<3, true>);
-            case 4: return run(sparse_gemv_kernel<4, true>);
-            case 5: return run(sparse_gemv_kernel<5, true>);
-            case 6: return run(sparse_gemv_kernel<6, true>);
-            case 7: return run(sparse_gemv_kernel<7, true>);
-            default: return run(sparse_gemv_kernel<8, true>);
-        }
-    }
-#endif
+    return with_sparse_gemv_kernel(M, int8, run);
+#else
     switch (M) {
         case 1: return run(sparse_gemv_kernel<1>);
         case 2: return run(sparse_gemv_kernel<2>);
         case 3: return run(sparse_gemv_kernel<3>);
         default: return run(sparse_gemv_kernel<4>);
     }
+#endif
 }
 
 // The sparse GEMV's plan for a K-major [k, n] weight: {ballots, slices, strips, workspace floats}.
