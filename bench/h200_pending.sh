@@ -68,8 +68,8 @@
 #                                                                   # and W4 decode A/B of RWKV_GEMV_STAGED
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sparse-int8  # int8 sparse FFN value: GPU tests, W8A16 decode at
 #                                                                   # 1/2/8 rows with RWKV_SPARSE_FFN_INT8=1 and 0
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh consumers-early  # staged launches with the consumer blocks right
-#                                                                   # after the producers: fp16/W8A16/W4 b1/b2 A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
+#                                                               # launches: 4-bit, W8A16, fp16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
 #                                                                   # decode A/B of the tree against FILE (a kernel file)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
@@ -961,22 +961,20 @@ sparse-int8)  # W8A16 FFN values also stored K-major, decode through the sparse-
         copy $out
     done
     ;;
-consumers-early)  # staged LoRA launches: consumer blocks last (now) or right after the producers
-    # (RWKV_GEMV_CONSUMERS_EARLY=1), against no staging; fp16 7.2B lost 2 % staged with them last. If early wins,
-    # make it the default and re-decide staging for fp16.
+gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
+    # the LoRA second halves, the output projection, FFN key and FFN value, for fp16, W8A16 and 4-bit GemLite weights
     build
-    step 200 "staged GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py -k staged
-    for round in 1 2; do
-        for mode in "1 1" "1 0" "0 0"; do
-            set -- $mode
-            tag=staged$1_early$2_$round
-            step 90 "fp16 decode, staged $1 early $2, round $round" env RWKV_GEMV_STAGED=$1 RWKV_GEMV_CONSUMERS_EARLY=$2 \
-                python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,2 --steps 40 --wkv cuda --no-checks \
-                --out bench/results/experiment_consumers_${tag}_h200.json
-            copy bench/results/experiment_consumers_${tag}_h200.json
-            w8_decode 90 "W8A16 decode, staged $1 early $2, round $round" 7.2b 1,2 \
-                experiment_consumers_${tag}_w8_h200.json RWKV_GEMV_STAGED=$1 RWKV_GEMV_CONSUMERS_EARLY=$2
-        done
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for engine in gemlite:A16W4_HQQ_INT cutlass fp16; do
+        tag=${engine#gemlite:}
+        out=bench/results/ncu_gemv_b1_${tag}_h200.txt
+        step 240 "ncu GEMV launches, $engine" env RWKV_GEMV_STAGED=0 "$NCU" --clock-control none -k "regex:gemv" \
+            --launch-skip 40 --launch-count 5 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+            --section MemoryWorkloadAnalysis --section SchedulerStats --section LaunchStats --log-file $out \
+            python bench/bench_decode.py --engine $engine --sizes 7.2b --batches 1 --steps 2 --wkv cuda --no-checks \
+            --out /tmp/ncu_decode.json
+        copy $out
+        grep -E "^  [a-z_:]+.*gemv|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size|Issued Warp|No Eligible|Warp Cycles Per Issued|stall|Stall" $out | head -80
     done
     ;;
 *)

@@ -2431,12 +2431,15 @@ __global__ void __launch_bounds__(kWideBandWarps * 32, 32 / kWideBandWarps)
 // arrives last at its strip (a counter per strip, left at zero again) adds the blocks' sums in slice order
 // and stores the outputs: deterministic. Nothing can be loaded before the PDL wait (x says which rows).
 // int8 weights (a W8A16 FFN value stored K-major too): 8-byte loads of a lane's 8 channels, each channel's scale
-// applied to its sum at the end, as the grouped GEMV's int8 tasks do; up to 8 rows, the GEMV rows of int8 models,
-// so that a row's FFN value takes this kernel whatever the batch's size on the GEMV path.
+// applied to its sum at the end, as the grouped GEMV's int8 tasks do; one row only. H200, W8A16 decode against the
+// int8 bands (bench/results/experiment_sparse_int8_*_h200.json): 7.2B 400.7 against 384.2 tok/s at one row, but
+// 658 against 718 at 2 and 1,646 against 2,189 at 8 (an earlier version took up to 8), and 1.5B 998 against 1,091
+// at one row.
 constexpr int kSparseWarps = 8;      // warps per block (one thread per output channel of a strip)
 constexpr int kSparseStrip = 256;    // output channels per warp and block
 constexpr int kSparseMaxRows = 4;    // rows of x (the union of their nonzeros is read); fp16 weights
-constexpr int kSparseMaxRowsInt8 = 8;
+constexpr int kSparseMaxRowsInt8 = 1;
+static_assert(kSparseMaxRowsInt8 <= kSparseMaxRows, "the block's shared sums are sized for kSparseMaxRows");
 constexpr int kSparseMaxBallots = 2;
 constexpr int kSparseMinBlocks = 256;  // grid size from which a warp takes 64 rows instead of 32
 #define FUSED_SPARSE_INT8 1  // (asked by the CPU emulator's harness: the HIP port has fp16 weights only)
@@ -2453,18 +2456,16 @@ struct SparseGemvArgs {
 };
 
 // A lane's 8 weights of one K-major row: 16 bytes of fp16 or 8 of int8, and the rows it loads at a time: as many
-// bytes in flight for int8 as for fp16 up to 4 rows of x (more rows: the registers of their sums).
+// bytes in flight for int8 as for fp16.
 template <bool kInt8>
 struct SparseLane {
-    template <int M>
     static constexpr int kLoads = kGemvLoads;
     using Vec = uint4;
     __device__ static void unpack(const Vec& v, float (&out)[8]) { unpack8(v, out); }
 };
 template <>
 struct SparseLane<true> {
-    template <int M>
-    static constexpr int kLoads = M <= 4 ? 2 * kGemvLoads : kGemvLoads;
+    static constexpr int kLoads = 2 * kGemvLoads;
     using Vec = uint2;
     __device__ static void unpack(const Vec& v, float (&out)[8]) {
         int8x4_to_float(v.x, out);
@@ -2511,7 +2512,7 @@ __global__ void __launch_bounds__(kSparseWarps * 32, M == 1 ? 4 : 2) sparse_gemv
     const int stride = args.n / 8;  // a lane's vectors per weight row
 #pragma unroll 1
     while (todo) {  // warp-uniform
-        constexpr int kLoads = Lane::template kLoads<M>;
+        constexpr int kLoads = Lane::kLoads;
         int row[kLoads];
         typename Lane::Vec v[kLoads];
 #pragma unroll
@@ -2534,30 +2535,24 @@ __global__ void __launch_bounds__(kSparseWarps * 32, M == 1 ? 4 : 2) sparse_gemv
         }
     }
 
-    // The block's sum over its warps, in warp order, to partial[slice], kSparseMaxRows rows at a time (the shared
-    // memory of 8 rows at once is over the static limit)
-    constexpr int kGroup = M < kSparseMaxRows ? M : kSparseMaxRows;
-    __shared__ float warp_acc[kSparseWarps][kGroup][kSparseStrip];
+    // The block's sum over its warps, in warp order, to partial[slice]
+    __shared__ float warp_acc[kSparseWarps][M][kSparseStrip];
     __shared__ bool last;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) warp_acc[warp][m][8 * lane + e] = acc[m][e];
+    }
+    __syncthreads();
     const int c = strip * kSparseStrip + threadIdx.x;  // one output channel per thread from here on
     const bool out = c < args.n;
+    if (out) {
 #pragma unroll
-    for (int m0 = 0; m0 < M; m0 += kGroup) {
-        if (m0 > 0) __syncthreads();  // the previous group's sums are read
+        for (int m = 0; m < M; ++m) {
+            float sum = warp_acc[0][m][threadIdx.x];
 #pragma unroll
-        for (int m = 0; m < kGroup && m0 + m < M; ++m) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) warp_acc[warp][m][8 * lane + e] = acc[m0 + m][e];
-        }
-        __syncthreads();
-        if (out) {
-#pragma unroll
-            for (int m = 0; m < kGroup && m0 + m < M; ++m) {
-                float sum = warp_acc[0][m][threadIdx.x];
-#pragma unroll
-                for (int v = 1; v < kSparseWarps; ++v) sum += warp_acc[v][m][threadIdx.x];
-                args.partial[(int64_t(slice) * M + m0 + m) * args.n + c] = sum;
-            }
+            for (int v = 1; v < kSparseWarps; ++v) sum += warp_acc[v][m][threadIdx.x];
+            args.partial[(int64_t(slice) * M + m) * args.n + c] = sum;
         }
     }
     __threadfence();  // the sums are visible to the other blocks before this block's arrival is
@@ -2981,25 +2976,14 @@ inline int sparse_max_rows(bool int8) { return int8 ? kSparseMaxRowsInt8 : kSpar
 
 inline bool sparse_gemv_takes(int64_t M, int64_t n, int64_t k, bool int8 = false) {
     return M >= 1 && M <= sparse_max_rows(int8) && n > 0 && n % 8 == 0 && k > 0 && k <= INT_MAX / 2 &&
-           n * kSparseMaxRowsInt8 <= INT_MAX;
+           n * kSparseMaxRows <= INT_MAX;
 }
 
 // run(kernel) for the sparse_gemv_kernel instance of M rows of x (sparse_gemv_takes) and the weights' type: the
 // launcher's and the CPU emulator's harness's one choice.
 template <typename Run>
 auto with_sparse_gemv_kernel(int64_t M, bool int8, Run run) {
-    if (int8) {
-        switch (M) {
-            case 1: return run(sparse_gemv_kernel<1, true>);
-            case 2: return run(sparse_gemv_kernel<2, true>);
-            case 3: return run(sparse_gemv_kernel<3, true>);
-            case 4: return run(sparse_gemv_kernel<4, true>);
-            case 5: return run(sparse_gemv_kernel<5, true>);
-            case 6: return run(sparse_gemv_kernel<6, true>);
-            case 7: return run(sparse_gemv_kernel<7, true>);
-            default: return run(sparse_gemv_kernel<8, true>);
-        }
-    }
+    if (int8) return run(sparse_gemv_kernel<1, true>);  // kSparseMaxRowsInt8
     switch (M) {
         case 1: return run(sparse_gemv_kernel<1>);
         case 2: return run(sparse_gemv_kernel<2>);

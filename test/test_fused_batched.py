@@ -178,7 +178,7 @@ def test_int8_ffn_value_stored_k_major_when_switched_on():
     from infer.ops.linear_w8a16 import dequantize_matmul
     asked = []
     kernels = FusedKernels(SimpleNamespace(
-        gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 8 if int8 else 4,
+        gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 1 if int8 else 4,
         sparse_gemv_workspace=lambda k, n, int8: asked.append((k, n, int8)) or [7, 3]))
     kernels.sparse_ffn, kernels.sparse_ffn_int8 = False, True
     gen = torch.Generator().manual_seed(8)
@@ -201,12 +201,12 @@ def test_sparse_ffn_value_switch(monkeypatch):
     from types import SimpleNamespace
 
     from infer.ops.fused import FusedKernels
-    module = SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 8 if int8 else 4)
+    module = SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 1 if int8 else 4)
     monkeypatch.delenv("RWKV_SPARSE_FFN", raising=False)
     monkeypatch.delenv("RWKV_SPARSE_FFN_INT8", raising=False)
     kernels = FusedKernels(module)
     assert kernels.sparse_ffn and kernels.sparse_rows == 4
-    assert not kernels.sparse_ffn_int8 and kernels.sparse_int8_rows == 8  # int8: off until timed
+    assert not kernels.sparse_ffn_int8 and kernels.sparse_int8_rows == 1  # int8: off (memory against gain)
     monkeypatch.setenv("RWKV_SPARSE_FFN", "0")
     assert not FusedKernels(module).sparse_ffn
     monkeypatch.setenv("RWKV_SPARSE_FFN_INT8", "1")

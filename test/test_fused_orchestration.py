@@ -29,6 +29,7 @@ class TorchFusedOps:
     """The extension module's ops as their contracts say, in torch (fp32 math, fp16 results)."""
 
     staged_launches = 0  # gemv launches with stages so far
+    sparse_int8_launches = 0  # sparse_gemv launches of int8 weights so far
 
     @staticmethod
     def gemv_max_rows() -> int:
@@ -40,7 +41,7 @@ class TorchFusedOps:
 
     @staticmethod
     def sparse_gemv_max_rows(int8: bool = False) -> int:
-        return GEMV_ROWS
+        return 1 if int8 else GEMV_ROWS
 
     @staticmethod
     def sparse_gemv_workspace(in_features: int, out_features: int, int8: bool = False) -> tuple[int, int]:
@@ -99,9 +100,13 @@ class TorchFusedOps:
 
     @staticmethod
     def sparse_gemv(x, weight_t, scale, y, residual, _partial, _arrivals, _stream) -> None:
+        int8 = scale.numel() > 0
+        if x.shape[0] > TorchFusedOps.sparse_gemv_max_rows(int8):
+            raise RuntimeError("sparse_gemv: too many rows")  # the launcher refuses them too
         product = x.float() @ weight_t.float()
-        if scale.numel():  # int8 weights
+        if int8:
             product = product * scale.float()
+            TorchFusedOps.sparse_int8_launches += 1
         y.copy_((residual.float() + product.half().float()).half())
 
     @staticmethod
@@ -181,9 +186,10 @@ def test_fused_forward_matches_readable(models, lens, all_logits, gemv_rows, sta
     assert_match(outs, pools)
 
 
-def test_w8a16_forward_with_sparse_int8_ffn_value(binding):
-    """RWKV_SPARSE_FFN_INT8's path: each W8A16 FFN value K-major too, decode rows through the sparse-input GEMV
-    (int8 weights, their scale) against the readable forward."""
+@pytest.mark.parametrize("rows", [[[5]], [[5], [77], [300]]])
+def test_w8a16_forward_with_sparse_int8_ffn_value(binding, rows, monkeypatch):
+    """RWKV_SPARSE_FFN_INT8's path: each W8A16 FFN value K-major too, a row alone through the sparse-input GEMV
+    (int8 weights, their scale), more rows through the W8A16 linear, against the readable forward."""
     config = make_config(3, 128, 512)
     sd = random_state_dict(config, seed=6, dtype=torch.float32)
     for key in config.linear_keys():
@@ -193,16 +199,17 @@ def test_w8a16_forward_with_sparse_int8_ffn_value(binding):
     fused.fused.sparse_ffn_int8 = True
     assert store_ffn_value_k_major(fused, fused.fused) == 3
     assert all(isinstance(blk.ffn_value, KMajorW8A16Linear) for blk in fused.blocks)
-    outs, pools = run((readable, fused), [[5], [77], [300]], gemv_rows=8, steps=2)
+    monkeypatch.setattr(TorchFusedOps, "sparse_int8_launches", 0)
+    outs, pools = run((readable, fused), rows, gemv_rows=8, steps=2)
+    assert TorchFusedOps.sparse_int8_launches == (3 * 2 if len(rows) == 1 else 0)  # 3 layers, 2 forwards
     assert_match(outs, pools)
 
 
-@pytest.mark.parametrize("staged,early", [(None, False), (None, True), (False, False)])
-def test_w8a16_forward_stages_loras_by_default(w8a16_models, staged, early, monkeypatch):
+@pytest.mark.parametrize("staged", [None, False])
+def test_w8a16_forward_stages_loras_by_default(w8a16_models, staged, monkeypatch):
     """With int8 r/k/v (a W8A16 model) every layer of a decode step stages its LoRAs unless switched off; the
-    consumers' blocks last in the grid or early (RWKV_GEMV_CONSUMERS_EARLY), the same outputs."""
+    same outputs either way."""
     monkeypatch.setattr(w8a16_models[1].fused, "staged_loras", staged)
-    monkeypatch.setattr(w8a16_models[1].fused, "consumers_early", early)
     monkeypatch.setattr(TorchFusedOps, "staged_launches", 0)
     outs, pools = run(w8a16_models, [[5], [77]], gemv_rows=8, steps=2)
     assert TorchFusedOps.staged_launches == (6 if staged is None else 0)

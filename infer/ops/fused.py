@@ -102,8 +102,10 @@ class KMajorW8A16Linear(W8A16Linear):
     """A W8A16 FFN value matrix with a K-major copy of its int8 weights (``weight_t`` [in, out]) for the
     sparse-input GEMV at decode, which then skips the weight rows of relu(k)^2's zero entries as for fp16
     (:class:`KMajorLinear`). Larger batches multiply by the [out, in] int8 matrix as any W8A16 layer (the Hopper
-    GEMM reads that layout), so the matrix is stored twice: 67 MB more a 7.2B layer (2.1 GB for 32). Off unless
-    RWKV_SPARSE_FFN_INT8=1 until timed on a GPU (bench/h200_pending.sh sparse-int8)."""
+    GEMM reads that layout), so the matrix is stored twice: 67 MB more a 7.2B layer (2.1 GB for 32), for one
+    row at a time (the kernel's limit: slower than the int8 bands at 2+ rows). Off unless RWKV_SPARSE_FFN_INT8=1:
+    on an H200 7.2B batch 1 took 400.7 against 384.2 tok/s, but 1.5B 998 against 1,091
+    (bench/results/experiment_sparse_int8_*_h200.json)."""
 
     def __init__(self, linear: W8A16Linear, workspace: tuple[torch.Tensor, torch.Tensor]):
         super().__init__(linear.qweight, linear.scale)
@@ -223,7 +225,7 @@ class FusedKernels:
         self.sparse_rows: int = module.sparse_gemv_max_rows()
         self.sparse_ffn: bool = env_flag("RWKV_SPARSE_FFN", True)
         # The same for int8 (W8A16) FFN value matrices, stored twice then (KMajorW8A16Linear; 0 rows: the source has
-        # no such kernel, as the HIP port); RWKV_SPARSE_FFN_INT8=1 until timed.
+        # no such kernel, as the HIP port); off unless RWKV_SPARSE_FFN_INT8=1 (its memory against its gain).
         self.sparse_int8_rows: int = module.sparse_gemv_max_rows(True)
         self.sparse_ffn_int8: bool = env_flag("RWKV_SPARSE_FFN_INT8", False) and self.sparse_int8_rows > 0
         # 4-bit GemLite layers take uint4_matmul above this many rows (RWKV_UINT4_CUBLAS_ROWS, for A/B timing)
@@ -243,11 +245,6 @@ class FusedKernels:
         self.staged_loras: bool | None = (False if torch.version.hip is not None else
                                           None if not staged else env_flag("RWKV_GEMV_STAGED", False))
         self._stage_sync: dict[torch.device, torch.Tensor] = {}
-        # Where a staged launch's consumer blocks go in its grid: last (behind every other task's blocks, so they
-        # never wait long but load their weights only at the launch's end), or with RWKV_GEMV_CONSUMERS_EARLY=1
-        # right after the producers' blocks and before the other tasks' (they wait while r/k/v stream, and the
-        # launch ends on r/k/v). Same results either way; early is not timed yet (h200 part consumers-early).
-        self.consumers_early: bool = env_flag("RWKV_GEMV_CONSUMERS_EARLY", False)
 
     # -------------------------------------------------------------- ops
     @staticmethod
@@ -266,13 +263,11 @@ class FusedKernels:
         ws, scales, zeros, xs, ys, res, groups, epis = [], [], [], [], [], [], [], []
         read = {x.data_ptr() for _, x, _, _, _ in then}
         produces = [y.data_ptr() in read for _, _, y, _, _ in tasks]
-        if then and self.consumers_early:  # producers, consumers, then the rest (see consumers_early)
-            ordered = ([t for t, p in zip(tasks, produces) if p] + list(then) +
-                       [t for t, p in zip(tasks, produces) if not p])
-            stages = [1] * sum(produces) + [2] * len(then) + [0] * (len(tasks) - sum(produces))
-        else:
-            ordered = [*tasks, *then]
-            stages = [int(p) for p in produces] + [2] * len(then)
+        # The consumers' blocks go last in the grid. Right after the producers' instead (waiting while r/k/v
+        # stream) was slower on an H200: 7.2B fp16 batch 1 259.8 against 264.0 tok/s, W8A16 378.6 against 384.6
+        # (bench/results/experiment_consumers_*_h200.json).
+        ordered = [*tasks, *then]
+        stages = [int(p) for p in produces] + [2] * len(then)
         for linear, x, y, epi, residual in ordered:
             w, scale, zero, group, k_major = self.operands(linear)
             if k_major:
