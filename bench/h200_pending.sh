@@ -69,7 +69,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sparse-int8  # int8 sparse FFN value: GPU tests, W8A16 decode at
 #                                                                   # 1/2/8 rows with RWKV_SPARSE_FFN_INT8=1 and 0
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
-#                                                               # launches: 4-bit, W8A16, fp16
+#                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
 #                                                                   # decode A/B of the tree against FILE (a kernel file)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
@@ -962,10 +962,10 @@ sparse-int8)  # W8A16 FFN values also stored K-major, decode through the sparse-
     done
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
-    # the LoRA second halves, the output projection, FFN key and FFN value, for fp16, W8A16 and 4-bit GemLite weights
+    # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights
     build
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    for engine in gemlite:A16W4_HQQ_INT cutlass fp16; do
+    for engine in gemlite:A16W4_HQQ_INT cutlass; do
         tag=${engine#gemlite:}
         out=bench/results/ncu_gemv_b1_${tag}_h200.txt
         step 240 "ncu GEMV launches, $engine" env RWKV_GEMV_STAGED=0 "$NCU" --clock-control none -k "regex:gemv" \
