@@ -68,6 +68,8 @@
 #                                                                   # and W4 decode A/B of RWKV_GEMV_STAGED
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sparse-int8  # int8 sparse FFN value: GPU tests, W8A16 decode at
 #                                                                   # 1/2/8 rows with RWKV_SPARSE_FFN_INT8=1 and 0
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-loads  # int8 band bytes in flight (kInt8Loads 3 vs 4
+#                                                               # vs 2): int8 launches alone, W8A16 decode b1/b2
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -960,6 +962,19 @@ sparse-int8)  # W8A16 FFN values also stored K-major, decode through the sparse-
             RWKV_SPARSE_FFN_INT8=$sparse python bench/profile_decode.py --engine cutlass --sizes 7.2b --batches 1 --out $out
         copy $out
     done
+    ;;
+int8-loads)  # bytes in flight per int8 band lane (kInt8Loads 3; 4 spills 12-20 bytes in the 64-register kernels, 2 for
+    # the slope): the int8 bands are bound by memory latency at batch 1 (ncu_gemv_b1_cutlass_h200.txt). If 4 wins
+    # despite its spills, more bytes in flight without registers (cp.async stages in shared memory) is worth building.
+    build
+    for n in 4 2; do
+        sed "s/^constexpr int kInt8Loads = 3;/constexpr int kInt8Loads = $n;/" cuda/rwkv7_fused.cu > /tmp/int8_loads$n.cu
+        grep -q "^constexpr int kInt8Loads = $n;" /tmp/int8_loads$n.cu || { echo "kInt8Loads not found"; exit 1; }
+    done
+    step 520 "A/B of kInt8Loads" env ROUNDS=2 bash bench/ab_kernels.sh "python bench/bench_gemv.py --size 7.2b \
+--weights int8 --only 'rkv+lora (forward),output,ffn key,ffn value' \
+--out bench/results/experiment_ab_{name}_{round}_gemv_h200.json && python bench/bench_decode.py --engine cutlass \
+--sizes 7.2b,1.5b --batches 1,2 --steps 30 --wkv cuda --no-checks --out {out}" /tmp/int8_loads4.cu /tmp/int8_loads2.cu
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights
