@@ -262,13 +262,11 @@ class FusedKernels:
         outputs they read)."""
         ws, scales, zeros, xs, ys, res, groups, epis = [], [], [], [], [], [], [], []
         read = {x.data_ptr() for _, x, _, _, _ in then}
-        produces = [y.data_ptr() in read for _, _, y, _, _ in tasks]
         # The consumers' blocks go last in the grid. Right after the producers' instead (waiting while r/k/v
         # stream) was slower on an H200: 7.2B fp16 batch 1 259.8 against 264.0 tok/s, W8A16 378.6 against 384.6
         # (bench/results/experiment_consumers_*_h200.json).
-        ordered = [*tasks, *then]
-        stages = [int(p) for p in produces] + [2] * len(then)
-        for linear, x, y, epi, residual in ordered:
+        stages = [1 if y.data_ptr() in read else 0 for _, _, y, _, _ in tasks] + [2] * len(then)
+        for linear, x, y, epi, residual in [*tasks, *then]:
             w, scale, zero, group, k_major = self.operands(linear)
             if k_major:
                 raise ValueError("a K-major linear takes the sparse-input GEMV (sparse_gemv), not the grouped one")
@@ -514,8 +512,8 @@ def _self_test_sparse(kernels: FusedKernels, device: torch.device, int8: bool) -
     weight = (torch.randn(264, 1000, generator=gen, device=device) * 0.03).half()
     if int8:
         from infer.ops.linear_w8a16 import dequantize_matmul
-        scale = (weight.float().abs().amax(1) / 127).half()
-        q = (weight.float() / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+        from infer.quant.quantize import quantize_int8
+        q, scale = quantize_int8(weight)
         linear = KMajorW8A16Linear(W8A16Linear(q, scale), kernels.sparse_workspace(q))
     else:
         linear = KMajorLinear(weight, kernels.sparse_workspace(weight))
