@@ -70,6 +70,8 @@
 #                                                                   # 1/2/8 rows with RWKV_SPARSE_FFN_INT8=1 and 0
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-loads  # int8 band bytes in flight (kInt8Loads 3 vs 4
 #                                                               # vs 2): int8 launches alone, W8A16 decode b1/b2
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh lora-stream  # large batches' LoRA products on a side stream:
+#                                                               # GPU tests, decode/prompt/W8A16 A/B, profile
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -975,6 +977,41 @@ int8-loads)  # bytes in flight per int8 band lane (kInt8Loads 3; 4 spills 12-20 
 --weights int8 --only 'rkv+lora (forward),output,ffn key,ffn value' \
 --out bench/results/experiment_ab_{name}_{round}_gemv_h200.json && python bench/bench_decode.py --engine cutlass \
 --sizes 7.2b,1.5b --batches 1,2 --steps 30 --wkv cuda --no-checks --out {out}" /tmp/int8_loads4.cu /tmp/int8_loads2.cu
+    ;;
+lora-stream)  # above the GEMV's rows, the LoRAs' chain of small products on a side stream beside the r/k/v product
+    # (RWKV_LORA_STREAM=1, the tree's default, against 0), and the residual products (output, FFN value) as mm + add
+    # instead of addmm (RWKV_ADD_PRODUCT=mm, a temporary switch): GPU tests, decode A/B at 128-512 rows (fp16
+    # state) in two rounds, prompts, W8A16, the batch-256 step per kernel
+    build
+    step 200 "GPU tests (side stream, large-batch fused forward, graphs, W8A16)" python -m pytest -q -rf --tb=short \
+        -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py \
+        -k "lora_side_stream or decode_matches or prefill or invariance or graph or w8a16_model"
+    results=()
+    for round in 1 2; do
+        for cfg in "1 addmm" "0 addmm" "1 mm"; do
+            set -- $cfg
+            out=bench/results/experiment_lora_stream${1}_${2}_${round}_h200.json
+            step 120 "decode, LoRA stream $1, $2, round $round" env RWKV_LORA_STREAM=$1 RWKV_ADD_PRODUCT=$2 \
+                python bench/bench_decode.py --sizes 7.2b,1.5b --batches 128,256,512 --states fp16 --steps 20 \
+                --wkv cuda --no-checks --out $out
+            results+=($out)
+        done
+    done
+    for on in 1 0; do
+        out=bench/results/experiment_lora_stream${on}_prefill_h200.json
+        step 150 "prompts, LoRA stream $on" env RWKV_LORA_STREAM=$on python bench/bench_decode.py --sizes 7.2b \
+            --batches "" --prefill 1024,4096 --prefill-rows 1,16 --wkv cuda --no-checks --out $out
+        results+=($out)
+        out=bench/results/experiment_lora_stream${on}_w8_h200.json
+        step 150 "W8A16 decode, LoRA stream $on" env RWKV_LORA_STREAM=$on python bench/bench_decode.py --engine cutlass \
+            --sizes 7.2b --batches 128,256 --steps 20 --wkv cuda --no-checks --out $out
+        results+=($out)
+    done
+    out=bench/results/profile_b256_fp16_state_lora_stream_h200.json
+    profile_b256_fp16 $out
+    results+=($out)
+    [ -n "$OUT" ] && tar czf "$OUT/lora_stream.tgz" "${results[@]}" 2>/dev/null
+    python bench/brief.py "${results[@]}"
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights

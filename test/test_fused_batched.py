@@ -47,13 +47,14 @@ def test_batched_projections_match_the_linears():
     gen = torch.Generator().manual_seed(4)
     for layer, blk in enumerate(model.blocks):
         mixed = torch.randn(6, ROWS, 768, generator=gen).half()  # r, k, v, w, a, g
-        xr, xk, xv, xw, xa, _ = mixed.unbind(0)
+        xr, xk, xv, xw, xa, xg = mixed.unbind(0)
         want = [blk.receptance(xr), blk.key(xk), blk.value(xv), blk.w2(torch.tanh(blk.w1(xw))), blk.a2(blk.a1(xa))]
         want.append(blk.v2(blk.v1(xv)) if layer else None)
+        want.append(blk.g2(torch.sigmoid(blk.g1(xg))))
         blk.batched = batch_weights(blk)
         got = batched_projections(blk, mixed, first_layer=layer == 0)
-        assert len(got) == 6
-        for name, g, w in zip(("r", "k", "v", "dw", "da", "dv"), got, want):
+        assert len(got) == 7
+        for name, g, w in zip(("r", "k", "v", "dw", "da", "dv", "g"), got, want):
             if w is None:
                 assert g is None, name
                 continue
@@ -78,7 +79,7 @@ def test_quantized_blocks_stack_only_the_lora_factors():
         assert blk.w1.weight.untyped_storage().data_ptr() == blk.batched.lora_down.untyped_storage().data_ptr()
         mixed = torch.randn(6, ROWS, 768, generator=gen).half()
         xr, xk, xv, xw, xa, _ = mixed.unbind(0)
-        r, k, v, dw, da, dv = batched_projections(blk, mixed, first_layer=layer == 0)
+        r, k, v, dw, da, dv, _ = batched_projections(blk, mixed, first_layer=layer == 0)
         assert torch.equal(k, blk.key(xk)) and torch.equal(r, blk.receptance(xr)) and torch.equal(v, blk.value(xv))
         want_dw = blk.w2(torch.tanh(blk.w1(xw)))
         assert float((dw.float() - want_dw.float()).abs().max()) <= 2e-3 * float(want_dw.abs().max()) + 1e-3
@@ -86,13 +87,15 @@ def test_quantized_blocks_stack_only_the_lora_factors():
 
 
 def test_blocks_with_quantized_lora_factors_are_not_stacked():
-    model = model_fp16()
-    blk = model.blocks[1]
-    weight = blk.a1.weight
-    blk.a1 = W8A16Linear(torch.zeros(weight.shape, dtype=torch.int8), torch.ones(weight.shape[0], dtype=torch.float16))
-    receptance = blk.receptance.weight
-    assert batch_weights(blk) is None
-    assert blk.receptance.weight is receptance  # nothing was re-pointed
+    for name in ("a1", "g2"):  # a stacked factor, and the gate's (the chain multiplies its weight directly)
+        model = model_fp16()
+        blk = model.blocks[1]
+        weight = getattr(blk, name).weight
+        setattr(blk, name, W8A16Linear(torch.zeros(weight.shape, dtype=torch.int8),
+                                       torch.ones(weight.shape[0], dtype=torch.float16)))
+        receptance = blk.receptance.weight
+        assert batch_weights(blk) is None, name
+        assert blk.receptance.weight is receptance  # nothing was re-pointed
 
 
 def test_add_product_adds_the_product_in_place():

@@ -466,6 +466,50 @@ def test_w8a16_staged_loras_change_no_output(kernels, rows, monkeypatch):
     assert_staging_changes_no_output(model, rows, monkeypatch)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_lora_side_stream_changes_no_output(pair, quantized, monkeypatch):
+    """Above the GEMV's rows the LoRAs' small products run on a side stream beside the r/k/v product: the same bits
+    as on one stream, eagerly (decode steps and a prompt) and replayed from a CUDA graph, whose capture the side
+    stream joins. fp16 (r/k/v one batched matmul) and W8A16 (r/k/v one quantized product each)."""
+    if quantized:
+        (model,) = w8a16_models(1)
+        select_fused(model, "on")
+    else:
+        model = pair[1]
+    rows, slots = 20, 24
+    assert rows > model.fused.rows_for(model)
+    results = []
+    for on in (False, True):
+        monkeypatch.setattr(model.fused, "lora_stream", on)
+        pool = model.new_state_pool(4)
+        prompt = model.forward(PackedBatch.from_rows([list(range(3, 40)), [5, 6]], [0, 2], "cuda"), pool, True)
+        results.append((decode_steps(model, rows, slots, torch.float32), prompt, pool.wkv))
+    (want, want_pool), want_prompt, want_prompt_wkv = results[0]
+    (got, pool), prompt, prompt_wkv = results[1]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(pool.wkv, want_pool.wkv) and torch.equal(pool.att_shift, want_pool.att_shift)
+    assert torch.equal(prompt, want_prompt) and torch.equal(prompt_wkv, want_prompt_wkv)
+
+    # one step captured (after a warm-up on another stream, as DecodeGraphs does), replayed from decode_steps' start
+    pool = model.new_state_pool(slots)
+    batch = PackedBatch.from_rows([[(7 * i + 3) % 1024] for i in range(rows)], list(range(slots - 1, slots - 1 - rows, -1)),
+                                  "cuda")
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        model.forward(batch, pool)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = model.forward(batch, pool)
+    pool.att_shift.zero_()
+    pool.ffn_shift.zero_()
+    pool.wkv.copy_(torch.randn(pool.wkv.shape, generator=torch.Generator().manual_seed(rows)).to(pool.wkv) * 0.2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(logits, want[0])
+
+
 def test_relu_square_matches_torch(kernels):
     x = (torch.randn(999, 16390, device="cuda") * 30).half()  # 16,373,610 values: a tail past the 16-byte vectors
     x[0, :3] = torch.tensor([float("nan"), float("-inf"), float("inf")])

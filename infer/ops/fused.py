@@ -154,11 +154,11 @@ def _dense_fp16(lin) -> bool:
 def batch_weights(blk: "Block") -> BatchedWeights | None:
     """Stack ``blk``'s matrices and point its linears at views of the stacks (every other path reads the
     same storage, nothing is stored twice, except the padded copy of a LoRA up-factor narrower than the
-    widest); r/k/v only when they are dense fp16; None unless the LoRA factors are (or, with quantized r/k/v,
+    widest); r/k/v only when they are dense fp16; None unless the LoRA factors (g's too) are (or, with quantized r/k/v,
     when RWKV_STACK_LORA=0, the A/B switch)."""
     loras = ([(blk.v1, blk.v2)] if blk.v1 is not None else []) + [(blk.w1, blk.w2), (blk.a1, blk.a2)]
     dense_rkv = all(_dense_fp16(lin) for lin in (blk.receptance, blk.key, blk.value))
-    dense_loras = all(_dense_fp16(lin) for pair in loras for lin in pair)
+    dense_loras = all(_dense_fp16(lin) for pair in loras + [(blk.g1, blk.g2)] for lin in pair)
     if not dense_loras or not (dense_rkv or env_flag("RWKV_STACK_LORA", True)):
         return None
     rkv = None
@@ -178,24 +178,47 @@ def batch_weights(blk: "Block") -> BatchedWeights | None:
     return BatchedWeights(rkv, lora_down, lora_up)
 
 
-def batched_projections(blk: "Block", mixed: torch.Tensor, first_layer: bool) -> tuple[torch.Tensor, ...]:
-    """r, k, v, dw, da, dv (None in layer 0) of ``blk`` (``blk.batched`` set) from ``mixed`` [6, T, C], the mixed
-    inputs in the order r, k, v, w, a, g: three batched matmuls (the LoRA inputs v, w, a are adjacent there), or,
-    with quantized r/k/v, one product each and two batched matmuls."""
+def batched_projections(blk: "Block", mixed: torch.Tensor, first_layer: bool,
+                        side: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, ...]:
+    """r, k, v, dw, da, dv (None in layer 0), g of ``blk`` (``blk.batched`` set) from ``mixed`` [6, T, C], the mixed
+    inputs in the order r, k, v, w, a, g: one batched matmul for r/k/v (with quantized r/k/v, one product each) and
+    the LoRAs' chain (two batched matmuls for w/a/v, two products for g). ``side``: a CUDA stream on which the
+    LoRAs' chain runs beside the r/k/v product (its small products fill few multiprocessors); the current stream
+    waits for it before returning. The results are the same either way."""
     weights = blk.batched
+    ups = mixed.new_empty(len(weights.lora_down), mixed.shape[1], mixed.shape[2])  # on the current stream: read there afterwards
+    g = mixed.new_empty(mixed.shape[1:])
+    main = torch.cuda.current_stream(mixed.device) if side is not None else None
+    if side is not None:
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            _lora_chain(blk, mixed, first_layer, ups, g)
+    else:
+        _lora_chain(blk, mixed, first_layer, ups, g)
     if weights.rkv is not None:
         r, k, v = torch.bmm(mixed[:3], weights.rkv.transpose(1, 2)).unbind(0)
     else:
         r, k, v = blk.receptance(mixed[0]), blk.key(mixed[1]), blk.value(mixed[2])
+    if side is not None:
+        main.wait_stream(side)
+    *dv, dw, da = ups.unbind(0)
+    return r, k, v, dw, da, (dv[0] if dv else None), g
+
+
+def _lora_chain(blk: "Block", mixed: torch.Tensor, first_layer: bool, ups: torch.Tensor, g: torch.Tensor) -> None:
+    """The LoRA products of batched_projections into ``ups`` ((v,) w, a) and ``g`` (both preallocated)."""
+    weights = blk.batched
     hidden = torch.bmm(mixed[3:5] if first_layer else mixed[2:5], weights.lora_down.transpose(1, 2))
     torch.tanh_(hidden[-2])  # the decay LoRA's nonlinearity (zero-padded columns stay zero)
-    *dv, dw, da = torch.bmm(hidden, weights.lora_up.transpose(1, 2)).unbind(0)
-    return r, k, v, dw, da, (dv[0] if dv else None)
+    torch.bmm(hidden, weights.lora_up.transpose(1, 2), out=ups)
+    torch.mm(torch.sigmoid(torch.mm(mixed[5], blk.g1.weight.t())), blk.g2.weight.t(), out=g)
 
 
 def add_product(x: torch.Tensor, linear, y: torch.Tensor) -> None:
     """x += y W^T; with dense weights one cuBLAS call with the add folded in (beta = 1)."""
-    if isinstance(linear, DenseLinear):
+    if isinstance(linear, DenseLinear) and os.environ.get("RWKV_ADD_PRODUCT") == "mm":  # A/B, temporary
+        x.add_(torch.mm(y, linear.weight.t()))
+    elif isinstance(linear, DenseLinear):
         x.addmm_(y, linear.weight.t())
     else:
         x.add_(linear(y))
@@ -245,6 +268,10 @@ class FusedKernels:
         self.staged_loras: bool | None = (False if torch.version.hip is not None else
                                           None if not staged else env_flag("RWKV_GEMV_STAGED", False))
         self._stage_sync: dict[torch.device, torch.Tensor] = {}
+        # Above the GEMV's rows, whether the LoRAs' chain of small products runs on a side stream beside the r/k/v
+        # product (batched_projections; same results). RWKV_LORA_STREAM=0: on the current stream (A/B timing).
+        self.lora_stream: bool = env_flag("RWKV_LORA_STREAM", True)
+        self._lora_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     # -------------------------------------------------------------- ops
     @staticmethod
@@ -281,6 +308,14 @@ class FusedKernels:
             epis.append(epi)
         staging = (stages, self._stage_counters(xs[0].device)) if then else ()
         self._m.gemv(ws, scales, zeros, xs, ys, res, groups, epis, self._stream(xs[0]), *staging)
+
+    def _lora_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The side stream of the large-batch LoRA products (batched_projections), or None: off, or not CUDA."""
+        if not self.lora_stream or device.type != "cuda":
+            return None
+        if device not in self._lora_streams:
+            self._lora_streams[device] = torch.cuda.Stream(device)
+        return self._lora_streams[device]
 
     def _stage_counters(self, device: torch.device) -> torch.Tensor:
         """The staged launches' two counters on ``device``: zero, and every staged launch leaves them zero."""
@@ -379,9 +414,8 @@ class FusedKernels:
                     self.gemv(tasks)
                     self.gemv(second)
             elif isinstance(blk.batched, BatchedWeights):
-                r, k, v, dw, da, dv = batched_projections(blk, mixed, first)
+                r, k, v, dw, da, dv, g = batched_projections(blk, mixed, first, self._lora_stream(x.device))
                 dv = _empty(x.device) if dv is None else dv
-                g = blk.g2(torch.sigmoid(blk.g1(xg)))
             else:
                 r, k, v = blk.receptance(xr), blk.key(xk), blk.value(xv)
                 dw = blk.w2(torch.tanh(blk.w1(xw)))
