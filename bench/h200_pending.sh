@@ -979,19 +979,18 @@ int8-loads)  # bytes in flight per int8 band lane (kInt8Loads 3; 4 spills 12-20 
 --sizes 7.2b,1.5b --batches 1,2 --steps 30 --wkv cuda --no-checks --out {out}" /tmp/int8_loads4.cu /tmp/int8_loads2.cu
     ;;
 lora-stream)  # above the GEMV's rows, the LoRAs' chain of small products on a side stream beside the r/k/v product
-    # (RWKV_LORA_STREAM=1, the tree's default, against 0), and the residual products (output, FFN value) as mm + add
-    # instead of addmm (RWKV_ADD_PRODUCT=mm, a temporary switch): GPU tests, decode A/B at 128-512 rows (fp16
-    # state) in two rounds, prompts, W8A16, the batch-256 step per kernel
+    # (RWKV_LORA_STREAM=1, the default, against 0): GPU tests, decode A/B at 128-512 rows (fp16 state) in two rounds,
+    # prompts, W8A16, the batch-256 step per kernel. (Its first run also timed the residual products as mm + add
+    # instead of addmm, a switch since removed: slower, experiment_lora_stream1_mm_*_h200.json.)
     build
     step 200 "GPU tests (side stream, large-batch fused forward, graphs, W8A16)" python -m pytest -q -rf --tb=short \
         -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py \
         -k "lora_side_stream or decode_matches or prefill or invariance or graph or w8a16_model"
     results=()
     for round in 1 2; do
-        for cfg in "1 addmm" "0 addmm" "1 mm"; do
-            set -- $cfg
-            out=bench/results/experiment_lora_stream${1}_${2}_${round}_h200.json
-            step 120 "decode, LoRA stream $1, $2, round $round" env RWKV_LORA_STREAM=$1 RWKV_ADD_PRODUCT=$2 \
+        for on in 1 0; do
+            out=bench/results/experiment_lora_stream${on}_addmm_${round}_h200.json
+            step 120 "decode, LoRA stream $on, round $round" env RWKV_LORA_STREAM=$on \
                 python bench/bench_decode.py --sizes 7.2b,1.5b --batches 128,256,512 --states fp16 --steps 20 \
                 --wkv cuda --no-checks --out $out
             results+=($out)

@@ -216,9 +216,7 @@ def _lora_chain(blk: "Block", mixed: torch.Tensor, first_layer: bool, ups: torch
 
 def add_product(x: torch.Tensor, linear, y: torch.Tensor) -> None:
     """x += y W^T; with dense weights one cuBLAS call with the add folded in (beta = 1)."""
-    if isinstance(linear, DenseLinear) and os.environ.get("RWKV_ADD_PRODUCT") == "mm":  # A/B, temporary
-        x.add_(torch.mm(y, linear.weight.t()))
-    elif isinstance(linear, DenseLinear):
+    if isinstance(linear, DenseLinear):
         x.addmm_(y, linear.weight.t())
     else:
         x.add_(linear(y))
