@@ -72,8 +72,8 @@
 #                                                               # vs 2): int8 launches alone, W8A16 decode b1/b2
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh lora-stream  # large batches' LoRA products on a side stream:
 #                                                               # GPU tests, decode/prompt/W8A16 A/B, profile
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-ring  # int8 bands' cp.async rings against register batches:
-#                                                               # GPU tests, int8 launches alone, W8A16 decode A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-ring  # int8 bands' cp.async rings (rejected) against the
+#                                                               # register batches: GPU tests, launches, W8A16 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -1014,16 +1014,17 @@ lora-stream)  # above the GEMV's rows, the LoRAs' chain of small products on a s
     [ -n "$OUT" ] && tar czf "$OUT/lora_stream.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[@]}"
     ;;
-int8-ring)  # the int8 bands' weights through a cp.async ring in shared memory per lane (the tree) against the register
-    # batches before it (int8_regs.cu: git show 9dc5305:cuda/rwkv7_fused.cu > int8_regs.cu, left untracked so that
-    # it travels): GEMV and W8A16 GPU tests, then the A/B: int8 launches alone (7.2B, one row) and W8A16 decode
-    [ -f int8_regs.cu ] || { echo "int8_regs.cu missing"; exit 1; }
+int8-ring)  # the int8 bands' weights through a cp.async ring in shared memory per lane (int8_ring.cu: git show
+    # bc47347:cuda/rwkv7_fused.cu > int8_ring.cu, left untracked so that it travels) against the tree's register
+    # batches: GEMV and W8A16 GPU tests, then the A/B: int8 launches alone (7.2B, one row) and W8A16 decode. Ran once
+    # (bench/results/experiment_int8_{ring,regs}_*): the ring was 13 % slower at 7.2B batch 1 and was not kept.
+    [ -f int8_ring.cu ] || { echo "int8_ring.cu missing"; exit 1; }
     build
     int8_tests
-    step 420 "A/B of the int8 bands: ring vs registers" env ROUNDS=2 bash bench/ab_kernels.sh "python bench/bench_gemv.py \
+    step 420 "A/B of the int8 bands: registers vs ring" env ROUNDS=2 bash bench/ab_kernels.sh "python bench/bench_gemv.py \
 --size 7.2b --weights int8 --only 'rkv+lora (forward),output,ffn key,ffn value' \
 --out bench/results/experiment_ab_{name}_{round}_gemv_h200.json && python bench/bench_decode.py --engine cutlass \
---sizes 7.2b,1.5b --batches 1,2,8 --steps 30 --wkv cuda --no-checks --out {out}" int8_regs.cu
+--sizes 7.2b,1.5b --batches 1,2,8 --steps 30 --wkv cuda --no-checks --out {out}" int8_ring.cu
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights

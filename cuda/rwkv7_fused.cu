@@ -1792,7 +1792,7 @@ struct GemvTask {
     int rows_per_warp;       // output channels per warp (a power of two; short rows), 32 / rows_per_warp lanes
                              // each; 1 with splits > 1 and for 4-bit tasks
     int first_block;         // blocks [first_block, first_block + gemv_units(task) / kGemvWarps) compute this task
-    int promote;             // int8 bands: sums moved out of the tensor cores per vector (see mma_int8_step)
+    int promote;             // int8 bands: sums moved out of the tensor cores per vector (see mma_int8_band)
     // Stages of one launch (see task_dependency_wait): a producer task's blocks count themselves done in sync[0];
     // a consumer task's blocks wait until `wait_for` have, then count themselves done in sync[1], and the last of
     // the launch's `consumers` resets both to zero for the next launch.
@@ -2184,68 +2184,26 @@ __device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
 // is exact in fp16), and one mma.m16n8k16 takes 256 weights times up to 8 rows of x: the products are exact
 // (int8 x fp16) and summed in fp32, as the per-thread code sums them, in another order.
 //
-// Layout of the work: a block takes a band of kInt8Band = 16 output channels (an mma's rows), its warps
-// slices of K (whole quads of 16-byte vectors). Lane (g, t) takes vectors t, t + 4, ... of the slice for
-// channels g and g + 8 (64 contiguous bytes per channel and step of the warp). A vector's 16 k-values of one
-// channel make the lane's k of 4 mmas: mma s takes the vector's bytes 4s .. 4s + 3, its A pairs (2t, 2t + 1) and
-// (2t + 8, 2t + 9) = bytes (4s, 4s + 1) and (4s + 2, 4s + 3), and B the same k of x row g (8 contiguous bytes of
-// x: no shuffling). The warps' sums are added in warp order: deterministic.
-//
-// Bytes in flight: at batch 1 these launches are bound by memory latency, not by bandwidth or instructions
-// (Nsight Compute, bench/results/ncu_gemv_b1_cutlass_h200.txt: 31-39 % of issue slots used, 9-17 cycles per
-// instruction waiting on global loads, DRAM at 54-58 %), and a lane's registers held 2 x 3 vectors in flight at
-// most (4 spilled under the 64-register cap of 32 warps a multiprocessor), drained at each batch's end. Here each
-// lane copies its vectors into a ring of its own in shared memory (cp.async: no registers while in flight):
-// kInt8Ring(M, WARPS) - 1 vectors of each channel ahead of the one it multiplies, refilled as it goes. Nothing but
-// the lane reads its slots, so no barrier orders them.
+// Layout of the work: a block takes a band of kInt8Band = 16 output channels (an mma's rows), its 8 warps
+// slices of K (whole quads of 16-byte vectors). Lane (g, t) loads vectors t, t + 4, ... of the slice for
+// channels g and g + 8 (64 contiguous bytes per channel and load), kInt8Loads of each in flight. A vector's
+// 16 k-values of one channel make the lane's k of 4 mmas: mma s takes the vector's bytes 4s .. 4s + 3, its
+// A pairs (2t, 2t + 1) and (2t + 8, 2t + 9) = bytes (4s, 4s + 1) and (4s + 2, 4s + 3), and B the same k of
+// x row g (8 contiguous bytes of x: no shuffling). The warps' sums are added in warp order: deterministic.
 constexpr int kInt8Band = 16;
+constexpr int kInt8Loads = 3;  // vectors per channel and lane in flight: 2 x 3 x 16 bytes (4: a spill at one row)
 
-// Ring slots per lane (each a vector of both channels, 32 bytes): 6 where the multiprocessor holds them (4 blocks
-// of 8 warps: 48 KB a block; 2 of 16 warps at up to 2 rows: 96 KB), 4 for 16-warp blocks of more rows, whose
-// static shared memory (band sums) is larger. The launcher gives the launch this much dynamic shared memory.
-constexpr int int8_ring_slots(int M, int warps) { return warps > 8 && M > 2 ? 4 : 6; }
-constexpr int int8_ring_bytes(int M, int warps) { return int8_ring_slots(M, warps) * 2 * 32 * warps * 16; }
-
-template <int M, int WARPS>
-__device__ __forceinline__ uint4* int8_ring() {
-#if defined(__CUDA_ARCH__)
-    extern __shared__ uint4 gemv_dynamic_shared[];
-    return gemv_dynamic_shared;
-#else
-    __shared__ uint4 ring[int8_ring_bytes(M, WARPS) / 16];  // the emulation runs one block at a time
-    return ring;
-#endif
-}
-
-__device__ __forceinline__ void copy_async16_or_zero(void* dst_shared, const void* src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-#else
-    *reinterpret_cast<uint4*>(dst_shared) = valid ? *reinterpret_cast<const uint4*>(src) : uint4{};
-#endif
-}
-
-// A lane's ring: slot s of channel c (0: g, 1: g + 8) at [(2s + c) * threads + lane of the block], so that a warp's
-// 32 lanes copy and read 512 contiguous bytes.
-template <int M, int WARPS>
-struct Int8Ring {
-    static constexpr int kSlots = int8_ring_slots(M, WARPS);
-    uint4* base;  // this thread's slot 0 of channel g
-    const uint4 *lo, *hi;
-    const void* any;  // a valid address for the copies that read nothing
-    bool lo_ok, hi_ok;
-    int end;
-
-    __device__ __forceinline__ uint4* at(int slot, int c) const { return base + (2 * slot + c) * (WARPS * 32); }
-    // Vector v of both channels (zero past end or past the task's channels) into `slot`, as one commit group.
-    __device__ __forceinline__ void fill(int slot, int v) const {
-        const bool in = v < end;
-        copy_async16_or_zero(at(slot, 0), in && lo_ok ? lo + v : any, in && lo_ok);
-        copy_async16_or_zero(at(slot, 1), in && hi_ok ? hi + v : any, in && hi_ok);
+// Vectors first, first + 4, ... below end of the lane's two channels (none past the task's channels: zero
+// weights, as past end). Read once per step: streamed past the caches.
+__device__ __forceinline__ void load_int8_band(const uint4* lo, const uint4* hi, bool lo_ok, bool hi_ok, int first,
+                                               int end, uint4 (&w)[2][kInt8Loads]) {
+#pragma unroll
+    for (int j = 0; j < kInt8Loads; ++j) {
+        const int v = first + 4 * j;
+        w[0][j] = lo_ok && v < end ? __ldcs(lo + v) : uint4{};
+        w[1][j] = hi_ok && v < end ? __ldcs(hi + v) : uint4{};
     }
-};
+}
 
 // Two int8 of a word (as b + 128: the word XOR 0x80808080) as an exact f16x2: PRMT puts each byte under the
 // exponent of 1024 (0x64XX = 1024 + XX), and 1152 comes off. selector 0x4140: bytes 0, 1; 0x4342: bytes 2, 3.
@@ -2266,25 +2224,30 @@ __device__ __forceinline__ void mma_int8_vector(const uint4& lo_w, const uint4& 
     }
 }
 
-// d += vector v's products (weights lo_w, hi_w; x row g, zero past M or end). promote: the vector's mmas sum from
-// zero and the lane adds that to d in fp32, so the tensor cores never add a product to a long running sum (whose
-// alignment drops the product's low bits); else d accumulates in the mmas.
+// d += the batch's products: vectors c + t, c + t + 4, ... below end, x row g (zero past M). promote: each
+// vector's mmas sum from zero and the lane adds that to d in fp32, so the tensor cores never add a product
+// to a long running sum (whose alignment drops the product's low bits); else d accumulates in the mmas.
 template <int M>
-__device__ __forceinline__ void mma_int8_step(const GemvTask& task, int v, int end, int g, const uint4& lo_w,
-                                              const uint4& hi_w, float (&d)[4]) {
-    uint4 xv[2] = {uint4{}, uint4{}};
-    if (g < M && v < end) {
-        const uint4* p = reinterpret_cast<const uint4*>(task.x + int64_t(g) * task.k) + 2 * v;
-        xv[0] = p[0];
-        xv[1] = p[1];
-    }
-    if (task.promote) {  // task-uniform
-        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_int8_vector(lo_w, hi_w, xv, part);
+__device__ __forceinline__ void mma_int8_band(const GemvTask& task, int c, int end, int g, int t,
+                                              const uint4 (&w)[2][kInt8Loads], float (&d)[4]) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) d[e] += part[e];
-    } else {
-        mma_int8_vector(lo_w, hi_w, xv, d);
+    for (int j = 0; j < kInt8Loads; ++j) {
+        if (c + 4 * j >= end) break;  // warp-uniform: every lane reaches every mma
+        const int v = c + 4 * j + t;
+        uint4 xv[2] = {uint4{}, uint4{}};
+        if (g < M && v < end) {
+            const uint4* p = reinterpret_cast<const uint4*>(task.x + int64_t(g) * task.k) + 2 * v;
+            xv[0] = p[0];
+            xv[1] = p[1];
+        }
+        if (task.promote) {  // task-uniform
+            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_int8_vector(w[0][j], w[1][j], xv, part);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) d[e] += part[e];
+        } else {
+            mma_int8_vector(w[0][j], w[1][j], xv, d);
+        }
     }
 }
 
@@ -2298,33 +2261,19 @@ __device__ __forceinline__ void gemv_int8_band(const GemvTask& task) {
     const int count = task.k / 16;  // 16-byte vectors per channel
     const int slice = (count + 4 * WARPS - 1) / (4 * WARPS) * 4;
     const int begin = min(warp * slice, count), end = min(begin + slice, count);
-    const int steps = (end - begin + 3) / 4;  // warp-uniform: step i takes vectors begin + 4i + t
-    Int8Ring<M, WARPS> ring;
-    ring.base = int8_ring<M, WARPS>() + threadIdx.x;
-    ring.lo = reinterpret_cast<const uint4*>(task.w) + int64_t(first_col + g) * count;
-    ring.hi = ring.lo + int64_t(8) * count;
-    ring.any = task.w;
-    ring.lo_ok = first_col + g < task.n;
-    ring.hi_ok = first_col + g + 8 < task.n;
-    ring.end = end;
-    constexpr int kAhead = Int8Ring<M, WARPS>::kSlots - 1;
-#pragma unroll
-    for (int i = 0; i < kAhead; ++i) {  // weights: copy before the wait
-        if (i < steps) ring.fill(i, begin + 4 * i + t);
-        copy_async_commit();  // one group per step, empty or not: the wait below counts them
-    }
+    const bool lo_ok = first_col + g < task.n, hi_ok = first_col + g + 8 < task.n;
+    const uint4* lo = reinterpret_cast<const uint4*>(task.w) + int64_t(first_col + g) * count;
+    const uint4* hi = lo + int64_t(8) * count;
+    uint4 w[2][kInt8Loads];
+    load_int8_band(lo, hi, lo_ok, hi_ok, begin + t, end, w);  // weights: load before the wait
     load_band_output<M>(task, kInt8Band, first_col, true, out);
 
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 1
-    for (int i = 0, slot = 0; i < steps; ++i) {
-        copy_async_wait<kAhead - 1>();  // step i's group has landed
-        const uint4 lo_w = *ring.at(slot, 0), hi_w = *ring.at(slot, 1);
-        const int refill = slot == 0 ? kAhead : slot - 1;  // the slot read last step
-        if (i + kAhead < steps) ring.fill(refill, begin + 4 * (i + kAhead) + t);
-        copy_async_commit();
-        mma_int8_step<M>(task, begin + 4 * i + t, end, g, lo_w, hi_w, d);
-        slot = slot == kAhead ? 0 : slot + 1;
+    for (int c = begin; c < end;) {
+        mma_int8_band<M>(task, c, end, g, t, w, d);
+        c += 4 * kInt8Loads;
+        if (c < end) load_int8_band(lo, hi, lo_ok, hi_ok, c + t, end, w);
     }
     // Lane (g, t) holds rows m = 2t, 2t + 1 of x for channels g (d[0], d[1]) and g + 8 (d[2], d[3]).
 #pragma unroll
@@ -2686,15 +2635,13 @@ inline int multiprocessors(int device) {
 }
 
 template <typename... KernelArgs, typename... Args>
-cudaError_t launch_shared(void (*kernel)(KernelArgs...), unsigned grid, unsigned block, size_t shared_bytes,
-                          cudaStream_t stream, Args&&... args) {
+cudaError_t launch(void (*kernel)(KernelArgs...), unsigned grid, unsigned block, cudaStream_t stream, Args&&... args) {
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(grid);
     config.blockDim = dim3(block);
-    config.dynamicSmemBytes = shared_bytes;
     config.stream = stream;
     cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -2704,37 +2651,10 @@ cudaError_t launch_shared(void (*kernel)(KernelArgs...), unsigned grid, unsigned
     return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-template <typename... KernelArgs, typename... Args>
-cudaError_t launch(void (*kernel)(KernelArgs...), unsigned grid, unsigned block, cudaStream_t stream, Args&&... args) {
-    return launch_shared(kernel, grid, block, 0, stream, std::forward<Args>(args)...);
-}
-
-// A GEMV launch on blocks of WARPS warps, with the int8 bands' rings (int8_ring_bytes) as its dynamic shared memory
-// when it has int8 band tasks (past 48 KB a block: allowed once per kernel and device).
-template <int M, int WARPS>
-cudaError_t launch_gemv_blocks(void (*kernel)(GemvArgs), const GemvArgs& args, int blocks, cudaStream_t stream) {
-    bool int8 = false;
-    for (int i = 0; i < args.count; ++i) int8 = int8 || args.task[i].weight_type == kWeightInt8Band;
-    constexpr int kRingBytes = int8_ring_bytes(M, WARPS);
-    if (int8) {
-        static bool allowed[64] = {false};
-        int device = 0;
-        cudaError_t err = cudaGetDevice(&device);
-        if (err != cudaSuccess) return err;
-        if (device < 0 || device >= 64) return cudaErrorInvalidValue;
-        if (!allowed[device]) {
-            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes);
-            if (err != cudaSuccess) return err;
-            allowed[device] = true;
-        }
-    }
-    return launch_shared(kernel, static_cast<unsigned>(blocks), WARPS * 32, int8 ? kRingBytes : 0, stream, args);
-}
-
 template <int M>
 cudaError_t launch_gemv(const GemvArgs& args, int blocks, bool wide, cudaStream_t stream) {
-    if (wide) return launch_gemv_blocks<M, kWideBandWarps>(gemv_wide_band_kernel<M>, args, blocks, stream);
-    return launch_gemv_blocks<M, kGemvWarps>(gemv_kernel<M>, args, blocks, stream);
+    if (wide) return launch(gemv_wide_band_kernel<M>, static_cast<unsigned>(blocks), kWideBandWarps * 32, stream, args);
+    return launch(gemv_kernel<M>, static_cast<unsigned>(blocks), kGemvWarps * 32, stream, args);
 }
 
 template <typename F>

@@ -53,11 +53,6 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, i
     *blocks = 0;
     return cudaErrorNotSupported;
 }
-enum cudaFuncAttribute : int { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
-template <typename Kernel>
-cudaError_t cudaFuncSetAttribute(Kernel, cudaFuncAttribute, int) {
-    return cudaErrorNotSupported;
-}
 inline cudaError_t cudaGetLastError() { return cudaErrorNotSupported; }
 inline const char* cudaGetErrorString(cudaError_t) { return "CPU emulation: no CUDA runtime"; }
 template <typename... KernelArgs, typename... Args>
