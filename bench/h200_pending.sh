@@ -72,6 +72,7 @@
 #                                                               # vs 2): int8 launches alone, W8A16 decode b1/b2
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh lora-stream  # large batches' LoRA products on a side stream:
 #                                                               # GPU tests, decode/prompt/W8A16 A/B, profile
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh lora-streams2  # LoRA chains on a stream each: tests, decode A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-ring  # int8 bands' cp.async rings (rejected) against the
 #                                                               # register batches: GPU tests, launches, W8A16 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
@@ -1012,6 +1013,30 @@ lora-stream)  # above the GEMV's rows, the LoRAs' chain of small products on a s
     profile_b256_fp16 $out
     results+=($out)
     [ -n "$OUT" ] && tar czf "$OUT/lora_stream.tgz" "${results[@]}" 2>/dev/null
+    python bench/brief.py "${results[@]}"
+    ;;
+lora-streams2)  # the large-batch LoRA chains on a stream each (RWKV_LORA_STREAM=2) against both on one (1, the default)
+    # and none (0): GPU tests of the large-batch path, decode at 32-256 rows (fp32 and fp16 state) in two rounds, W4
+    build
+    step 240 "GPU tests (side streams, large-batch fused forward, graphs, W8A16)" python -m pytest -q -rf --tb=short \
+        -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py test/test_quant_cuda.py \
+        -k "(lora_side_stream or decode_matches or prefill or invariance or graph or w8a16_model or replay) and not uint4 and not gemlite"
+    results=()
+    for round in 1 2; do
+        for n in 2 1 0; do
+            out=bench/results/experiment_lora_streams${n}_${round}_h200.json
+            step 120 "decode, $n LoRA streams, round $round" env RWKV_LORA_STREAM=$n python bench/bench_decode.py \
+                --sizes 7.2b,1.5b --batches 32,128,256 --states fp32,fp16 --steps 20 --wkv cuda --no-checks --out $out
+            results+=($out)
+        done
+    done
+    for n in 2 1; do
+        out=bench/results/experiment_lora_streams${n}_w4_h200.json
+        step 120 "W4 decode, $n LoRA streams" env RWKV_LORA_STREAM=$n python bench/bench_decode.py \
+            --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 128,256 --steps 20 --wkv cuda --no-checks --out $out
+        results+=($out)
+    done
+    [ -n "$OUT" ] && tar czf "$OUT/lora_streams2.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[@]}"
     ;;
 int8-ring)  # the int8 bands' weights through a cp.async ring in shared memory per lane (int8_ring.cu: git show

@@ -468,9 +468,10 @@ def test_w8a16_staged_loras_change_no_output(kernels, rows, monkeypatch):
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_lora_side_stream_changes_no_output(pair, quantized, monkeypatch):
-    """Above the GEMV's rows the LoRAs' small products run on a side stream beside the r/k/v product: the same bits
-    as on one stream, eagerly (decode steps and a prompt) and replayed from a CUDA graph, whose capture the side
-    stream joins. fp16 (r/k/v one batched matmul) and W8A16 (r/k/v one quantized product each)."""
+    """Above the GEMV's rows the LoRAs' small products run on side streams beside the r/k/v product (one for both
+    chains, or one each): the same bits as on one stream, eagerly (decode steps and a prompt) and replayed from a CUDA
+    graph, whose capture the side streams join. fp16 (r/k/v one batched matmul) and W8A16 (r/k/v one quantized product
+    each)."""
     if quantized:
         (model,) = w8a16_models(1)
         select_fused(model, "on")
@@ -479,18 +480,19 @@ def test_lora_side_stream_changes_no_output(pair, quantized, monkeypatch):
     rows, slots = 20, 24
     assert rows > model.fused.rows_for(model)
     results = []
-    for on in (False, True):
-        monkeypatch.setattr(model.fused, "lora_stream", on)
+    for streams in (0, 1, 2):
+        monkeypatch.setattr(model.fused, "lora_streams", streams)
         pool = model.new_state_pool(4)
         prompt = model.forward(PackedBatch.from_rows([list(range(3, 40)), [5, 6]], [0, 2], "cuda"), pool, True)
         results.append((decode_steps(model, rows, slots, torch.float32), prompt, pool.wkv))
     (want, want_pool), want_prompt, want_prompt_wkv = results[0]
-    (got, pool), prompt, prompt_wkv = results[1]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert torch.equal(pool.wkv, want_pool.wkv) and torch.equal(pool.att_shift, want_pool.att_shift)
-    assert torch.equal(prompt, want_prompt) and torch.equal(prompt_wkv, want_prompt_wkv)
+    for (got, pool), prompt, prompt_wkv in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert torch.equal(pool.wkv, want_pool.wkv) and torch.equal(pool.att_shift, want_pool.att_shift)
+        assert torch.equal(prompt, want_prompt) and torch.equal(prompt_wkv, want_prompt_wkv)
 
     # one step captured (after a warm-up on another stream, as DecodeGraphs does), replayed from decode_steps' start
+    monkeypatch.setattr(model.fused, "lora_streams", 2)
     pool = model.new_state_pool(slots)
     batch = PackedBatch.from_rows([[(7 * i + 3) % 1024] for i in range(rows)], list(range(slots - 1, slots - 1 - rows, -1)),
                                   "cuda")

@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -179,39 +179,47 @@ def batch_weights(blk: "Block") -> BatchedWeights | None:
 
 
 def batched_projections(blk: "Block", mixed: torch.Tensor, first_layer: bool,
-                        side: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, ...]:
+                        sides: Sequence[torch.cuda.Stream] = ()) -> tuple[torch.Tensor, ...]:
     """r, k, v, dw, da, dv (None in layer 0), g of ``blk`` (``blk.batched`` set) from ``mixed`` [6, T, C], the mixed
     inputs in the order r, k, v, w, a, g: one batched matmul for r/k/v (with quantized r/k/v, one product each) and
-    the LoRAs' chain (two batched matmuls for w/a/v, two products for g). ``side``: a CUDA stream on which the
-    LoRAs' chain runs beside the r/k/v product (its small products fill few multiprocessors); the current stream
-    waits for it before returning. The results are the same either way."""
+    two LoRA chains: w/a/v (two batched matmuls and tanh) and g (two products and sigmoid). ``sides``: CUDA streams
+    on which the LoRA chains run beside the r/k/v product (their small products fill few multiprocessors), one for
+    both chains or one each; the current stream waits for them before returning. The results are the same."""
     weights = blk.batched
-    ups = mixed.new_empty(len(weights.lora_down), mixed.shape[1], mixed.shape[2])  # on the current stream: read there afterwards
+    # allocated on the current stream, which reads them afterwards
+    ups = mixed.new_empty(len(weights.lora_down), mixed.shape[1], mixed.shape[2])
     g = mixed.new_empty(mixed.shape[1:])
-    main = torch.cuda.current_stream(mixed.device) if side is not None else None
-    if side is not None:
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            _lora_chain(blk, mixed, first_layer, ups, g)
-    else:
-        _lora_chain(blk, mixed, first_layer, ups, g)
+    chains = (lambda: _stacked_loras(blk, mixed, first_layer, ups), lambda: _gate_lora(blk, mixed[5], g))
+    main = torch.cuda.current_stream(mixed.device) if sides else None
+    for i, chain in enumerate(chains):
+        if not sides:
+            chain()
+            continue
+        if i < len(sides):
+            sides[i].wait_stream(main)
+        with torch.cuda.stream(sides[min(i, len(sides) - 1)]):
+            chain()
     if weights.rkv is not None:
         r, k, v = torch.bmm(mixed[:3], weights.rkv.transpose(1, 2)).unbind(0)
     else:
         r, k, v = blk.receptance(mixed[0]), blk.key(mixed[1]), blk.value(mixed[2])
-    if side is not None:
+    for side in sides:
         main.wait_stream(side)
     *dv, dw, da = ups.unbind(0)
     return r, k, v, dw, da, (dv[0] if dv else None), g
 
 
-def _lora_chain(blk: "Block", mixed: torch.Tensor, first_layer: bool, ups: torch.Tensor, g: torch.Tensor) -> None:
-    """The LoRA products of batched_projections into ``ups`` ((v,) w, a) and ``g`` (both preallocated)."""
+def _stacked_loras(blk: "Block", mixed: torch.Tensor, first_layer: bool, ups: torch.Tensor) -> None:
+    """The (v,) w, a LoRAs of batched_projections into ``ups``."""
     weights = blk.batched
     hidden = torch.bmm(mixed[3:5] if first_layer else mixed[2:5], weights.lora_down.transpose(1, 2))
     torch.tanh_(hidden[-2])  # the decay LoRA's nonlinearity (zero-padded columns stay zero)
     torch.bmm(hidden, weights.lora_up.transpose(1, 2), out=ups)
-    torch.mm(torch.sigmoid(torch.mm(mixed[5], blk.g1.weight.t())), blk.g2.weight.t(), out=g)
+
+
+def _gate_lora(blk: "Block", xg: torch.Tensor, g: torch.Tensor) -> None:
+    """The gate LoRA of batched_projections into ``g``."""
+    torch.mm(torch.sigmoid(torch.mm(xg, blk.g1.weight.t())), blk.g2.weight.t(), out=g)
 
 
 def add_product(x: torch.Tensor, linear, y: torch.Tensor) -> None:
@@ -266,10 +274,10 @@ class FusedKernels:
         self.staged_loras: bool | None = (False if torch.version.hip is not None else
                                           None if not staged else env_flag("RWKV_GEMV_STAGED", False))
         self._stage_sync: dict[torch.device, torch.Tensor] = {}
-        # Above the GEMV's rows, whether the LoRAs' chain of small products runs on a side stream beside the r/k/v
-        # product (batched_projections; same results). RWKV_LORA_STREAM=0: on the current stream (A/B timing).
-        self.lora_stream: bool = env_flag("RWKV_LORA_STREAM", True)
-        self._lora_streams: dict[torch.device, torch.cuda.Stream] = {}
+        # Above the GEMV's rows, how many side streams the LoRA chains run on beside the r/k/v product
+        # (batched_projections; same results): 0 none, 1 both chains on one, 2 one each. RWKV_LORA_STREAM (A/B).
+        self.lora_streams: int = min(max(env_int("RWKV_LORA_STREAM", 1), 0), 2)
+        self._side_streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
 
     # -------------------------------------------------------------- ops
     @staticmethod
@@ -307,13 +315,13 @@ class FusedKernels:
         staging = (stages, self._stage_counters(xs[0].device)) if then else ()
         self._m.gemv(ws, scales, zeros, xs, ys, res, groups, epis, self._stream(xs[0]), *staging)
 
-    def _lora_stream(self, device: torch.device) -> torch.cuda.Stream | None:
-        """The side stream of the large-batch LoRA products (batched_projections), or None: off, or not CUDA."""
-        if not self.lora_stream or device.type != "cuda":
-            return None
-        if device not in self._lora_streams:
-            self._lora_streams[device] = torch.cuda.Stream(device)
-        return self._lora_streams[device]
+    def _lora_sides(self, device: torch.device) -> tuple[torch.cuda.Stream, ...]:
+        """The side streams of the large-batch LoRA chains (batched_projections): none when off or not CUDA."""
+        if self.lora_streams == 0 or device.type != "cuda":
+            return ()
+        if len(self._side_streams.get(device, ())) != self.lora_streams:
+            self._side_streams[device] = tuple(torch.cuda.Stream(device) for _ in range(self.lora_streams))
+        return self._side_streams[device]
 
     def _stage_counters(self, device: torch.device) -> torch.Tensor:
         """The staged launches' two counters on ``device``: zero, and every staged launch leaves them zero."""
@@ -412,7 +420,7 @@ class FusedKernels:
                     self.gemv(tasks)
                     self.gemv(second)
             elif isinstance(blk.batched, BatchedWeights):
-                r, k, v, dw, da, dv, g = batched_projections(blk, mixed, first, self._lora_stream(x.device))
+                r, k, v, dw, da, dv, g = batched_projections(blk, mixed, first, self._lora_sides(x.device))
                 dv = _empty(x.device) if dv is None else dv
             else:
                 r, k, v = blk.receptance(xr), blk.key(xk), blk.value(xv)
