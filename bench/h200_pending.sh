@@ -1016,7 +1016,7 @@ lora-stream)  # above the GEMV's rows, the LoRAs' chain of small products on a s
     python bench/brief.py "${results[@]}"
     ;;
 lora-streams2)  # the large-batch LoRA chains on a stream each (RWKV_LORA_STREAM=2) against both on one (1, the default)
-    # and none (0): GPU tests of the large-batch path, decode at 32-256 rows (fp32 and fp16 state) in two rounds, W4
+    # and none (0): GPU tests of the large-batch path, decode at 32-256 rows (fp32 state) in two rounds, W4
     build
     step 240 "GPU tests (side streams, large-batch fused forward, graphs, W8A16)" python -m pytest -q -rf --tb=short \
         -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py test/test_quant_cuda.py \
@@ -1026,7 +1026,7 @@ lora-streams2)  # the large-batch LoRA chains on a stream each (RWKV_LORA_STREAM
         for n in 2 1 0; do
             out=bench/results/experiment_lora_streams${n}_${round}_h200.json
             step 120 "decode, $n LoRA streams, round $round" env RWKV_LORA_STREAM=$n python bench/bench_decode.py \
-                --sizes 7.2b,1.5b --batches 32,128,256 --states fp32,fp16 --steps 20 --wkv cuda --no-checks --out $out
+                --sizes 7.2b,1.5b --batches 32,128,256 --states fp32 --steps 20 --wkv cuda --no-checks --out $out
             results+=($out)
         done
     done
