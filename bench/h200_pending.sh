@@ -982,7 +982,8 @@ int8-loads)  # bytes in flight per int8 band lane (kInt8Loads 3; 4 spills 12-20 
 --sizes 7.2b,1.5b --batches 1,2 --steps 30 --wkv cuda --no-checks --out {out}" /tmp/int8_loads4.cu /tmp/int8_loads2.cu
     ;;
 lora-stream)  # above the GEMV's rows, the LoRAs' chain of small products on a side stream beside the r/k/v product
-    # (RWKV_LORA_STREAM=1, the default, against 0): GPU tests, decode A/B at 128-512 rows (fp16 state) in two rounds,
+    # (RWKV_LORA_STREAM=1: one side stream for both chains; the default is 2 since lora-streams2) against 0: GPU tests,
+    # decode A/B at 128-512 rows (fp16 state) in two rounds,
     # prompts, W8A16, the batch-256 step per kernel. (Its first run also timed the residual products as mm + add
     # instead of addmm, a switch since removed: slower, experiment_lora_stream1_mm_*_h200.json.)
     build

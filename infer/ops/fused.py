@@ -275,8 +275,11 @@ class FusedKernels:
                                           None if not staged else env_flag("RWKV_GEMV_STAGED", False))
         self._stage_sync: dict[torch.device, torch.Tensor] = {}
         # Above the GEMV's rows, how many side streams the LoRA chains run on beside the r/k/v product
-        # (batched_projections; same results): 0 none, 1 both chains on one, 2 one each. RWKV_LORA_STREAM (A/B).
-        self.lora_streams: int = min(max(env_int("RWKV_LORA_STREAM", 1), 0), 2)
+        # (batched_projections; same results): 0 none, 1 both chains on one, 2 one each. H200, tok/s at batch 32 /
+        # 128 / 256 (fp32 state): 1.5B 17,453 / 45,740 / 63,214 on 2, 15,662 / 42,905 / 60,791 on 1, 14,279 / 40,885
+        # / 58,881 on none; 7.2B 6,098 / 16,404 / 21,490, 5,725 / 15,983 / 21,177, 5,498 / 15,494 / 20,906
+        # (bench/results/experiment_lora_streams*_h200.json). RWKV_LORA_STREAM=0/1 for A/B runs.
+        self.lora_streams: int = min(max(env_int("RWKV_LORA_STREAM", 2), 0), 2)
         self._side_streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
 
     # -------------------------------------------------------------- ops
