@@ -216,3 +216,19 @@ def test_sparse_ffn_value_switch(monkeypatch):
     assert FusedKernels(module).sparse_ffn_int8
     no_int8 = SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 0 if int8 else 4)
     assert not FusedKernels(no_int8).sparse_ffn_int8  # a source without the int8 kernel (the HIP port)
+
+
+def test_lora_side_streams_switch(monkeypatch):
+    """RWKV_LORA_STREAM: how many side streams the large-batch LoRA chains take (default 2, one per chain; clamped to
+    0-2), and none for tensors off CUDA, whatever the setting (the GPU test checks the results are the same)."""
+    from types import SimpleNamespace
+
+    from infer.ops.fused import FusedKernels
+    module = SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 4)
+    monkeypatch.delenv("RWKV_LORA_STREAM", raising=False)
+    assert FusedKernels(module).lora_streams == 2
+    for value, want in (("0", 0), ("1", 1), ("7", 2)):
+        monkeypatch.setenv("RWKV_LORA_STREAM", value)
+        kernels = FusedKernels(module)
+        assert kernels.lora_streams == want, value
+        assert kernels._lora_sides(torch.device("cpu")) == ()
