@@ -494,8 +494,8 @@ def test_lora_side_stream_changes_no_output(pair, quantized, monkeypatch):
     # one step captured (after a warm-up on another stream, as DecodeGraphs does), replayed from decode_steps' start
     monkeypatch.setattr(model.fused, "lora_streams", 2)
     pool = model.new_state_pool(slots)
-    batch = PackedBatch.from_rows([[(7 * i + 3) % 1024] for i in range(rows)], list(range(slots - 1, slots - 1 - rows, -1)),
-                                  "cuda")
+    tokens = [[(7 * i + 3) % 1024] for i in range(rows)]
+    batch = PackedBatch.from_rows(tokens, list(range(slots - 1, slots - 1 - rows, -1)), "cuda")
     warm = torch.cuda.Stream()
     warm.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(warm):

@@ -154,8 +154,8 @@ def _dense_fp16(lin) -> bool:
 def batch_weights(blk: "Block") -> BatchedWeights | None:
     """Stack ``blk``'s matrices and point its linears at views of the stacks (every other path reads the
     same storage, nothing is stored twice, except the padded copy of a LoRA up-factor narrower than the
-    widest); r/k/v only when they are dense fp16; None unless the LoRA factors (g's too) are (or, with quantized r/k/v,
-    when RWKV_STACK_LORA=0, the A/B switch)."""
+    widest); r/k/v only when they are dense fp16; None unless the LoRA factors (the gate's too) are (or, with
+    quantized r/k/v, when RWKV_STACK_LORA=0, the A/B switch)."""
     loras = ([(blk.v1, blk.v2)] if blk.v1 is not None else []) + [(blk.w1, blk.w2), (blk.a1, blk.a2)]
     dense_rkv = all(_dense_fp16(lin) for lin in (blk.receptance, blk.key, blk.value))
     dense_loras = all(_dense_fp16(lin) for pair in loras + [(blk.g1, blk.g2)] for lin in pair)
@@ -189,16 +189,17 @@ def batched_projections(blk: "Block", mixed: torch.Tensor, first_layer: bool,
     # allocated on the current stream, which reads them afterwards
     ups = mixed.new_empty(len(weights.lora_down), mixed.shape[1], mixed.shape[2])
     g = mixed.new_empty(mixed.shape[1:])
-    chains = (lambda: _stacked_loras(blk, mixed, first_layer, ups), lambda: _gate_lora(blk, mixed[5], g))
     main = torch.cuda.current_stream(mixed.device) if sides else None
-    for i, chain in enumerate(chains):
-        if not sides:
-            chain()
-            continue
-        if i < len(sides):
-            sides[i].wait_stream(main)
-        with torch.cuda.stream(sides[min(i, len(sides) - 1)]):
-            chain()
+    if sides:
+        for side in sides:
+            side.wait_stream(main)
+        with torch.cuda.stream(sides[0]):
+            _stacked_loras(blk, mixed, first_layer, ups)
+        with torch.cuda.stream(sides[-1]):
+            _gate_lora(blk, mixed[5], g)
+    else:
+        _stacked_loras(blk, mixed, first_layer, ups)
+        _gate_lora(blk, mixed[5], g)
     if weights.rkv is not None:
         r, k, v = torch.bmm(mixed[:3], weights.rkv.transpose(1, 2)).unbind(0)
     else:
