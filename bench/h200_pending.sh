@@ -1043,11 +1043,11 @@ lora-streams2)  # the large-batch LoRA chains on a stream each (RWKV_LORA_STREAM
     python bench/brief.py "${results[@]}"
     ;;
 w4-unpack)  # prepared, not yet timed: the 4-bit bands at one row with one shift per word (odd nibbles masked where they
-    # lie, then an fma by 1/16 and -64) and each nibble mask-and-or as one LOP3 (inline PTX), commit ec8676c on branch
-    # wip/w4-unpack, kept as bench/patches/w4_unpack.patch: bit-identical in the emulated tests, 0 spills, the 4-bit
-    # batch loop of gemv_kernel<1> 617 -> 523 and 518 -> 428 SASS instructions (gemv_wide_band_kernel<1> 608 -> 514,
-    # 516 -> 425). The variant's 4-bit GPU tests, then the A/B: 4-bit launches alone (7.2B, one row) and W4 decode at
-    # 1 and 2 rows, two rounds
+    # lie, then an fma by 1/16 and -64), each nibble mask-and-or as one LOP3 (inline PTX) and the scales' group counted
+    # per batch instead of divided (bench/patches/w4_unpack.patch; branch wip/w4-unpack): bit-identical in the emulated
+    # tests, 0 spills, the 4-bit batch loop of gemv_kernel<1> 617 -> 499 and 518 -> 403 SASS instructions
+    # (gemv_wide_band_kernel<1> 608 -> 499, 516 -> 403). The variant's 4-bit GPU tests, then the A/B: 4-bit launches
+    # alone (7.2B, one row) and W4 decode at 1 and 2 rows, two rounds
     cp cuda/rwkv7_fused.cu w4_unpack.cu && patch -s w4_unpack.cu < bench/patches/w4_unpack.patch || exit 1
     build
     tuning_cache
