@@ -937,8 +937,8 @@ def run_gemv_staged(so, tasks, M, stages, sync):
 def test_gemv_staged_launch_equals_two_launches(M, rkv, early, libs):
     """A launch of the LoRA first halves (producers: tanh/sigmoid epilogues), r/k/v-like tasks (fp16 or int8 bands)
     and the second halves reading the first halves' outputs (consumers, after every producer in the grid: last, as
-    the forward orders them, or before the r/k/v tasks, which the kernel allows too) gives the bits of the two launches it replaces, and leaves its counters at zero;
-    twice in a row (the counters reused)."""
+    the forward orders them, or before the r/k/v tasks, which the kernel allows too) gives the bits of the two
+    launches it replaces, and leaves its counters at zero; twice in a row (the counters reused)."""
     so = libs["fused-cuda"]
     gen = torch.Generator().manual_seed(71 + M)
     C, ranks = 256, (32, 48, 96)

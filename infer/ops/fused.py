@@ -401,6 +401,7 @@ class FusedKernels:
             r, k, v, dw, da, dv, g = (new(T, C) for _ in range(7))
             hw, ha, hv, hg = new(T, cfg.rank_w), new(T, cfg.rank_a), new(T, cfg.rank_v), new(T, cfg.rank_g)
             hidden = new(T, cfg.ffn_dim)
+        sides = () if small else self._lora_sides(x.device)  # the LoRA chains' streams (batched_projections)
         for i, blk in enumerate(model.blocks):
             first = i == 0
             self.ln_shift_mix(x, blk.ln1_w, blk.ln1_b, state.att_shift[i], batch,
@@ -424,7 +425,7 @@ class FusedKernels:
                     self.gemv(tasks)
                     self.gemv(second)
             elif isinstance(blk.batched, BatchedWeights):
-                r, k, v, dw, da, dv, g = batched_projections(blk, mixed, first, self._lora_sides(x.device))
+                r, k, v, dw, da, dv, g = batched_projections(blk, mixed, first, sides)
                 dv = _empty(x.device) if dv is None else dv
             else:
                 r, k, v = blk.receptance(xr), blk.key(xk), blk.value(xv)
