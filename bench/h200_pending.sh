@@ -73,8 +73,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh lora-stream  # large batches' LoRA products on a side stream:
 #                                                               # GPU tests, decode/prompt/W8A16 A/B, profile
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh lora-streams2  # LoRA chains on a stream each: tests, decode A/B
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-unpack  # 4-bit bands at one row, fewer instructions
-#                                                               # (bench/patches/w4_unpack.patch): tests, W4 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-ring  # int8 bands' cp.async rings (rejected) against the
 #                                                               # register batches: GPU tests, launches, W8A16 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
@@ -1041,20 +1039,6 @@ lora-streams2)  # the large-batch LoRA chains on a stream each (RWKV_LORA_STREAM
     done
     [ -n "$OUT" ] && tar czf "$OUT/lora_streams2.tgz" "${results[@]}" 2>/dev/null
     python bench/brief.py "${results[@]}"
-    ;;
-w4-unpack)  # prepared, not yet timed: the 4-bit bands at one row with one shift per word (odd nibbles masked where they
-    # lie, then an fma by 1/16 and -64), each nibble mask-and-or as one LOP3 (inline PTX) and the scales' group counted
-    # per batch instead of divided (bench/patches/w4_unpack.patch; branch wip/w4-unpack): bit-identical in the emulated
-    # tests, 0 spills, the 4-bit batch loop of gemv_kernel<1> 617 -> 499 and 518 -> 403 SASS instructions
-    # (gemv_wide_band_kernel<1> 608 -> 499, 516 -> 403). The variant's 4-bit GPU tests, then the A/B: 4-bit launches
-    # alone (7.2B, one row) and W4 decode at 1 and 2 rows, two rounds
-    cp cuda/rwkv7_fused.cu w4_unpack.cu && patch -s w4_unpack.cu < bench/patches/w4_unpack.patch || exit 1
-    build
-    tuning_cache
-    step 540 "A/B of the 4-bit unpacking" env ROUNDS=2 bash bench/ab_kernels.sh "{ [ {name} = tree ] || [ {round} = 2 ] || \
-python -m pytest -q -x -p no:cacheprovider test/test_fused_cuda.py -k uint4 | tail -2; } && python bench/bench_gemv.py \
---size 7.2b --weights uint4 --out bench/results/experiment_ab_{name}_{round}_gemv_h200.json && python bench/bench_decode.py \
---engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 1,2 --steps 30 --wkv cuda --no-checks --out {out}" w4_unpack.cu
     ;;
 int8-ring)  # the int8 bands' weights through a cp.async ring in shared memory per lane (int8_ring.cu: git show
     # bc47347:cuda/rwkv7_fused.cu > int8_ring.cu, left untracked so that it travels) against the tree's register

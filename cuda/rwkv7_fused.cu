@@ -2025,6 +2025,19 @@ __device__ __forceinline__ uint32_t half2_bits(__half2 h) {
     return bits;
 }
 
+// (a & kMask) | 0x64006400 (nibbles under the exponent of 1024) as one LOP3: written plainly, the compiler splits it
+// in two, one immediate per instruction.
+template <uint32_t kMask>
+__device__ __forceinline__ uint32_t under_1024(uint32_t a) {
+#if defined(__CUDA_ARCH__)
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(kMask), "n"(0x64006400u));
+    return d;
+#else
+    return (a & kMask) | 0x64006400u;
+#endif
+}
+
 // The 4 f16x2 pairs of one word of one channel: pair i = (W[8c + i], W[8c + i + 4]) = fp16(q * scale + zero).
 // Nibbles i and i + 4 go under the exponent of 1024 in the two halves (exactly 1024 + q), 1024 comes off
 // exactly, and one __hfma2 applies the group's scale and zero (both halves: the channel's).
@@ -2035,6 +2048,22 @@ __device__ __forceinline__ void dequant_uint4x8(uint32_t word, __half2 scale, __
         const __half2 q = __hsub2(as_half2(((word >> (4 * i)) & 0x000F000Fu) | 0x64006400u), bias);
         pair[i] = half2_bits(__hfma2(q, scale, zero));
     }
+}
+
+// The same pairs with one shift per word instead of three: the odd nibbles are masked where they lie (bits 4-7 of
+// each half: exactly 1024 + 16q), and one __hfma2 by 1/16 and -64 makes q of them exactly; then the same fma.
+__device__ __forceinline__ void dequant_uint4x8_one_shift(uint32_t word, __half2 scale, __half2 zero,
+                                                          uint32_t (&pair)[4]) {
+    const __half2 bias = as_half2(0x64006400u), sixteenth = as_half2(0x2C002C00u), minus64 = as_half2(0xD400D400u);
+    const uint32_t high = word >> 8;
+    const __half2 q0 = __hsub2(as_half2(under_1024<0x000F000Fu>(word)), bias);
+    const __half2 q1 = __hfma2(as_half2(under_1024<0x00F000F0u>(word)), sixteenth, minus64);
+    const __half2 q2 = __hsub2(as_half2(under_1024<0x000F000Fu>(high)), bias);
+    const __half2 q3 = __hfma2(as_half2(under_1024<0x00F000F0u>(high)), sixteenth, minus64);
+    pair[0] = half2_bits(__hfma2(q0, scale, zero));
+    pair[1] = half2_bits(__hfma2(q1, scale, zero));
+    pair[2] = half2_bits(__hfma2(q2, scale, zero));
+    pair[3] = half2_bits(__hfma2(q3, scale, zero));
 }
 
 // x[m][8c .. 8c + 7] as the B pairs of one row of words: pair i = (x[8c + i], x[8c + i + 4]) (the tensor cores'
@@ -2066,28 +2095,31 @@ __device__ __forceinline__ void load_uint4_words(const GemvTask& task, int col, 
     b.w[j] = mine && j < count && c + j < end ? __ldcs(w) : Words{};
 }
 
+// The scales and zeros of group `group` (the caller's count of row c's group: no division per batch).
 template <int kWords>
-__device__ __forceinline__ void load_uint4_meta(const GemvTask& task, int col, int c, int end, Uint4Batch<kWords>& b) {
+__device__ __forceinline__ void load_uint4_meta(const GemvTask& task, int col, int c, int group, int end,
+                                                Uint4Batch<kWords>& b) {
     using Meta = typename Uint4Lane<kWords>::Meta;
     const bool mine = col < task.n;
-    const int64_t meta = int64_t(c / (task.group / 8)) * task.n + col;
+    const int64_t meta = int64_t(group) * task.n + col;
     b.scale = mine && c < end ? __ldcs(reinterpret_cast<const Meta*>(task.scale + meta)) : Meta{};
     b.zero = mine && c < end ? __ldcs(reinterpret_cast<const Meta*>(task.zero + meta)) : Meta{};
 }
 
 template <int kWords>
-__device__ __forceinline__ void load_uint4_batch(const GemvTask& task, int col, int c, int count, int end,
+__device__ __forceinline__ void load_uint4_batch(const GemvTask& task, int col, int c, int group, int count, int end,
                                                  Uint4Batch<kWords>& b) {
 #pragma unroll
     for (int j = 0; j < b.kLoads; ++j) load_uint4_words(task, col, c, j, count, end, b);
-    load_uint4_meta(task, col, c, end, b);
+    load_uint4_meta(task, col, c, group, end, b);
 }
 
 // d[i / 2] += the batch's products for the lane's channel pair i / 2 (see above), `count` rows from c on. next >= 0:
-// b is refilled with the batch from row `next` on (load_uint4_batch) as its values are used.
+// b is refilled with the batch from row `next` on (load_uint4_batch; its group next_group) as its values are used.
 template <int M, int kWords>
 __device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int count, int end, int g, int col,
-                                                int next, Uint4Batch<kWords>& b, float (&d)[kWords / 2][4]) {
+                                                int next, int next_group, Uint4Batch<kWords>& b,
+                                                float (&d)[kWords / 2][4]) {
     __half2 scale[kWords], zero[kWords];  // channel i's scale and zero in both halves
 #pragma unroll
     for (int i = 0; i < kWords; ++i) {
@@ -2095,7 +2127,7 @@ __device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int
         scale[i] = as_half2(__byte_perm(word_of(b.scale, i / 2), 0u, dup));
         zero[i] = as_half2(__byte_perm(word_of(b.zero, i / 2), 0u, dup));
     }
-    if (next >= 0) load_uint4_meta(task, col, next, end, b);  // first: the next batch starts with them
+    if (next >= 0) load_uint4_meta(task, col, next, next_group, end, b);  // first: the next batch starts with them
 #pragma unroll
     for (int j = 0; j < b.kLoads; ++j) {
         if (j >= count) break;  // block-uniform: every lane reaches every mma
@@ -2104,8 +2136,13 @@ __device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int
 #pragma unroll
         for (int h = 0; h < kWords / 2; ++h) {
             uint32_t lo[4], hi[4];  // channels 2h (A's row g) and 2h + 1 (row g + 8)
-            dequant_uint4x8(word_of(b.w[j], 2 * h), scale[2 * h], zero[2 * h], lo);
-            dequant_uint4x8(word_of(b.w[j], 2 * h + 1), scale[2 * h + 1], zero[2 * h + 1], hi);
+            if constexpr (M == 1) {
+                dequant_uint4x8_one_shift(word_of(b.w[j], 2 * h), scale[2 * h], zero[2 * h], lo);
+                dequant_uint4x8_one_shift(word_of(b.w[j], 2 * h + 1), scale[2 * h + 1], zero[2 * h + 1], hi);
+            } else {
+                dequant_uint4x8(word_of(b.w[j], 2 * h), scale[2 * h], zero[2 * h], lo);
+                dequant_uint4x8(word_of(b.w[j], 2 * h + 1), scale[2 * h + 1], zero[2 * h + 1], hi);
+            }
             const uint32_t a0[4] = {lo[0], hi[0], lo[1], hi[1]}, a1[4] = {lo[2], hi[2], lo[3], hi[3]};
             mma_16x8x16(d[h], a0, x[0], x[1]);
             mma_16x8x16(d[h], a1, x[2], x[3]);
@@ -2129,8 +2166,11 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
     const int begin = min((4 * warp + t) * slice, rows), end = min(begin + slice, rows);
     const int count = min(Uint4Batch<kWords>::kLoads, group_rows & -group_rows);
     const bool busy = 4 * warp * slice < rows;  // warp-uniform: a warp past the last row has nothing to add
+    // the group of the batch's rows, counted as the batches go at one row (a batch lies in one group)
+    const int batches_per_group = group_rows / count;
+    int group = begin / group_rows, batches_left = batches_per_group;
     Uint4Batch<kWords> b;
-    if (busy) load_uint4_batch(task, col, begin, count, end, b);  // weights: load before the wait
+    if (busy) load_uint4_batch(task, col, begin, group, count, end, b);  // weights: load before the wait
     load_band_output<M>(task, kBand, first_col, false, out);
 
     float d[kWords / 2][4];
@@ -2149,9 +2189,15 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
 #pragma unroll 1
         for (int c = begin, last = begin + slice; c < last;) {
             const int next = c + count;
-            mma_uint4_batch<M, kWords>(task, c, count, end, g, col, rolling && next < last ? next : -1, b, d);
-            if (!rolling && next < last) load_uint4_batch(task, col, next, count, end, b);
+            const bool new_group = batches_left == 1;
+            // counted at one row; a division at more rows, whose 16-warp kernels spill with the counters held
+            const int next_group = M == 1 ? (new_group ? group + 1 : group) : next / group_rows;
+            mma_uint4_batch<M, kWords>(task, c, count, end, g, col, rolling && next < last ? next : -1, next_group, b,
+                                       d);
+            if (!rolling && next < last) load_uint4_batch(task, col, next, next_group, count, end, b);
             c = next;
+            group = next_group;
+            batches_left = new_group ? batches_per_group : batches_left - 1;
         }
     }
     // Lane (g, t) holds rows m = 2t, 2t + 1 of x for channels col + i (d[i / 2][i % 2 * 2 + m % 2]).
