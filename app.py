@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--state-dtype", choices=("fp32", "fp16"), default="fp32", help="storage of the WKV state")
     ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                     help="replay decode steps as CUDA graphs at bucketed batch sizes (auto: on for CUDA devices)")
+    ap.add_argument("--decode-ahead", choices=("auto", "on", "off"), default="auto",
+                    help="queue each decode step before the last one's tokens are read, so the GPU does not wait "
+                         "for the host between steps (same outputs; auto: on for CUDA devices)")
     ap.add_argument("--wkv", choices=("auto", "cuda", "fla", "torch"), default="auto",
                     help="WKV recurrence implementation: auto picks the CUDA kernel on GPUs when it builds; fla adds "
                          "fla-core's chunked kernel (pip install fla-core==0.6.0) for prefill chunks of 64+ tokens")
@@ -176,8 +179,10 @@ def main(argv: list[str] | None = None) -> None:
         runner.graphs.warmup()
     for part, impl in runner.implementations().items():
         log.info("%-8s %s", part, impl)
+    decode_ahead = args.decode_ahead == "on" or (args.decode_ahead == "auto" and model.device.type == "cuda")
     engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=args.prefill_chunk_size,
-                    max_queued_requests=args.max_queued_requests)
+                    max_queued_requests=args.max_queued_requests, decode_ahead=decode_ahead)
+    log.info("decode   %s", "steps queued ahead of the host" if decode_ahead else "one step at a time")
     state_db = Path(args.state_db) if args.state_db else data_dir() / "sessions.db"
     log.info("session states: %s (model fingerprint %s)", state_db, model_id)
     store = SessionStore(state_db, model_id, model.config, device=model.device, l1=capacities["state_l1"],

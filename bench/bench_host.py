@@ -107,6 +107,7 @@ class StubRunner:
         rng = random.Random(seed)
         self._tokens = [rng.choice(token_ids) for _ in range(1 << 16)]
         self._next = 0
+        self._gpu_free_at = 0.0
         self.log: list[tuple[float, float, int, int, float]] = []  # start, end, rows, fed tokens, gpu s
 
     def implementations(self) -> dict[str, str]:
@@ -126,32 +127,63 @@ class StubRunner:
         return SlotState(torch.zeros(1, 4), torch.zeros(1, 1, 2, 2), torch.zeros(1, 4))
 
     def step(self, rows, slots, sample, want_logprobs=False, score=None, on_launched=None):
+        return self.launch(rows, slots, sample, want_logprobs, score, on_launched).result()
+
+    def launch(self, rows, slots, sample, want_logprobs=False, score=None, on_launched=None) -> "StubStep":
         start = time.perf_counter()
         fed = sum(map(len, rows))
         gpu_s = self.gpu.ms(fed) / 1000
-        done_at = start + gpu_s
-        for i in range(self.launch_ops):  # Python-side launches: hold the GIL, then drop it (a torch call)
+        done_at = self._queue(gpu_s)
+        if on_launched is not None:
+            on_launched()
+        n = sum(sample)
+        scores = {i: [(-1.0, []) for _ in targets] for i, (targets, _) in (score or {}).items()}
+        out = self._output(self._draw(n), [-1.0] * n if want_logprobs else None, None, None, scores)
+        return StubStep(self, (start, len(rows), fed, gpu_s), done_at, out)
+
+    def launch_next(self, step: "StubStep") -> "StubStep":
+        """The next decode step of the same rows, queued behind ``step`` on the simulated GPU."""
+        start, rows = time.perf_counter(), len(step.out.tokens)
+        gpu_s = self.gpu.ms(rows) / 1000
+        done_at = self._queue(gpu_s)
+        logprobs = [-1.0] * rows if step.out.logprobs is not None else None
+        return StubStep(self, (start, rows, rows, gpu_s), done_at, self._output(self._draw(rows), logprobs, None, None))
+
+    def _queue(self, gpu_s: float) -> float:
+        """The step's Python-side launches (hold the GIL, then drop it, as a torch call does); returns when the
+        simulated GPU finishes the step, which starts at the graph replay (the first launch) or when the GPU is
+        done with the step queued before it."""
+        done_at = 0.0
+        for i in range(self.launch_ops):
             end = time.perf_counter() + self.launch_op_s
             while time.perf_counter() < end:
                 pass
             if i == 0:
-                done_at = time.perf_counter() + gpu_s  # the graph replay: the forward starts here
+                done_at = max(time.perf_counter(), self._gpu_free_at) + gpu_s
             hashlib.sha1(_GIL_FREE_WORK)  # drops the GIL for ~3 us, as a torch op's dispatch does
-        done_at = max(done_at, time.perf_counter()) + self.sampler_s
-        if on_launched is not None:
-            on_launched()
-        wait = done_at - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)  # the sync on the sampled tokens (GIL released)
-        n = sum(sample)
+        self._gpu_free_at = max(done_at, time.perf_counter()) + self.sampler_s
+        return self._gpu_free_at
+
+    def _draw(self, n: int) -> list[int]:
         if self._next + n > len(self._tokens):
             self._next = 0
-        tokens = self._tokens[self._next:self._next + n]
         self._next += n
-        scores = {i: [(-1.0, []) for _ in targets] for i, (targets, _) in (score or {}).items()}
-        out = self._output(tokens, [-1.0] * n if want_logprobs else None, None, None, scores)
-        self.log.append((start, time.perf_counter(), len(rows), fed, gpu_s))
-        return out
+        return self._tokens[self._next - n:self._next]
+
+
+class StubStep:
+    """A stub step queued on the simulated GPU; ``result`` waits for it (GIL released) as a token read does."""
+
+    def __init__(self, runner: StubRunner, entry: tuple[float, int, int, float], done_at: float, out):
+        self.runner, self.entry, self.done_at, self.out = runner, entry, done_at, out
+
+    def result(self):
+        wait = self.done_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        start, rows, fed, gpu_s = self.entry
+        self.runner.log.append((start, time.perf_counter(), rows, fed, gpu_s))
+        return self.out
 
 
 class StubRunnerNoHook(StubRunner):
@@ -205,7 +237,7 @@ def engine_level(args, tokenizer, n: int) -> dict:
     """``run_once`` on this thread; events go into lists (no consumer)."""
     from infer.engine import Engine, GenerationOptions, Request, RowFinished
     runner = make_runner(args, max(n, 1), tokenizer)
-    engine = Engine(runner, tokenizer, prefill_chunk_size=512)
+    engine = Engine(runner, tokenizer, prefill_chunk_size=512, decode_ahead=args.decode_ahead)
     prompt = tokenizer.encode(PROMPT)
     options = GenerationOptions(max_tokens=args.max_tokens, stop=args.stop, sampling=sampling())
     sinks = [[] for _ in range(n)]
@@ -234,7 +266,7 @@ def bridge_level(args, tokenizer, n: int) -> dict:
     from infer.api.bridge import EventStream, RowGroup
     from infer.engine import Engine, GenerationOptions, RowText
     runner = make_runner(args, max(n, 1), tokenizer)
-    engine = Engine(runner, tokenizer, prefill_chunk_size=512)
+    engine = Engine(runner, tokenizer, prefill_chunk_size=512, decode_ahead=args.decode_ahead)
     prompt = tokenizer.encode(PROMPT)
     options = GenerationOptions(max_tokens=args.max_tokens, stop=args.stop, sampling=sampling())
 
@@ -276,7 +308,7 @@ def serve(args) -> None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     tokenizer = load_world_tokenizer()
     runner = make_runner(args, args.slots, tokenizer)
-    engine = Engine(runner, tokenizer, prefill_chunk_size=512)
+    engine = Engine(runner, tokenizer, prefill_chunk_size=512, decode_ahead=args.decode_ahead)
     prefix_cache = PrefixCache("2GiB", block=256, registry=engine.metrics.registry)  # as app.py's default
     app = create_app(ServerContext(engine, load_world_tokenizer(), "bench-stub", prefix_cache=prefix_cache))
     def thread_cpu() -> dict[str, float]:
@@ -401,7 +433,8 @@ def free_port() -> int:
 
 
 def stub_args(args) -> list[str]:
-    return [*(["--flush-before-launch"] if args.flush_before_launch else []), "--gpu-ms", args.gpu_ms,
+    return [*(["--flush-before-launch"] if args.flush_before_launch else []),
+            *(["--decode-ahead"] if args.decode_ahead else []), "--gpu-ms", args.gpu_ms,
             "--launch-ops", str(args.launch_ops), "--launch-op-us", str(args.launch_op_us),
             "--sampler-ms", str(args.sampler_ms), "--max-tokens", str(args.max_tokens),
             *(["--stop", *args.stop] if args.stop else [])]
@@ -564,6 +597,8 @@ def main() -> None:
                     help="sys.setswitchinterval of the server process (default: Python's 5 ms)")
     ap.add_argument("--flush-before-launch", action="store_true",
                     help="stub without on_launched: the engine wakes the event loop before each launch")
+    ap.add_argument("--decode-ahead", action="store_true",
+                    help="the engine queues each decode step before reading the last one's tokens")
     ap.add_argument("--loop", default="auto")
     ap.add_argument("--http", default="auto")
     ap.add_argument("--out", default=str(RESULTS))
@@ -586,7 +621,7 @@ def main() -> None:
                                        cwd=REPO).stdout.strip(),
                  "config": {"gpu_ms": args.gpu_ms, "launch_ops": args.launch_ops, "launch_op_us": args.launch_op_us,
                             "sampler_ms": args.sampler_ms, "max_tokens": args.max_tokens, "stop": args.stop,
-                            "flush_before_launch": args.flush_before_launch,
+                            "flush_before_launch": args.flush_before_launch, "decode_ahead": args.decode_ahead,
                             "server_switch_interval_ms": args.switch_interval_ms or sys.getswitchinterval() * 1000}}
     if "engine" in only:
         run["engine"] = []

@@ -21,7 +21,7 @@ from enum import Enum
 from typing import Callable, Sequence
 
 from infer.metrics import EngineMetrics, observe_many
-from infer.runner import ModelRunner, StepOutput
+from infer.runner import LaunchedStep, ModelRunner, StepOutput
 from infer.sampler import SamplingParams
 from infer.state import SlotState
 from infer.stops import StopMatcher
@@ -159,11 +159,15 @@ class _Row:
         self.last_token_at = 0.0
         self.pending_finish: RowFinished | None = None
         self.prompt_scores: list[TokenLogprob | None] = [None]
+        self.done = False                               # released: a step run ahead of it is ignored
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: WorldTokenizer, prefill_chunk_size: int = 512,
-                 max_queued_requests: int = 1024, metrics: EngineMetrics | None = None):
+                 max_queued_requests: int = 1024, metrics: EngineMetrics | None = None, decode_ahead: bool = False):
+        """``decode_ahead``: while every running row decodes, queue the next decode step (fed the
+        tokens just sampled, on the device) before reading this step's tokens, so the device does
+        not wait for the host's handling of each step (``ModelRunner.launch_next``). Same outputs."""
         if prefill_chunk_size < 1:
             raise ValueError("prefill_chunk_size must be >= 1")
         self.runner = runner
@@ -187,6 +191,11 @@ class Engine:
             self._runner_flushes = "on_launched" in inspect.signature(runner.step).parameters
         except (TypeError, ValueError):
             self._runner_flushes = False
+        if decode_ahead and not hasattr(runner, "launch_next"):
+            raise ValueError("decode_ahead needs a runner with launch / launch_next")
+        self.decode_ahead = decode_ahead
+        self._ahead: tuple[LaunchedStep, list[_Row]] | None = None  # queued, results not read yet
+        self.steps_ahead = 0  # steps queued ahead so far
         self.metrics.free_slots.set(len(self._free_slots))
 
     # ------------------------------------------------------------------ public, any thread
@@ -267,6 +276,7 @@ class Engine:
         self._drop_cancelled()
         self._admit()
         if not self._running:
+            self._ahead = None  # every row it fed has finished: nothing to read
             self._flush()
             return False
         started = time.monotonic()
@@ -274,6 +284,7 @@ class Engine:
             self._step()
         except Exception:
             log.exception("engine step failed; failing every running row")
+            self._ahead = None
             for row in list(self._running):
                 self._finish(row, "error", replay=False)
             self._flush()
@@ -324,6 +335,61 @@ class Engine:
         self.metrics.free_slots.set(len(self._free_slots))
 
     def _step(self) -> None:
+        if self._ahead is not None:  # queued by the last step: the same rows, one token further
+            launched, rows = self._ahead
+            self._ahead = None
+            decoding, samples, score = len(rows), [True] * len(rows), {}
+            if self._can_run_ahead(rows):
+                self._run_ahead(launched, rows)
+            self._flush()
+            out = launched.result()
+        else:
+            rows, decoding, samples, score, out = self._launch_and_read()
+        self.metrics.step_rows.observe(len(rows))
+        now = time.monotonic()
+        tokens = out.tokens
+        used = len(tokens)
+        try:
+            # Decoding rows come first, each samples: their sampled index is their position.
+            for i in range(decoding):
+                row = rows[i]
+                if row.done:  # finished after this step was queued ahead of it
+                    used -= 1
+                    continue
+                lp = None
+                if out.logprobs is not None and row.request.options.logprobs:
+                    lp = self._logprob(row, out, i)
+                self._on_token(row, tokens[i], lp, now)
+            sampled = iter(range(decoding, len(tokens)))
+            for position in range(decoding, len(rows)):
+                row, sample = rows[position], samples[position]
+                if position in out.scores:
+                    row.prompt_scores += [TokenLogprob(t, lp, top) for t, (lp, top) in
+                                          zip(score[position][0], out.scores[position])]
+                prompt_done = row.phase is Phase.PREFILL and row.pos == len(row.feed)
+                if row.phase is Phase.PREFILL and row.pos == row.request.options.snapshot_at:
+                    self._emit(row.request, StateSnapshot(row.index, row.pos, self.runner.export_state(row.slot)))
+                if prompt_done and row.request.options.prompt_logprobs is not None:
+                    self._emit(row.request, PromptLogprobs(row.index, row.prompt_scores))
+                if sample:
+                    i = next(sampled)
+                    lp = None
+                    if row.request.options.logprobs and out.logprobs is not None:
+                        lp = self._logprob(row, out, i)
+                    self._on_token(row, tokens[i], lp, now)
+                elif prompt_done:  # max_tokens == 0: scoring only
+                    self._finish(row, "length")
+                elif row.phase is Phase.REPLAY and row.pos == len(row.feed):
+                    finished = row.pending_finish
+                    finished.state = self.runner.export_state(row.slot)
+                    self._release(row, finished)
+        finally:
+            self._observe_gaps(now)
+            self.metrics.generated_tokens.inc(used)  # the sampled tokens that went through _on_token
+
+    def _launch_and_read(self) -> tuple[list[_Row], int, list[bool], dict[int, tuple[list[int], int]], StepOutput]:
+        """Build this step's batch from the running rows (decoding rows first, then prompt chunks),
+        run it, and read its results (queueing the next decode step first where it may run ahead)."""
         feeds, slots, samples, rows = [], [], [], []
         for row in self._running:
             if row.phase is Phase.DECODE:
@@ -354,7 +420,13 @@ class Engine:
             if row.phase is Phase.PREFILL:
                 self.metrics.prompt_tokens.inc(n)
         want_logprobs = any(r.request.options.logprobs for r, s in zip(rows, samples) if s)
-        if self._runner_flushes:  # events of the previous step go out while this one computes
+        ahead = decoding == len(rows) and self._can_run_ahead(rows)
+        if ahead:
+            launched = self.runner.launch(feeds, slots, samples, want_logprobs=want_logprobs)
+            self._run_ahead(launched, rows)
+            self._flush()
+            out = launched.result()
+        elif self._runner_flushes:  # events of the previous step go out while this one computes
             out = self.runner.step(feeds, slots, samples, want_logprobs=want_logprobs, score=score,
                                    on_launched=self._flush)
         else:
@@ -362,43 +434,21 @@ class Engine:
             out = self.runner.step(feeds, slots, samples, want_logprobs=want_logprobs, score=score)
         if self._at_flush:  # a runner that never called on_launched
             self._flush()
-        self.metrics.step_rows.observe(len(rows))
-        self.metrics.generated_tokens.inc(len(out.tokens))  # every sampled token goes through _on_token
-        now = time.monotonic()
-        tokens = out.tokens
-        try:
-            # Decoding rows come first, each samples: their sampled index is their position.
-            for i in range(decoding):
-                row = rows[i]
-                lp = None
-                if out.logprobs is not None and row.request.options.logprobs:
-                    lp = self._logprob(row, out, i)
-                self._on_token(row, tokens[i], lp, now)
-            sampled = iter(range(decoding, len(tokens)))
-            for position in range(decoding, len(rows)):
-                row, sample = rows[position], samples[position]
-                if position in out.scores:
-                    row.prompt_scores += [TokenLogprob(t, lp, top) for t, (lp, top) in
-                                          zip(score[position][0], out.scores[position])]
-                prompt_done = row.phase is Phase.PREFILL and row.pos == len(row.feed)
-                if row.phase is Phase.PREFILL and row.pos == row.request.options.snapshot_at:
-                    self._emit(row.request, StateSnapshot(row.index, row.pos, self.runner.export_state(row.slot)))
-                if prompt_done and row.request.options.prompt_logprobs is not None:
-                    self._emit(row.request, PromptLogprobs(row.index, row.prompt_scores))
-                if sample:
-                    i = next(sampled)
-                    lp = None
-                    if row.request.options.logprobs and out.logprobs is not None:
-                        lp = self._logprob(row, out, i)
-                    self._on_token(row, tokens[i], lp, now)
-                elif prompt_done:  # max_tokens == 0: scoring only
-                    self._finish(row, "length")
-                elif row.phase is Phase.REPLAY and row.pos == len(row.feed):
-                    finished = row.pending_finish
-                    finished.state = self.runner.export_state(row.slot)
-                    self._release(row, finished)
-        finally:
-            self._observe_gaps(now)
+        return rows, decoding, samples, score, out
+
+    def _can_run_ahead(self, rows: list[_Row]) -> bool:
+        """Whether the next step may be queued before this one's tokens are read: every running row
+        decodes in this step, none keeps its state (its slot would be fed one token past a stop) and
+        none is cancelled. (A row admitted meanwhile joins the step after the queued one.)"""
+        if not self.decode_ahead or len(rows) != len(self._running):
+            return False
+        return all(r.phase is Phase.DECODE and not r.request.options.keep_state and not r.request.cancelled
+                   for r in rows)
+
+    def _run_ahead(self, launched: LaunchedStep, rows: list[_Row]) -> None:
+        self._ahead = (self.runner.launch_next(launched), rows)
+        self.steps_ahead += 1
+        self.metrics.steps_ahead.inc()
 
     @staticmethod
     def _logprob(row: _Row, out: StepOutput, i: int) -> TokenLogprob:
@@ -490,6 +540,7 @@ class Engine:
         return True, row.request.prompts[row.index] + row.generated[:kept] + rest
 
     def _release(self, row: _Row, finished: RowFinished) -> None:
+        row.done = True
         self._running.remove(row)
         self.runner.end_row(row.slot)
         self._free_slots.append(row.slot)

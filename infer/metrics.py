@@ -27,6 +27,8 @@ class EngineMetrics:
                                              buckets=LATENCY_BUCKETS, registry=r)
         self.step_rows = Histogram("rwkv_step_batch_rows", "Rows in one engine step", buckets=BATCH_BUCKETS,
                                    registry=r)
+        self.steps_ahead = Counter("rwkv_decode_steps_ahead", "Decode steps queued before the previous step's "
+                                   "tokens were read (--decode-ahead)", registry=r)
         self.step_seconds = Histogram("rwkv_step_seconds", "Duration of one engine step", buckets=LATENCY_BUCKETS,
                                       registry=r)
 

@@ -24,6 +24,29 @@ class StepOutput:
     scores: dict[int, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device and whose results the host has not read yet."""
+
+    slots: list[int]                 # the rows' slots, in order
+    sampled: SampleOutput | None     # device tensors of the rows that sampled (None: none did)
+    want_logprobs: bool
+    scores: dict[int, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
+
+    def result(self) -> StepOutput:
+        """The host copy of the results: the one host sync of the step."""
+        out = self.sampled
+        if out is None:
+            return StepOutput([], None, None, None, self.scores)
+        return StepOutput(
+            tokens=out.tokens.tolist(),
+            logprobs=out.logprobs.tolist() if out.logprobs is not None else None,
+            top_ids=out.top_ids.tolist() if out.top_ids is not None else None,
+            top_logprobs=out.top_logprobs.tolist() if out.top_logprobs is not None else None,
+            scores=self.scores,
+        )
+
+
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -66,12 +89,14 @@ class DecodeGraphs:
         self._graphs[bucket] = (graph, logits, batch)
         return self._graphs[bucket]
 
-    def run(self, tokens: Sequence[int], slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, V] and the slot-id tensor [B] of a decode step."""
+    def run(self, tokens: Sequence[int] | torch.Tensor, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, V] and the slot-id tensor [B] of a decode step (``tokens`` may be on the device)."""
         rows = len(tokens)
         bucket = next(b for b in self.buckets if b >= rows)
         graph, logits, _ = self._graphs.get(bucket) or self._capture(bucket)
-        self.tokens[:rows].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        if not isinstance(tokens, torch.Tensor):
+            tokens = torch.tensor(tokens, dtype=torch.long)
+        self.tokens[:rows].copy_(tokens, non_blocking=True)
         self.slots[:rows].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
         self.slots[rows:bucket].fill_(self.scratch)
         graph.replay()
@@ -119,6 +144,12 @@ class ModelRunner:
         queued (the device is busy for the whole forward, the host only waits), or, for an eager
         forward (long to launch, or run by the host on the CPU), before it starts.
         """
+        return self.launch(rows, slots, sample, want_logprobs, score, on_launched).result()
+
+    def launch(self, rows: Sequence[Sequence[int]], slots: Sequence[int], sample: Sequence[bool],
+               want_logprobs: bool = False, score: dict[int, tuple[Sequence[int], int]] | None = None,
+               on_launched: Callable[[], None] | None = None) -> LaunchedStep:
+        """``step`` without reading its results: they come from ``LaunchedStep.result``."""
         graphed = self.graphs is not None and not score and all(len(r) == 1 for r in rows)
         if on_launched is not None and not graphed:
             on_launched()
@@ -138,25 +169,35 @@ class ModelRunner:
             for i, (targets, top_n) in score.items():
                 scores[i] = self._score(all_logits[starts[i]:starts[i] + len(targets)], targets, top_n)
         picked = [i for i, s in enumerate(sample) if s]
-        if not picked:
-            if on_launched is not None:
-                on_launched()
-            return StepOutput([], None, None, None, scores)
-        if len(picked) < len(rows):
-            index = torch.tensor(picked, dtype=torch.long, device=logits.device)
-            logits, sample_slots = logits[index], slot_ids[index]
-        else:
-            sample_slots = slot_ids
-        out: SampleOutput = self.sampler.sample(logits, sample_slots, want_logprob=want_logprobs)
+        sampled = None
+        if picked:
+            if len(picked) < len(rows):
+                index = torch.tensor(picked, dtype=torch.long, device=logits.device)
+                logits, slot_ids = logits[index], slot_ids[index]
+            sampled = self.sampler.sample(logits, slot_ids, want_logprob=want_logprobs)
         if on_launched is not None:
             on_launched()
-        return StepOutput(
-            tokens=out.tokens.tolist(),  # the one host sync of the step
-            logprobs=out.logprobs.tolist() if out.logprobs is not None else None,
-            top_ids=out.top_ids.tolist() if out.top_ids is not None else None,
-            top_logprobs=out.top_logprobs.tolist() if out.top_logprobs is not None else None,
-            scores=scores,
-        )
+        return LaunchedStep(list(slots), sampled, want_logprobs, scores)
+
+    def launch_next(self, step: LaunchedStep) -> LaunchedStep:
+        """The decode step that feeds every row of ``step`` the token ``step`` sampled for it, queued
+        before the host has read those tokens (``step`` is a step in which every row sampled): the
+        device computes it while the host handles ``step``'s results. The same results as the
+        next ``step`` call of those rows would give."""
+        if step.sampled is None or len(step.sampled.tokens) != len(step.slots):
+            raise ValueError("launch_next follows a step in which every row sampled")
+        tokens = step.sampled.tokens
+        if self.graphs is not None:
+            logits, slot_ids = self.graphs.run(tokens, step.slots)
+        else:
+            n, device = len(step.slots), self.model.device
+            rows = torch.arange(n, dtype=torch.long, device=device)
+            batch = PackedBatch(tokens=tokens.clone(), slots=torch.tensor(step.slots, dtype=torch.long, device=device),
+                                lens=[1] * n, starts=rows, last=rows)
+            logits = self.model.forward(batch, self.state)
+            slot_ids = batch.slots
+        sampled = self.sampler.sample(logits, slot_ids, want_logprob=step.want_logprobs)
+        return LaunchedStep(list(step.slots), sampled, step.want_logprobs)
 
     @staticmethod
     def _score(logits: torch.Tensor, targets: Sequence[int], top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:

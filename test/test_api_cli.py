@@ -76,6 +76,7 @@ def test_live_process_authenticates_and_never_logs_the_password(checkpoint, tmp_
                "--state-db", str(tmp_path / "sessions.db")]
     if source == "environment":
         env["RWKV_PASSWORD"] = PASSWORD
+        options += ["--decode-ahead", "on"]  # the curl script's endpoints with decode steps queued ahead
     else:
         options += ["--password", PASSWORD]
     log_path = tmp_path / "server.log"
@@ -101,6 +102,7 @@ def test_live_process_authenticates_and_never_logs_the_password(checkpoint, tmp_
     assert "POST /v1/chat/completions" in text  # the access log was on
     assert PASSWORD not in text
     assert ("RWKV_PASSWORD" in text) == (source == "argument")  # the process-list warning
+    assert ("steps queued ahead of the host" in text) == (source == "environment")  # off by default on CPU
 
 
 def test_sessions_survive_a_hard_kill_and_a_graceful_stop_writes_them(checkpoint, tmp_path):

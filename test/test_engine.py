@@ -30,8 +30,9 @@ def tokenizer():
     return load_world_tokenizer()
 
 
-def make_engine(model, tokenizer, slots=8, chunk=16, queue=64) -> Engine:
-    return Engine(ModelRunner(model, slots), tokenizer, prefill_chunk_size=chunk, max_queued_requests=queue)
+def make_engine(model, tokenizer, slots=8, chunk=16, queue=64, decode_ahead=False) -> Engine:
+    return Engine(ModelRunner(model, slots), tokenizer, prefill_chunk_size=chunk, max_queued_requests=queue,
+                  decode_ahead=decode_ahead)
 
 
 class Collector:
@@ -406,3 +407,100 @@ def test_visible_byte_count():
     assert visible_byte_count(raw, 9) == 13           # + 好 + the invalid byte shown as U+FFFD
     assert visible_byte_count(b"\xe4A", 1) == 1       # an incomplete character cut before the next one
     assert visible_byte_count(raw, 99) == len(raw)
+
+
+# ---------------------------------------------------------------- decode ahead (next step queued before reading)
+def outcome(c: Collector, rows=1) -> list:
+    """Per row: tokens, text, (finish reason, completion tokens, matched stop), logprobs."""
+    result = []
+    for i in range(rows):
+        done = c.finished(i)
+        lps = [e.logprob for e in c.events if isinstance(e, RowText) and e.index == i and e.logprob is not None]
+        result.append((c.tokens(i), c.text(i), (done.finish_reason, done.completion_tokens, done.matched_stop),
+                       [(lp.token_id, round(lp.logprob, 4), [t for t, _ in lp.top]) for lp in lps]))
+    return result
+
+
+def mixed_requests(model, tokenizer, decode_ahead):
+    """Five requests of different options joining at different steps on 4 slots (one waits for a slot)."""
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    greedy = reference_output(model, tokenizer, prompts[3], n=16)[0]
+    stop = "".join(tokenizer.decode([t]) for t in greedy[6:8])
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, alpha_presence=0.5, alpha_frequency=0.2,
+                             alpha_decay=0.99)
+    options = [dict(max_tokens=12, sampling=GREEDY),
+               dict(max_tokens=20, sampling=sampled, logprobs=True),
+               dict(max_tokens=30, sampling=SamplingParams(temperature=0.8, seed=3, logprobs=3), logprobs=True),
+               dict(max_tokens=16, sampling=GREEDY, stop=[stop]),
+               dict(max_tokens=25, sampling=SamplingParams(temperature=1.2, seed=11), stop_token_ids=[0])]
+    engine = make_engine(model, tokenizer, slots=4, chunk=6, decode_ahead=decode_ahead)
+    collectors = []
+    for i, (p, o) in enumerate(zip(prompts, options)):
+        collectors.append(submit(engine, [p], **o))
+        for _ in range(2 * i + 1):
+            engine.run_once()
+    drain(engine, *collectors)
+    return [outcome(c) for c in collectors], engine
+
+
+def test_decode_ahead_gives_the_same_outputs(model, tokenizer):
+    ahead, engine = mixed_requests(model, tokenizer, decode_ahead=True)
+    plain, plain_engine = mixed_requests(model, tokenizer, decode_ahead=False)
+    assert ahead == plain
+    assert engine.steps_ahead > 10 and plain_engine.steps_ahead == 0
+    assert engine.metrics.registry.get_sample_value("rwkv_decode_steps_ahead_total") == engine.steps_ahead
+    reasons = [rows[0][2][0] for rows in plain]
+    assert reasons.count("length") >= 2 and "stop" in reasons  # the stop string ends row 3 early
+    assert engine.free_slots == 4 and engine.running_rows == 0
+
+
+def test_decode_ahead_admits_a_new_request_at_once(model, tokenizer):
+    engine = make_engine(model, tokenizer, slots=2, decode_ahead=True)
+    first = submit(engine, [tokenizer.encode("Hello")], max_tokens=30, sampling=GREEDY)
+    for _ in range(4):
+        engine.run_once()
+    assert engine.steps_ahead > 0
+    late_prompt = tokenizer.encode("The capital of France")
+    late = submit(engine, [late_prompt], max_tokens=6, sampling=GREEDY)
+    engine.run_once()  # reads the step queued ahead; the late request takes the free slot
+    assert engine.running_rows == 2
+    ahead = engine.steps_ahead
+    engine.run_once()  # its prompt: nothing runs ahead while a row prefills
+    assert engine.steps_ahead == ahead and late.tokens()
+    drain(engine, first, late)
+    assert late.tokens() == run_alone(model, tokenizer, late_prompt, max_tokens=6, sampling=GREEDY).tokens()
+    assert first.tokens() == run_alone(model, tokenizer, tokenizer.encode("Hello"), max_tokens=30,
+                                       sampling=GREEDY).tokens()
+
+
+def test_decode_ahead_skips_rows_that_keep_their_state(model, tokenizer):
+    prompt = tokenizer.encode("State test")
+    tokens, _ = reference_output(model, tokenizer, prompt)
+    engine = make_engine(model, tokenizer, decode_ahead=True)
+    kept = submit(engine, [prompt], max_tokens=6, sampling=GREEDY, keep_state=True)
+    other = submit(engine, [tokenizer.encode("Hello")], max_tokens=12, sampling=GREEDY)
+    while not kept.done.is_set():
+        engine.run_once()
+    assert engine.steps_ahead == 0, "a row that keeps its state must never be fed past its end"
+    assert_same_state(kept.finished().state, state_after(model, prompt + tokens[:6]))
+    drain(engine, other)
+    assert engine.steps_ahead > 0  # once alone, the other row runs ahead
+    assert other.tokens() == run_alone(model, tokenizer, tokenizer.encode("Hello"), max_tokens=12,
+                                       sampling=GREEDY).tokens()
+
+
+def test_decode_ahead_cancel_drops_the_queued_step(model, tokenizer):
+    engine = make_engine(model, tokenizer, slots=2, decode_ahead=True)
+    keep = submit(engine, [tokenizer.encode("Hello")], max_tokens=20, sampling=GREEDY)
+    gone = submit(engine, [tokenizer.encode("The quick brown fox")], max_tokens=50, sampling=GREEDY)
+    while len(gone.tokens()) < 3 or engine.steps_ahead == 0:
+        engine.run_once()
+    engine.cancel(gone.request)
+    engine.run_once()
+    assert gone.finished().finish_reason == "cancelled" and engine.free_slots == 1
+    emitted = len(gone.tokens())
+    drain(engine, keep)
+    assert len(gone.tokens()) == emitted, "a cancelled row got tokens from a step queued ahead"
+    assert keep.tokens() == run_alone(model, tokenizer, tokenizer.encode("Hello"), max_tokens=20,
+                                      sampling=GREEDY).tokens()
+    assert engine.free_slots == 2

@@ -41,8 +41,8 @@ def test_graph_decode_matches_eager(model, rows):
         assert (x.wkv - y.wkv).abs().max().item() < 1e-2
 
 
-def generate(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]]:
-    engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=64)
+def generate(runner: ModelRunner, prompts: list[list[int]], decode_ahead: bool = False) -> list[list[int]]:
+    engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=64, decode_ahead=decode_ahead)
     out: list[list[int]] = [[] for _ in prompts]
     done = []
 
@@ -55,10 +55,14 @@ def generate(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]]:
     engine.submit(Request(prompts, GenerationOptions(max_tokens=16, sampling=SamplingParams(temperature=0)), sink))
     while len(done) < len(prompts):
         engine.run_once()
+    assert (engine.steps_ahead > 0) == decode_ahead
     return out
 
 
 def test_engine_with_graphs_generates_like_eager(model):
     tok = load_world_tokenizer()
     prompts = [tok.encode(p) for p in ("Hello there", "The capital of France", "1 2 3 4", "def f(x):")]
-    assert generate(ModelRunner(model, 8, cuda_graphs=True), prompts) == generate(ModelRunner(model, 8), prompts)
+    eager = generate(ModelRunner(model, 8), prompts)
+    assert generate(ModelRunner(model, 8, cuda_graphs=True), prompts) == eager
+    # the next graphed step queued before the host reads the tokens it is fed
+    assert generate(ModelRunner(model, 8, cuda_graphs=True), prompts, decode_ahead=True) == eager
