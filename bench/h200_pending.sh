@@ -75,6 +75,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh lora-streams2  # LoRA chains on a stream each: tests, decode A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-ring  # int8 bands' cp.async rings (rejected) against the
 #                                                               # register batches: GPU tests, launches, W8A16 A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-chunk  # 256 streams with 512 vs 2048 prompt tokens
+#                                                                    # a step (--prefill-chunk-size), twice each
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -1051,6 +1053,17 @@ int8-ring)  # the int8 bands' weights through a cp.async ring in shared memory p
 --size 7.2b --weights int8 --only 'rkv+lora (forward),output,ffn key,ffn value' \
 --out bench/results/experiment_ab_{name}_{round}_gemv_h200.json && python bench/bench_decode.py --engine cutlass \
 --sizes 7.2b,1.5b --batches 1,2,8 --steps 30 --wkv cuda --no-checks --out {out}" int8_ring.cu
+    ;;
+serving-chunk)  # 256 streams' admission: prompt tokens per engine step (--prefill-chunk-size) 512 (default) vs
+    # 2048, twice each, 32 and 256 streams of 256 tokens (the twenty-first session's runs: TTFT p50 0.5-0.7 s of a
+    # 4.3-4.7 s run at 256 streams, 512 tokens a step)
+    build_fused
+    for run in 512:1 2048:1 512:2 2048:2; do
+        chunk=${run%%:*}
+        step 120 "HTTP serving, prefill chunk $chunk (${run#*:})" env NAME=h200_7.2b_chunk${chunk}_${run#*:} \
+            EXTRA_SERVER_ARGS="--prefill-chunk-size $chunk" LEVELS=32,256 MAX_TOKENS=256 bash bench/h200_serving.sh
+        copy bench/results/serving_h200_7.2b_chunk${chunk}_${run#*:}.json
+    done
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights
