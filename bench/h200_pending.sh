@@ -75,6 +75,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh lora-streams2  # LoRA chains on a stream each: tests, decode A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh int8-ring  # int8 bands' cp.async rings (rejected) against the
 #                                                               # register batches: GPU tests, launches, W8A16 A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh decode-ahead  # graph/engine GPU tests, then HTTP serving
+#                                                                   # with --decode-ahead on / off, twice each
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-chunk  # 256 streams with 512 vs 2048 prompt tokens
 #                                                                    # a step (--prefill-chunk-size), twice each
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
@@ -1053,6 +1055,19 @@ int8-ring)  # the int8 bands' weights through a cp.async ring in shared memory p
 --size 7.2b --weights int8 --only 'rkv+lora (forward),output,ffn key,ffn value' \
 --out bench/results/experiment_ab_{name}_{round}_gemv_h200.json && python bench/bench_decode.py --engine cutlass \
 --sizes 7.2b,1.5b --batches 1,2,8 --steps 30 --wkv cuda --no-checks --out {out}" int8_ring.cu
+    ;;
+decode-ahead)  # the engine's decode ahead with its results copied to pinned memory right behind each step (the
+    # first version read them with .tolist(), a copy queued behind the step launched ahead, so it waited for that
+    # step too: neutral on the H200 in the twenty-first session), GPU tests (among them the ordering test), then
+    # HTTP serving on / off / on / off
+    step 200 "graph and engine GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_graphs_cuda.py
+    build_fused
+    for run in on:1 off:1 on:2 off:2; do
+        mode=${run%%:*}
+        step 120 "HTTP serving, decode ahead $mode (${run#*:})" env NAME=h200_7.2b_ahead_${mode}_${run#*:} \
+            EXTRA_SERVER_ARGS="--decode-ahead $mode" LEVELS=1,32,256 MAX_TOKENS=256 bash bench/h200_serving.sh
+        copy bench/results/serving_h200_7.2b_ahead_${mode}_${run#*:}.json
+    done
     ;;
 serving-chunk)  # 256 streams' admission: prompt tokens per engine step (--prefill-chunk-size) 512 (default) vs
     # 2048, twice each, 32 and 256 streams of 256 tokens (the twenty-first session's runs: TTFT p50 0.5-0.7 s of a

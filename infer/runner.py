@@ -32,12 +32,29 @@ class LaunchedStep:
     sampled: SampleOutput | None     # device tensors of the rows that sampled (None: none did)
     want_logprobs: bool
     scores: dict[int, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
+    # The results' copy to the host, queued right behind the step: a step queued after this one (launch_next)
+    # does not delay it. None: the tensors are on the CPU already.
+    _host: SampleOutput | None = None
+    _ready: "torch.cuda.Event | None" = None
+
+    def __post_init__(self) -> None:
+        out = self.sampled
+        if out is None or out.tokens.device.type != "cuda":
+            return
+        pinned = {name: None if t is None else t.to("cpu", non_blocking=True)  # pinned, asynchronous
+                  for name, t in vars(out).items()}
+        self._host = SampleOutput(**pinned)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
 
     def result(self) -> StepOutput:
         """The host copy of the results: the one host sync of the step."""
         out = self.sampled
         if out is None:
             return StepOutput([], None, None, None, self.scores)
+        if self._ready is not None:
+            self._ready.synchronize()
+            out = self._host
         return StepOutput(
             tokens=out.tokens.tolist(),
             logprobs=out.logprobs.tolist() if out.logprobs is not None else None,

@@ -66,3 +66,21 @@ def test_engine_with_graphs_generates_like_eager(model):
     assert generate(ModelRunner(model, 8, cuda_graphs=True), prompts) == eager
     # the next graphed step queued before the host reads the tokens it is fed
     assert generate(ModelRunner(model, 8, cuda_graphs=True), prompts, decode_ahead=True) == eager
+
+
+def test_step_results_do_not_wait_for_work_queued_after_them(model):
+    """A launched step copies its tokens to the host right behind its own work, so reading them does not
+    wait for a step queued after it (what decode ahead relies on); the tokens are those of a plain step."""
+    greedy = SamplingParams(temperature=0)
+    reference = ModelRunner(model, 4)
+    reference.start_row(1, greedy)
+    expected = reference.step([[5]], [1], [True]).tokens
+    runner = ModelRunner(model, 4, cuda_graphs=True)
+    runner.start_row(1, greedy)
+    launched = runner.launch([[5]], [1], [True])
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device work queued behind the step: the next step's stand-in
+    tokens = launched.result().tokens
+    still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_busy, "reading a step's tokens waited for the work queued after it"
+    assert tokens == expected
