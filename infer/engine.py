@@ -437,13 +437,14 @@ class Engine:
         return rows, decoding, samples, score, out
 
     def _can_run_ahead(self, rows: list[_Row]) -> bool:
-        """Whether the next step may be queued before this one's tokens are read: every running row
-        decodes in this step, none keeps its state (its slot would be fed one token past a stop) and
-        none is cancelled. (A row admitted meanwhile joins the step after the queued one.)"""
+        """Whether the next step may be queued before this one's tokens are read: this step's rows are
+        the running rows (none has ended: its slot may already belong to a new row), all decode, none
+        keeps its state (its slot would be fed one token past a stop) and none is cancelled. (A row
+        admitted meanwhile joins the step after the queued one.)"""
         if not self.decode_ahead or len(rows) != len(self._running):
             return False
-        return all(r.phase is Phase.DECODE and not r.request.options.keep_state and not r.request.cancelled
-                   for r in rows)
+        return all(not r.done and r.phase is Phase.DECODE and not r.request.options.keep_state
+                   and not r.request.cancelled for r in rows)
 
     def _run_ahead(self, launched: LaunchedStep, rows: list[_Row]) -> None:
         self._ahead = (self.runner.launch_next(launched), rows)

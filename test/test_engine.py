@@ -504,3 +504,19 @@ def test_decode_ahead_cancel_drops_the_queued_step(model, tokenizer):
     assert keep.tokens() == run_alone(model, tokenizer, tokenizer.encode("Hello"), max_tokens=20,
                                       sampling=GREEDY).tokens()
     assert engine.free_slots == 2
+
+
+def test_decode_ahead_never_feeds_a_slot_handed_to_a_new_row(model, tokenizer):
+    """A row ends while its slot's next step is queued; a waiting request takes the slot. The queued step's rows
+    then number as many as the running ones, but the step must not run ahead again with the finished row's slot."""
+    engine = make_engine(model, tokenizer, slots=2, decode_ahead=True)
+    short = submit(engine, [tokenizer.encode("Hello")], max_tokens=5, sampling=GREEDY)
+    long_prompt = tokenizer.encode("The quick brown fox")
+    running = submit(engine, [long_prompt], max_tokens=20, sampling=GREEDY)
+    engine.run_once()
+    late_prompt = tokenizer.encode("Once upon a time")
+    late = submit(engine, [late_prompt], max_tokens=8, sampling=GREEDY)  # waits for the short row's slot
+    drain(engine, short, running, late)
+    assert engine.steps_ahead > 0
+    assert late.tokens() == run_alone(model, tokenizer, late_prompt, max_tokens=8, sampling=GREEDY).tokens()
+    assert running.tokens() == run_alone(model, tokenizer, long_prompt, max_tokens=20, sampling=GREEDY).tokens()
