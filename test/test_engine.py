@@ -520,3 +520,39 @@ def test_decode_ahead_never_feeds_a_slot_handed_to_a_new_row(model, tokenizer):
     assert engine.steps_ahead > 0
     assert late.tokens() == run_alone(model, tokenizer, late_prompt, max_tokens=8, sampling=GREEDY).tokens()
     assert running.tokens() == run_alone(model, tokenizer, long_prompt, max_tokens=20, sampling=GREEDY).tokens()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_decode_ahead_random_mixes_match_one_step_at_a_time(model, tokenizer, seed):
+    """Random requests (sampling, penalties, stop strings and tokens, lengths from 1, logprobs) joining at random
+    steps on fewer slots than requests: every request's outcome is the same with and without decode ahead."""
+    import random
+    rng = random.Random(seed)
+    plans = []
+    for _ in range(7):
+        sampling = GREEDY if rng.random() < 0.4 else SamplingParams(
+            temperature=rng.choice([0.7, 1.0, 1.3]), top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 20]),
+            seed=rng.randrange(1 << 30), alpha_presence=rng.choice([0.0, 0.3]), alpha_frequency=rng.choice([0.0, 0.1]))
+        options = dict(max_tokens=rng.randint(1, 14), sampling=sampling, logprobs=rng.random() < 0.3)
+        if rng.random() < 0.3:
+            options["stop"] = [rng.choice([" the", "e", ".", "\n"])]
+        if rng.random() < 0.3:
+            options["stop_token_ids"] = [rng.randrange(1, 65536) for _ in range(200)]
+        plans.append((rng.randrange(12), tokenizer.encode(rng.choice(PROMPTS)), options))
+
+    def run(decode_ahead):
+        engine = make_engine(model, tokenizer, slots=3, chunk=5, decode_ahead=decode_ahead)
+        collectors = [None] * len(plans)
+        for step in range(12):
+            for i, (at, prompt, options) in enumerate(plans):
+                if at == step:
+                    collectors[i] = submit(engine, [prompt], **options)
+            engine.run_once()
+        drain(engine, *collectors)
+        assert engine.free_slots == 3
+        return [outcome(c) for c in collectors], engine.steps_ahead
+
+    ahead, steps_ahead = run(True)
+    plain, _ = run(False)
+    assert ahead == plain
+    assert steps_ahead > 0
