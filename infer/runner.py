@@ -34,8 +34,8 @@ class LaunchedStep:
     scores: dict[int, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
     # The results' copy to the host, queued right behind the step: a step queued after this one (launch_next)
     # does not delay it. None: the tensors are on the CPU already.
-    _host: SampleOutput | None = None
-    _ready: "torch.cuda.Event | None" = None
+    _host: SampleOutput | None = field(default=None, init=False, repr=False)
+    _ready: "torch.cuda.Event | None" = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         out = self.sampled
