@@ -48,6 +48,12 @@ class PackedBatch:
             last=torch.tensor([s + n - 1 for s, n in zip(starts, lens)], dtype=torch.long, device=device),
         )
 
+    @classmethod
+    def decode(cls, tokens: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> "PackedBatch":
+        """A decode step: one token per row, row i at position i (``rows`` = arange over the rows, on
+        the tokens' device); the tensors are used as they are (a CUDA graph's static buffers)."""
+        return cls(tokens=tokens, slots=slots, lens=[1] * len(tokens), starts=rows, last=rows)
+
     @property
     def num_rows(self) -> int:
         return len(self.lens)

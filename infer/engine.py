@@ -195,7 +195,6 @@ class Engine:
             raise ValueError("decode_ahead needs a runner with launch / launch_next")
         self.decode_ahead = decode_ahead
         self._ahead: tuple[LaunchedStep, list[_Row]] | None = None  # queued, results not read yet
-        self.steps_ahead = 0  # steps queued ahead so far
         self.metrics.free_slots.set(len(self._free_slots))
 
     # ------------------------------------------------------------------ public, any thread
@@ -238,6 +237,11 @@ class Engine:
     def is_running(self) -> bool:
         """The worker thread is alive (health checks)."""
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def steps_ahead(self) -> int:
+        """Decode steps queued ahead so far (``decode_ahead``)."""
+        return int(self.metrics.registry.get_sample_value("rwkv_decode_steps_ahead_total") or 0)
 
     @property
     def queued_requests(self) -> int:
@@ -420,8 +424,7 @@ class Engine:
             if row.phase is Phase.PREFILL:
                 self.metrics.prompt_tokens.inc(n)
         want_logprobs = any(r.request.options.logprobs for r, s in zip(rows, samples) if s)
-        ahead = decoding == len(rows) and self._can_run_ahead(rows)
-        if ahead:
+        if self._can_run_ahead(rows):  # no prompt row in this step (their phase is not DECODE)
             launched = self.runner.launch(feeds, slots, samples, want_logprobs=want_logprobs)
             self._run_ahead(launched, rows)
             self._flush()
@@ -448,7 +451,6 @@ class Engine:
 
     def _run_ahead(self, launched: LaunchedStep, rows: list[_Row]) -> None:
         self._ahead = (self.runner.launch_next(launched), rows)
-        self.steps_ahead += 1
         self.metrics.steps_ahead.inc()
 
     @staticmethod

@@ -92,8 +92,7 @@ class DecodeGraphs:
 
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, PackedBatch]:
         self.slots[:bucket].fill_(self.scratch)  # warm-up runs below write only the scratch slot
-        batch = PackedBatch(tokens=self.tokens[:bucket], slots=self.slots[:bucket], lens=[1] * bucket,
-                            starts=self._rows[:bucket], last=self._rows[:bucket])
+        batch = PackedBatch.decode(self.tokens[:bucket], self.slots[:bucket], self._rows[:bucket])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -207,10 +206,9 @@ class ModelRunner:
         if self.graphs is not None:
             logits, slot_ids = self.graphs.run(tokens, step.slots)
         else:
-            n, device = len(step.slots), self.model.device
-            rows = torch.arange(n, dtype=torch.long, device=device)
-            batch = PackedBatch(tokens=tokens.clone(), slots=torch.tensor(step.slots, dtype=torch.long, device=device),
-                                lens=[1] * n, starts=rows, last=rows)
+            device = self.model.device
+            batch = PackedBatch.decode(tokens, torch.tensor(step.slots, dtype=torch.long, device=device),
+                                       torch.arange(len(step.slots), dtype=torch.long, device=device))
             logits = self.model.forward(batch, self.state)
             slot_ids = batch.slots
         sampled = self.sampler.sample(logits, slot_ids, want_logprob=step.want_logprobs)

@@ -448,7 +448,9 @@ def test_decode_ahead_gives_the_same_outputs(model, tokenizer):
     plain, plain_engine = mixed_requests(model, tokenizer, decode_ahead=False)
     assert ahead == plain
     assert engine.steps_ahead > 10 and plain_engine.steps_ahead == 0
-    assert engine.metrics.registry.get_sample_value("rwkv_decode_steps_ahead_total") == engine.steps_ahead
+    from prometheus_client import generate_latest
+    exposed = generate_latest(engine.metrics.registry).decode()
+    assert f"rwkv_decode_steps_ahead_total {float(engine.steps_ahead)}" in exposed  # what /metrics serves
     reasons = [rows[0][2][0] for rows in plain]
     assert reasons.count("length") >= 2 and "stop" in reasons  # the stop string ends row 3 early
     assert engine.free_slots == 4 and engine.running_rows == 0
