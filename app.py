@@ -16,6 +16,10 @@ log = logging.getLogger("rwkv7-server")
 
 INFERENCE_ENGINES = ("fp16", "cutlass", "gemlite")
 SHUTDOWN_GRACE_SECONDS = 10
+# Prompt tokens per engine step. On the H200, 256 streams' prompts arriving at once were admitted
+# with a TTFT p50 ~25 % lower at 2048 than at 512 (docs/BENCHMARKS.md); a CPU step of 2048 tokens would stall
+# the running streams for too long.
+GPU_PREFILL_CHUNK, CPU_PREFILL_CHUNK = 2048, 512
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "with fp16 activations when it builds; off keeps the readable per-op forward")
     ap.add_argument("--max-batch-size", type=int, default=None,
                     help="state slots = rows running at once; default: 16 on CPU, from free memory on GPU")
-    ap.add_argument("--prefill-chunk-size", type=int, default=512,
-                    help="prompt tokens per engine step (running streams wait at most one chunk)")
+    ap.add_argument("--prefill-chunk-size", type=int, default=None,
+                    help="prompt tokens per engine step (running streams wait at most one chunk); default: 2048 "
+                         "on GPU (a burst of prompts is admitted in fewer steps), 512 on CPU")
     ap.add_argument("--max-queued-requests", type=int, default=1024, help="beyond this, requests get HTTP 429")
     ap.add_argument("--max-tokens", type=int, default=8192, help="upper limit for a request's max_tokens")
     ap.add_argument("--max-prompt-tokens", type=int, default=131072, help="upper limit for one prompt")
@@ -165,9 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as e:
         sys.exit(f"cannot start: {e}")
     wkv_dtype = torch.float16 if args.state_dtype == "fp16" else torch.float32
+    prefill_chunk = args.prefill_chunk_size or (GPU_PREFILL_CHUNK if model.device.type == "cuda" else CPU_PREFILL_CHUNK)
     slots = args.max_batch_size or default_slots(model, device, wkv_dtype)
     if args.inference_engine == "gemlite":  # GemLite autotunes per power-of-two row bucket on first use
-        most_rows = slots + args.prefill_chunk_size
+        most_rows = slots + prefill_chunk
         warm_up_gemlite(model, sorted({min(2 ** i, most_rows) for i in range(most_rows.bit_length() + 1)}),
                         data_dir())
     graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and model.device.type == "cuda")
@@ -180,9 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     for part, impl in runner.implementations().items():
         log.info("%-8s %s", part, impl)
     decode_ahead = args.decode_ahead == "on" or (args.decode_ahead == "auto" and model.device.type == "cuda")
-    engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=args.prefill_chunk_size,
+    engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=prefill_chunk,
                     max_queued_requests=args.max_queued_requests, decode_ahead=decode_ahead)
     log.info("decode   %s", "steps queued ahead of the host" if decode_ahead else "one step at a time")
+    log.info("prefill  %d prompt tokens a step", prefill_chunk)
     state_db = Path(args.state_db) if args.state_db else data_dir() / "sessions.db"
     log.info("session states: %s (model fingerprint %s)", state_db, model_id)
     store = SessionStore(state_db, model_id, model.config, device=model.device, l1=capacities["state_l1"],

@@ -3,7 +3,10 @@
 Starts ``app.py`` (extra server arguments after ``--``), then for each concurrency level N sends
 N streaming ``/v1/completions`` requests at once (fixed-length outputs: the end-of-document
 token is biased away and no stop strings are set) and measures aggregate output tokens/s, time
-to first token and inter-token latency (p50/p99) from the client side.
+to first token and inter-token latency (p50/p99) from the client side. Tokens are counted from
+each stream's usage chunk (``stream_options.include_usage``), not from its text chunks: a chunk
+can carry several tokens (a stream that fell a step behind gets them merged) or none (bytes of a
+character still incomplete), so counting chunks undercounts. ITL is the gap between text chunks.
 
     python bench/bench_serving.py --levels 1,8,32 --max-tokens 64 -- --max-batch-size 64
     python bench/bench_serving.py --levels 1,32,256 --max-tokens 256 --name h200_7.2b -- \\
@@ -20,13 +23,14 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
+LONG_PROMPT_DELAY_S = 1.0  # after a level's streams start: they are decoding by then
 
 
 def free_port() -> int:
@@ -54,11 +58,13 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> list[float]:
-    """Arrival times of the stream's text chunks (one per token at the server's flush rate)."""
+async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[list[float], int]:
+    """The request's start and its text chunks' arrival times, and the output tokens the server
+    counted (its usage chunk)."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "top_p": 0.9,
-            "stream": True, "logit_bias": {"0": -100}}
+            "stream": True, "stream_options": {"include_usage": True}, "logit_bias": {"0": -100}}
     times = [time.perf_counter()]
+    tokens = None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -66,10 +72,14 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) ->
                 chunk = json.loads(line[6:])
                 if any(c.get("text") for c in chunk.get("choices", [])):
                     times.append(time.perf_counter())
-    return times
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    if tokens is None:
+        raise RuntimeError("the stream ended without a usage chunk")
+    return times, tokens
 
 
-async def client_streams(base: str, n: int, max_tokens: int, start_at: float) -> list[list[float]]:
+async def client_streams(base: str, n: int, max_tokens: int, start_at: float) -> list[tuple[list[float], int]]:
     """n concurrent streams from this process, starting at ``start_at`` (time.perf_counter, which on
     Linux is the system-wide monotonic clock, so processes share it)."""
     prompt = "User: Write a long story about a lighthouse keeper and the sea.\n\nAssistant:"
@@ -79,16 +89,31 @@ async def client_streams(base: str, n: int, max_tokens: int, start_at: float) ->
         return await asyncio.gather(*(one_stream(client, prompt, max_tokens) for _ in range(n)))
 
 
-def client_process(base: str, n: int, max_tokens: int, start_at: float) -> list[list[float]]:
+def client_process(base: str, n: int, max_tokens: int, start_at: float) -> list[tuple[list[float], int]]:
     return asyncio.run(client_streams(base, n, max_tokens, start_at))
 
 
-def level(base: str, n: int, max_tokens: int, procs: int) -> dict:
+def long_prompt_ttft(base: str, tokens: int, start_at: float) -> float:
+    """TTFT in ms of one request whose prompt is ``tokens`` tokens (" the" repeated), sent at ``start_at``."""
+    async def run() -> float:
+        async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+            times, _ = await one_stream(client, " the" * tokens, 8)
+            return (times[1] - times[0]) * 1000
+    return asyncio.run(run())
+
+
+def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0) -> dict:
     """N streams split over up to ``procs`` client processes: one Python process parsing every
-    stream's chunks would itself become the bottleneck at a few thousand chunks per second."""
+    stream's chunks would itself become the bottleneck at a few thousand chunks per second.
+    ``long_prompt`` > 0: one more request with a prompt that long arrives ``LONG_PROMPT_DELAY_S``
+    after the streams (while they decode); the streams' ITL shows what feeding it costs them."""
     procs = max(1, min(procs, n))
     shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     start_at = time.perf_counter() + 1.0 + 0.05 * procs  # time for the workers to start
+    long_ttft = None
+    if long_prompt:
+        long_ttft = ThreadPoolExecutor(1).submit(long_prompt_ttft, base, long_prompt, start_at + LONG_PROMPT_DELAY_S)
     if procs == 1:
         streams = client_process(base, n, max_tokens, start_at)
     else:
@@ -96,13 +121,19 @@ def level(base: str, n: int, max_tokens: int, procs: int) -> dict:
         with ProcessPoolExecutor(procs, mp_context=spawn) as pool:
             parts = pool.map(client_process, [base] * procs, shares, [max_tokens] * procs, [start_at] * procs)
             streams = [s for part in parts for s in part]
-    wall = max(s[-1] for s in streams) - min(s[0] for s in streams)
-    ttft = [(s[1] - s[0]) * 1000 for s in streams if len(s) > 1]
-    itl = [(b - a) * 1000 for s in streams for a, b in zip(s[1:], s[2:])]
-    tokens = sum(len(s) - 1 for s in streams)
-    return {"clients": n, "client_processes": procs, "output_tokens": tokens, "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1),
+    times = [t for t, _ in streams]
+    wall = max(t[-1] for t in times) - min(t[0] for t in times)
+    ttft = [(t[1] - t[0]) * 1000 for t in times if len(t) > 1]
+    itl = [(b - a) * 1000 for t in times for a, b in zip(t[1:], t[2:])]
+    tokens = sum(count for _, count in streams)
+    chunks = sum(len(t) - 1 for t in times)
+    return {"clients": n, "client_processes": procs, "output_tokens": tokens, "text_chunks": chunks,
+            "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1),
             "ttft_ms_p50": round(percentile(ttft, 0.5), 1), "ttft_ms_p99": round(percentile(ttft, 0.99), 1),
-            "itl_ms_p50": round(percentile(itl, 0.5), 2), "itl_ms_p99": round(percentile(itl, 0.99), 2)}
+            "itl_ms_p50": round(percentile(itl, 0.5), 2), "itl_ms_p99": round(percentile(itl, 0.99), 2),
+            "itl_ms_max": round(max(itl, default=float("nan")), 2),
+            **({"long_prompt_tokens": long_prompt, "long_prompt_ttft_ms": round(long_ttft.result(), 1)}
+               if long_ttft else {})}
 
 
 def main() -> None:
@@ -114,6 +145,8 @@ def main() -> None:
     ap.add_argument("--name", default="cpu")
     ap.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                     help="client processes the streams of a level are split over (default: half the CPUs, <= 8)")
+    ap.add_argument("--long-prompt", type=int, default=0,
+                    help="tokens of one extra prompt sent mid-level (0: none); reports its TTFT and the ITL max")
     ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     port = free_port()
@@ -122,7 +155,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     copy = Path(os.environ["OUT"]) / out.name if os.environ.get("OUT") and Path(os.environ["OUT"]).is_dir() else None
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": device_name(server_args),
-              "server_args": server_args, "max_tokens": args.max_tokens, "levels": []}
+              "server_args": server_args, "max_tokens": args.max_tokens, "long_prompt": args.long_prompt, "levels": []}
     started = time.perf_counter()
     server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port), "--log-level", "warning",
                                *server_args], env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -140,7 +173,7 @@ def main() -> None:
         print(f"server up after {result['server_startup_s']}s", flush=True)
         level(base, 2, 4, 1)  # warm-up
         for n in args.levels.split(","):
-            result["levels"].append(level(base, int(n), args.max_tokens, args.client_procs))
+            result["levels"].append(level(base, int(n), args.max_tokens, args.client_procs, args.long_prompt))
             print(result["levels"][-1], flush=True)
             for path in [out] + ([copy] if copy else []):  # after every level: a later timeout keeps these
                 path.write_text(json.dumps(result, indent=2) + "\n")
@@ -151,10 +184,13 @@ def main() -> None:
         except subprocess.TimeoutExpired:  # a slow shutdown must not lose the measurements
             server.kill()
             server.wait()
-    print(f"{'clients':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)")
+    long = f" {'long TTFT':>9}" if args.long_prompt else ""
+    print(f"{'clients':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8}"
+          f"{long}  (ms)")
     for r in result["levels"]:
+        long = f" {r['long_prompt_ttft_ms']:>9}" if args.long_prompt else ""
         print(f"{r['clients']:>7} {r['tok_s']:>9} {r['ttft_ms_p50']:>9} {r['ttft_ms_p99']:>9} {r['itl_ms_p50']:>8} "
-              f"{r['itl_ms_p99']:>8}")
+              f"{r['itl_ms_p99']:>8} {r['itl_ms_max']:>8}{long}")
 
 if __name__ == "__main__":
     main()

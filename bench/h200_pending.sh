@@ -77,6 +77,8 @@
 #                                                               # register batches: GPU tests, launches, W8A16 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh decode-ahead  # graph/engine GPU tests, then HTTP serving
 #                                                                   # with --decode-ahead on / off, twice each
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-default  # the serving defaults three times, 512-token
+#                                                                    # chunks between; a 16k prompt mid-level
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-chunk  # 256 streams with 512 vs 2048 prompt tokens
 #                                                                    # a step (--prefill-chunk-size), twice each
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
@@ -1069,7 +1071,26 @@ decode-ahead)  # the engine's decode ahead with its results copied to pinned mem
         copy bench/results/serving_h200_7.2b_ahead_${mode}_${run#*:}.json
     done
     ;;
-serving-chunk)  # 256 streams' admission: prompt tokens per engine step (--prefill-chunk-size) 512 (default) vs
+serving-default)  # the server's defaults since the twenty-second session (2,048 prompt tokens a step on a GPU, decode
+    # ahead), tokens counted from each stream's usage chunk: 1/32/256 streams of 256 tokens, three runs (the last into
+    # serving_h200_7.2b.json) with 512-token chunks between them; then 32 streams with one 16k-token prompt arriving
+    # mid-level, 512 against 2,048 (what a long prompt's chunks cost the running streams' ITL)
+    build_fused
+    for run in 2048:1 512:1 2048:2 512:2 2048:final; do
+        chunk=${run%%:*} name=h200_7.2b_default_${run#*:}
+        [ "$chunk" = 512 ] && name=h200_7.2b_chunk512_counted_${run#*:}
+        [ "${run#*:}" = final ] && name=h200_7.2b
+        step 120 "HTTP serving, prefill chunk $chunk (${run#*:})" env NAME=$name LEVELS=1,32,256 MAX_TOKENS=256 \
+            EXTRA_SERVER_ARGS="--prefill-chunk-size $chunk" bash bench/h200_serving.sh
+        copy bench/results/serving_$name.json
+    done
+    for chunk in 512 2048; do
+        step 120 "HTTP serving, 16k prompt mid-level, chunk $chunk" env NAME=h200_7.2b_long_chunk$chunk LEVELS=32 \
+            MAX_TOKENS=256 LONG_PROMPT=16384 EXTRA_SERVER_ARGS="--prefill-chunk-size $chunk" bash bench/h200_serving.sh
+        copy bench/results/serving_h200_7.2b_long_chunk$chunk.json
+    done
+    ;;
+serving-chunk)  # 256 streams' admission: prompt tokens per engine step (--prefill-chunk-size) 512 (then the default) vs
     # 2048, twice each, 32 and 256 streams of 256 tokens (the twenty-first session's runs: TTFT p50 0.5-0.7 s of a
     # 4.3-4.7 s run at 256 streams, 512 tokens a step)
     build_fused

@@ -19,6 +19,7 @@ N_EMBD=${N_EMBD:-4096}
 GEN_DEVICE=${GEN_DEVICE:-cuda}                     # where the random weights are drawn
 LEVELS=${LEVELS:-1,32,256}
 MAX_TOKENS=${MAX_TOKENS:-128}
+LONG_PROMPT=${LONG_PROMPT:-0}                      # tokens of one extra prompt sent mid-level (0: none)
 MAX_BATCH=${MAX_BATCH:-256}
 GRAPHS=${GRAPHS:-on}
 NAME=${NAME:-h200_7.2b}
@@ -46,6 +47,7 @@ fi
 
 stamp "bench_serving: levels $LEVELS, $MAX_TOKENS tokens, $MAX_BATCH slots, cuda graphs $GRAPHS"
 # shellcheck disable=SC2086  # EXTRA_SERVER_ARGS is a word list on purpose
-$PY bench/bench_serving.py --levels "$LEVELS" --max-tokens "$MAX_TOKENS" --name "$NAME" --out-dir "$RESULTS" -- \
+$PY bench/bench_serving.py --levels "$LEVELS" --max-tokens "$MAX_TOKENS" --long-prompt "$LONG_PROMPT" --name "$NAME" \
+    --out-dir "$RESULTS" -- \
     "${model_args[@]}" --max-batch-size "$MAX_BATCH" --cuda-graphs "$GRAPHS" $EXTRA_SERVER_ARGS 2>&1 | tee -a "$LOG"
 stamp "done: $RESULTS/serving_$NAME.json"
