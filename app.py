@@ -16,10 +16,11 @@ log = logging.getLogger("rwkv7-server")
 
 INFERENCE_ENGINES = ("fp16", "cutlass", "gemlite")
 SHUTDOWN_GRACE_SECONDS = 10
-# Prompt tokens per engine step. On the H200, 256 streams' prompts arriving at once were admitted
-# with a TTFT p50 ~25 % lower at 2048 than at 512 (docs/BENCHMARKS.md); a CPU step of 2048 tokens would stall
-# the running streams for too long.
-GPU_PREFILL_CHUNK, CPU_PREFILL_CHUNK = 2048, 512
+# Prompt tokens an engine step may feed. On the H200, 256 short prompts arriving at once were admitted
+# with a TTFT p50 ~25 % lower at 2048 than at 512 a step (docs/BENCHMARKS.md), while a long prompt
+# fed 2048 tokens a step stretched the running streams' ITL p99 from 33 to 102 ms: so a long prompt
+# still goes 512 tokens a step (--prefill-chunk-size). A CPU step of 2048 tokens would stall too long.
+GPU_PREFILL_STEP_TOKENS, CPU_PREFILL_STEP_TOKENS = 2048, 512
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,9 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "with fp16 activations when it builds; off keeps the readable per-op forward")
     ap.add_argument("--max-batch-size", type=int, default=None,
                     help="state slots = rows running at once; default: 16 on CPU, from free memory on GPU")
-    ap.add_argument("--prefill-chunk-size", type=int, default=None,
-                    help="prompt tokens per engine step (running streams wait at most one chunk); default: 2048 "
-                         "on GPU (a burst of prompts is admitted in fewer steps), 512 on CPU")
+    ap.add_argument("--prefill-chunk-size", type=int, default=512,
+                    help="prompt tokens per engine step for prompts that do not end in it (a long prompt holds "
+                         "the running streams up by one such chunk a step)")
+    ap.add_argument("--prefill-step-tokens", type=int, default=None,
+                    help="most prompt tokens one engine step feeds: prompts that end in it are fed whole up to "
+                         "this, so a burst of short prompts is admitted in few steps; default: 2048 on GPU, "
+                         "512 on CPU (at least --prefill-chunk-size)")
     ap.add_argument("--max-queued-requests", type=int, default=1024, help="beyond this, requests get HTTP 429")
     ap.add_argument("--max-tokens", type=int, default=8192, help="upper limit for a request's max_tokens")
     ap.add_argument("--max-prompt-tokens", type=int, default=131072, help="upper limit for one prompt")
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("max_tokens", "max_prompt_tokens", "max_rows_per_request", "max_body_bytes", "max_queued_requests",
-                 "prefill_chunk_size", "prefix_cache_block", "state_max_sessions"):
+                 "prefill_chunk_size", "prefill_step_tokens", "prefix_cache_block", "state_max_sessions"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("state_flush_interval", "state_ttl"):
@@ -170,10 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as e:
         sys.exit(f"cannot start: {e}")
     wkv_dtype = torch.float16 if args.state_dtype == "fp16" else torch.float32
-    prefill_chunk = args.prefill_chunk_size or (GPU_PREFILL_CHUNK if model.device.type == "cuda" else CPU_PREFILL_CHUNK)
+    step_tokens = args.prefill_step_tokens or max(args.prefill_chunk_size, (
+        GPU_PREFILL_STEP_TOKENS if model.device.type == "cuda" else CPU_PREFILL_STEP_TOKENS))
     slots = args.max_batch_size or default_slots(model, device, wkv_dtype)
     if args.inference_engine == "gemlite":  # GemLite autotunes per power-of-two row bucket on first use
-        most_rows = slots + prefill_chunk
+        most_rows = slots + step_tokens
         warm_up_gemlite(model, sorted({min(2 ** i, most_rows) for i in range(most_rows.bit_length() + 1)}),
                         data_dir())
     graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and model.device.type == "cuda")
@@ -186,10 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     for part, impl in runner.implementations().items():
         log.info("%-8s %s", part, impl)
     decode_ahead = args.decode_ahead == "on" or (args.decode_ahead == "auto" and model.device.type == "cuda")
-    engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=prefill_chunk,
+    engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=args.prefill_chunk_size,
+                    prefill_step_tokens=step_tokens,
                     max_queued_requests=args.max_queued_requests, decode_ahead=decode_ahead)
     log.info("decode   %s", "steps queued ahead of the host" if decode_ahead else "one step at a time")
-    log.info("prefill  %d prompt tokens a step", prefill_chunk)
+    log.info("prefill  up to %d prompt tokens a step, %d of prompts that do not end in it", step_tokens,
+             args.prefill_chunk_size)
     state_db = Path(args.state_db) if args.state_db else data_dir() / "sessions.db"
     log.info("session states: %s (model fingerprint %s)", state_db, model_id)
     store = SessionStore(state_db, model_id, model.config, device=model.device, l1=capacities["state_l1"],

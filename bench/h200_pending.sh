@@ -77,10 +77,8 @@
 #                                                               # register batches: GPU tests, launches, W8A16 A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh decode-ahead  # graph/engine GPU tests, then HTTP serving
 #                                                                   # with --decode-ahead on / off, twice each
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-default  # the serving defaults three times, 512-token
-#                                                                    # chunks between; a 16k prompt mid-level
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-chunk  # 256 streams with 512 vs 2048 prompt tokens
-#                                                                    # a step (--prefill-chunk-size), twice each
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-steps  # serving with the prompt-token defaults x3,
+#                                                                    # 512 a step between; a 16k prompt mid-level
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -1071,34 +1069,24 @@ decode-ahead)  # the engine's decode ahead with its results copied to pinned mem
         copy bench/results/serving_h200_7.2b_ahead_${mode}_${run#*:}.json
     done
     ;;
-serving-default)  # the server's defaults since the twenty-second session (2,048 prompt tokens a step on a GPU, decode
-    # ahead), tokens counted from each stream's usage chunk: 1/32/256 streams of 256 tokens, three runs (the last into
-    # serving_h200_7.2b.json) with 512-token chunks between them; then 32 streams with one 16k-token prompt arriving
-    # mid-level, 512 against 2,048 (what a long prompt's chunks cost the running streams' ITL)
+serving-steps)  # prompt tokens a step: --prefill-step-tokens (prompts that end in the step, fed whole) and
+    # --prefill-chunk-size (pieces of prompts that do not end in it). Replaces the twenty-second session's
+    # serving-chunk / serving-default parts, which had one knob (a step's prompt tokens, 512 vs 2048).
+    # 1/32/256 streams of 256 tokens with the defaults (2048 / 512) three times, the last into
+    # serving_h200_7.2b.json, 512 / 512 between; 32 streams with a 16k-token prompt mid-level with the defaults, twice
     build_fused
-    for run in 2048:1 512:1 2048:2 512:2 2048:final; do
-        chunk=${run%%:*} name=h200_7.2b_default_${run#*:}
-        [ "$chunk" = 512 ] && name=h200_7.2b_chunk512_counted_${run#*:}
+    for run in default:1 512:1 default:2 default:final; do
+        kind=${run%%:*} name=h200_7.2b_steps_${run#*:} args=""
+        [ "$kind" = 512 ] && name=h200_7.2b_steps512_${run#*:} args="--prefill-step-tokens 512 --prefill-chunk-size 512"
         [ "${run#*:}" = final ] && name=h200_7.2b
-        step 120 "HTTP serving, prefill chunk $chunk (${run#*:})" env NAME=$name LEVELS=1,32,256 MAX_TOKENS=256 \
-            EXTRA_SERVER_ARGS="--prefill-chunk-size $chunk" bash bench/h200_serving.sh
+        step 120 "HTTP serving, prompt tokens a step: $kind (${run#*:})" env NAME=$name LEVELS=1,32,256 \
+            MAX_TOKENS=256 EXTRA_SERVER_ARGS="$args" bash bench/h200_serving.sh
         copy bench/results/serving_$name.json
     done
-    for chunk in 512 2048; do
-        step 120 "HTTP serving, 16k prompt mid-level, chunk $chunk" env NAME=h200_7.2b_long_chunk$chunk LEVELS=32 \
-            MAX_TOKENS=256 LONG_PROMPT=16384 EXTRA_SERVER_ARGS="--prefill-chunk-size $chunk" bash bench/h200_serving.sh
-        copy bench/results/serving_h200_7.2b_long_chunk$chunk.json
-    done
-    ;;
-serving-chunk)  # 256 streams' admission: prompt tokens per engine step (--prefill-chunk-size) 512 (then the default) vs
-    # 2048, twice each, 32 and 256 streams of 256 tokens (the twenty-first session's runs: TTFT p50 0.5-0.7 s of a
-    # 4.3-4.7 s run at 256 streams, 512 tokens a step)
-    build_fused
-    for run in 512:1 2048:1 512:2 2048:2; do
-        chunk=${run%%:*}
-        step 120 "HTTP serving, prefill chunk $chunk (${run#*:})" env NAME=h200_7.2b_chunk${chunk}_${run#*:} \
-            EXTRA_SERVER_ARGS="--prefill-chunk-size $chunk" LEVELS=32,256 MAX_TOKENS=256 bash bench/h200_serving.sh
-        copy bench/results/serving_h200_7.2b_chunk${chunk}_${run#*:}.json
+    for run in 1 2; do
+        step 120 "HTTP serving, 16k prompt mid-level, defaults ($run)" env NAME=h200_7.2b_long_steps_$run LEVELS=32 \
+            MAX_TOKENS=256 LONG_PROMPT=16384 bash bench/h200_serving.sh
+        copy bench/results/serving_h200_7.2b_long_steps_$run.json
     done
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,

@@ -1,8 +1,9 @@
 """The serving engine: a queue, a continuous-batching scheduler and one worker thread.
 
 The worker thread is the only code that runs the model. Each step it admits waiting rows
-into free state slots, feeds every decoding row one token and the prefilling rows up to
-``prefill_chunk_size`` prompt tokens (packed into the same forward), samples, detokenizes,
+into free state slots, feeds every decoding row one token and the prefilling rows their prompt
+tokens (packed into the same forward: prompts that end in the step whole, the others at most
+``prefill_chunk_size`` tokens together, ``prefill_step_tokens`` in all), samples, detokenizes,
 applies stops and hands events to each request's sink. Rows join and leave at any step.
 Knows requests, rows and slots; tensors stay inside the runner.
 """
@@ -164,15 +165,23 @@ class _Row:
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: WorldTokenizer, prefill_chunk_size: int = 512,
-                 max_queued_requests: int = 1024, metrics: EngineMetrics | None = None, decode_ahead: bool = False):
-        """``decode_ahead``: while every running row decodes, queue the next decode step (fed the
+                 max_queued_requests: int = 1024, metrics: EngineMetrics | None = None, decode_ahead: bool = False,
+                 prefill_step_tokens: int | None = None):
+        """A step feeds prompts that end within it whole, up to ``prefill_step_tokens`` prompt
+        tokens in all (default: ``prefill_chunk_size``), and the prompts that do not end in it at
+        most ``prefill_chunk_size`` tokens together: a burst of short prompts is admitted in few
+        steps while a long prompt holds the running streams up by one chunk's time a step.
+
+        ``decode_ahead``: while every running row decodes, queue the next decode step (fed the
         tokens just sampled, on the device) before reading this step's tokens, so the device does
         not wait for the host's handling of each step (``ModelRunner.launch_next``). Same outputs."""
-        if prefill_chunk_size < 1:
-            raise ValueError("prefill_chunk_size must be >= 1")
+        prefill_step_tokens = prefill_step_tokens or prefill_chunk_size
+        if prefill_chunk_size < 1 or prefill_step_tokens < 1:
+            raise ValueError("prefill_chunk_size and prefill_step_tokens must be >= 1")
         self.runner = runner
         self.tokenizer = tokenizer
         self.prefill_chunk_size = prefill_chunk_size
+        self.prefill_step_tokens = prefill_step_tokens
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics or EngineMetrics()
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
@@ -402,15 +411,21 @@ class Engine:
                 rows.append(row)
         decoding = len(rows)
         samples = [True] * decoding
-        budget = self.prefill_chunk_size
+        budget = self.prefill_step_tokens   # prompt tokens this step
+        unfinished = self.prefill_chunk_size  # of them, tokens of prompts that do not end in this step
         score: dict[int, tuple[list[int], int]] = {}
         for row in self._running:
             if row.phase is Phase.DECODE or budget <= 0:
                 continue
-            n = min(budget, len(row.feed) - row.pos)
+            left = len(row.feed) - row.pos
+            n = left if left <= min(budget, self.prefill_chunk_size) else min(left, budget, unfinished)
             snapshot_at = row.request.options.snapshot_at
             if row.phase is Phase.PREFILL and snapshot_at is not None and row.pos < snapshot_at:
                 n = min(n, snapshot_at - row.pos)  # end a chunk exactly at the snapshot position
+            if n <= 0:
+                continue
+            if n < left:
+                unfinished -= n
             feeds.append(row.feed[row.pos:row.pos + n])
             slots.append(row.slot)
             top_n = row.request.options.prompt_logprobs

@@ -77,7 +77,7 @@ def test_live_process_authenticates_and_never_logs_the_password(checkpoint, tmp_
     if source == "environment":
         env["RWKV_PASSWORD"] = PASSWORD
         options += ["--decode-ahead", "on",  # the curl script's endpoints with decode steps queued ahead
-                    "--prefill-chunk-size", "5"]  # and prompts fed over several steps
+                    "--prefill-chunk-size", "5", "--prefill-step-tokens", "12"]  # prompts fed over several steps
     else:
         options += ["--password", PASSWORD]
     log_path = tmp_path / "server.log"
@@ -104,7 +104,8 @@ def test_live_process_authenticates_and_never_logs_the_password(checkpoint, tmp_
     assert PASSWORD not in text
     assert ("RWKV_PASSWORD" in text) == (source == "argument")  # the process-list warning
     assert ("steps queued ahead of the host" in text) == (source == "environment")  # off by default on CPU
-    assert f"prefill  {5 if source == 'environment' else app.CPU_PREFILL_CHUNK} prompt tokens a step" in text
+    step, chunk = (12, 5) if source == "environment" else (app.CPU_PREFILL_STEP_TOKENS, 512)
+    assert f"prefill  up to {step} prompt tokens a step, {chunk} of prompts that do not end in it" in text
 
 
 def test_sessions_survive_a_hard_kill_and_a_graceful_stop_writes_them(checkpoint, tmp_path):

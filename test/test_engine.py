@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from infer.engine import Engine, GenerationOptions, QueueFullError, Request, RowFinished, RowText
+from infer.engine import Engine, GenerationOptions, Phase, QueueFullError, Request, RowFinished, RowText
 from infer.model import RWKV7
 from infer.random_model import make_config, random_state_dict
 from infer.runner import ModelRunner
@@ -30,9 +30,9 @@ def tokenizer():
     return load_world_tokenizer()
 
 
-def make_engine(model, tokenizer, slots=8, chunk=16, queue=64, decode_ahead=False) -> Engine:
+def make_engine(model, tokenizer, slots=8, chunk=16, queue=64, decode_ahead=False, step_tokens=None) -> Engine:
     return Engine(ModelRunner(model, slots), tokenizer, prefill_chunk_size=chunk, max_queued_requests=queue,
-                  decode_ahead=decode_ahead)
+                  decode_ahead=decode_ahead, prefill_step_tokens=step_tokens)
 
 
 class Collector:
@@ -125,6 +125,47 @@ def test_long_prompt_is_chunked_and_streams_keep_flowing(model, tokenizer):
     assert steps == -(-len(long_prompt) // 8)  # ceil: one chunk of 8 prompt tokens per step
     drain(engine, streaming, late)
     assert late.tokens() == run_alone(model, tokenizer, long_prompt, max_tokens=5, sampling=GREEDY).tokens()
+
+
+def test_short_prompts_are_fed_whole_up_to_the_step_budget(model, tokenizer):
+    prompts = [tokenizer.encode(p) for p in ["One two", "Three four", "Five six", "Seven eight", "Nine ten"]]
+    sizes = [len(p) for p in prompts]
+    assert max(sizes) <= 4 and sum(sizes[:4]) <= 8 < sum(sizes)
+    engine = make_engine(model, tokenizer, chunk=4, step_tokens=8)
+    collectors = [submit(engine, [p], max_tokens=6, sampling=GREEDY) for p in prompts]
+    engine.run_once()
+    assert [len(c.tokens()) for c in collectors] == [1, 1, 1, 1, 0]  # the fifth is over the step's 8 tokens
+    engine.run_once()
+    assert [len(c.tokens()) for c in collectors] == [2, 2, 2, 2, 1]
+    drain(engine, *collectors)
+    assert [c.tokens() for c in collectors] == [run_alone(model, tokenizer, p, max_tokens=6, sampling=GREEDY).tokens()
+                                                for p in prompts]
+
+
+def test_prompts_that_do_not_end_in_a_step_share_one_chunk(model, tokenizer):
+    """Two long prompts get at most 4 tokens a step between them for the pieces that do not end
+    their prompt (not 4 each, not the step's 16), while a short prompt arriving meanwhile is fed
+    whole in one step."""
+    long_prompts = [tokenizer.encode("A long document. " * 4), tokenizer.encode("Another long text here. " * 3)]
+    assert min(len(p) for p in long_prompts) > 8
+    engine = make_engine(model, tokenizer, chunk=4, step_tokens=16)
+    late = [submit(engine, [p], max_tokens=4, sampling=GREEDY) for p in long_prompts]
+    short_prompt = tokenizer.encode("Hello there")
+    assert 1 < len(short_prompt) <= 4
+    short = None
+    fed = []  # per step: prompt tokens fed to rows whose prompt did not end in it
+    while not all(c.tokens() for c in late):
+        before = {row: row.pos for row in engine._running if row.phase is Phase.PREFILL}
+        engine.run_once()
+        fed.append(sum(row.pos - pos for row, pos in before.items() if row.pos < len(row.feed)))
+        if len(fed) == 1:
+            short = submit(engine, [short_prompt], max_tokens=4, sampling=GREEDY)
+        elif len(fed) == 2:
+            assert short.tokens(), "a short prompt waited behind the long ones"
+    assert max(fed) == 4 and fed.count(4) >= len(fed) - 2, fed
+    drain(engine, short, *late)
+    for c, p in zip(late, long_prompts):
+        assert c.tokens() == run_alone(model, tokenizer, p, max_tokens=4, sampling=GREEDY).tokens()
 
 
 def reference_output(model, tokenizer, prompt, n=40):
