@@ -79,6 +79,7 @@
 #                                                                   # with --decode-ahead on / off, twice each
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-steps  # serving with the prompt-token defaults x3,
 #                                                                    # 512 a step between; a 16k prompt mid-level
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-ratio  # 7.2B batch-256 forward, then serving, one machine
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -1088,6 +1089,15 @@ serving-steps)  # prompt tokens a step: --prefill-step-tokens (prompts that end 
             MAX_TOKENS=256 LONG_PROMPT=16384 bash bench/h200_serving.sh
         copy bench/results/serving_h200_7.2b_long_steps_$run.json
     done
+    ;;
+serving-ratio)  # the serving target's two sides on one machine: the 7.2B forward at batch 256 (fp32 state, the
+    # server's default; CUDA graphs) and 1/32/256 HTTP streams of 256 tokens with the server's defaults
+    build_fused
+    step 150 "7.2B decode, batch 256" python bench/bench_decode.py --sizes 7.2b --batches 256 --wkv cuda --no-checks \
+        --out bench/results/decode_h200_b256_twentysecond.json
+    copy bench/results/decode_h200_b256_twentysecond.json
+    step 120 "HTTP serving, defaults" env NAME=h200_7.2b_ratio LEVELS=1,32,256 MAX_TOKENS=256 bash bench/h200_serving.sh
+    copy bench/results/serving_h200_7.2b_ratio.json
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights
