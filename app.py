@@ -18,8 +18,8 @@ INFERENCE_ENGINES = ("fp16", "cutlass", "gemlite")
 SHUTDOWN_GRACE_SECONDS = 10
 # Prompt tokens an engine step may feed. On the H200, 256 short prompts arriving at once were admitted
 # with a TTFT p50 ~25 % lower at 2048 than at 512 a step (docs/BENCHMARKS.md), while a long prompt
-# fed 2048 tokens a step stretched the running streams' ITL p99 from 33 to 102 ms: so a long prompt
-# still goes 512 tokens a step (--prefill-chunk-size). A CPU step of 2048 tokens would stall too long.
+# fed 2048 tokens a step stretched the running streams' ITL p99 from 33 to 102 ms: so prompts over
+# --prefill-chunk-size (512) still go 512 tokens a step. A CPU step of 2048 tokens would stall too long.
 GPU_PREFILL_STEP_TOKENS, CPU_PREFILL_STEP_TOKENS = 2048, 512
 
 
@@ -64,12 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch-size", type=int, default=None,
                     help="state slots = rows running at once; default: 16 on CPU, from free memory on GPU")
     ap.add_argument("--prefill-chunk-size", type=int, default=512,
-                    help="prompt tokens per engine step for prompts that do not end in it (a long prompt holds "
-                         "the running streams up by one such chunk a step)")
+                    help="prompt tokens per engine step for prompts longer than this (a long prompt holds the "
+                         "running streams up by one such chunk a step)")
     ap.add_argument("--prefill-step-tokens", type=int, default=None,
-                    help="most prompt tokens one engine step feeds: prompts that end in it are fed whole up to "
-                         "this, so a burst of short prompts is admitted in few steps; default: 2048 on GPU, "
-                         "512 on CPU (at least --prefill-chunk-size)")
+                    help="most prompt tokens one engine step feeds: prompts of at most --prefill-chunk-size "
+                         "tokens are fed whole up to this, so a burst of them is admitted in few steps; default: "
+                         "2048 on GPU, 512 on CPU (at least --prefill-chunk-size)")
     ap.add_argument("--max-queued-requests", type=int, default=1024, help="beyond this, requests get HTTP 429")
     ap.add_argument("--max-tokens", type=int, default=8192, help="upper limit for a request's max_tokens")
     ap.add_argument("--max-prompt-tokens", type=int, default=131072, help="upper limit for one prompt")
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
                     prefill_step_tokens=step_tokens,
                     max_queued_requests=args.max_queued_requests, decode_ahead=decode_ahead)
     log.info("decode   %s", "steps queued ahead of the host" if decode_ahead else "one step at a time")
-    log.info("prefill  up to %d prompt tokens a step, %d of prompts that do not end in it", step_tokens,
+    log.info("prefill  up to %d prompt tokens a step; prompts over %d tokens fed that many a step", step_tokens,
              args.prefill_chunk_size)
     state_db = Path(args.state_db) if args.state_db else data_dir() / "sessions.db"
     log.info("session states: %s (model fingerprint %s)", state_db, model_id)

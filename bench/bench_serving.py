@@ -111,9 +111,9 @@ def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0) 
     procs = max(1, min(procs, n))
     shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     start_at = time.perf_counter() + 1.0 + 0.05 * procs  # time for the workers to start
-    long_ttft = None
-    if long_prompt:
-        long_ttft = ThreadPoolExecutor(1).submit(long_prompt_ttft, base, long_prompt, start_at + LONG_PROMPT_DELAY_S)
+    long_pool = ThreadPoolExecutor(1)
+    long_ttft = long_pool.submit(long_prompt_ttft, base, long_prompt, start_at + LONG_PROMPT_DELAY_S) \
+        if long_prompt else None
     if procs == 1:
         streams = client_process(base, n, max_tokens, start_at)
     else:
@@ -127,13 +127,13 @@ def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0) 
     itl = [(b - a) * 1000 for t in times for a, b in zip(t[1:], t[2:])]
     tokens = sum(count for _, count in streams)
     chunks = sum(len(t) - 1 for t in times)
+    long = {"long_prompt_tokens": long_prompt, "long_prompt_ttft_ms": round(long_ttft.result(), 1)} if long_ttft else {}
+    long_pool.shutdown()
     return {"clients": n, "client_processes": procs, "output_tokens": tokens, "text_chunks": chunks,
             "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1),
             "ttft_ms_p50": round(percentile(ttft, 0.5), 1), "ttft_ms_p99": round(percentile(ttft, 0.99), 1),
             "itl_ms_p50": round(percentile(itl, 0.5), 2), "itl_ms_p99": round(percentile(itl, 0.99), 2),
-            "itl_ms_max": round(max(itl, default=float("nan")), 2),
-            **({"long_prompt_tokens": long_prompt, "long_prompt_ttft_ms": round(long_ttft.result(), 1)}
-               if long_ttft else {})}
+            "itl_ms_max": round(max(itl, default=float("nan")), 2), **long}
 
 
 def main() -> None:

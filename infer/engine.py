@@ -2,8 +2,9 @@
 
 The worker thread is the only code that runs the model. Each step it admits waiting rows
 into free state slots, feeds every decoding row one token and the prefilling rows their prompt
-tokens (packed into the same forward: prompts that end in the step whole, the others at most
-``prefill_chunk_size`` tokens together, ``prefill_step_tokens`` in all), samples, detokenizes,
+tokens (packed into the same forward: what is left of a prompt whole when it is at most
+``prefill_chunk_size`` tokens, longer prompts in pieces that share ``prefill_chunk_size`` tokens,
+``prefill_step_tokens`` in all), samples, detokenizes,
 applies stops and hands events to each request's sink. Rows join and leave at any step.
 Knows requests, rows and slots; tensors stay inside the runner.
 """
@@ -167,10 +168,11 @@ class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: WorldTokenizer, prefill_chunk_size: int = 512,
                  max_queued_requests: int = 1024, metrics: EngineMetrics | None = None, decode_ahead: bool = False,
                  prefill_step_tokens: int | None = None):
-        """A step feeds prompts that end within it whole, up to ``prefill_step_tokens`` prompt
-        tokens in all (default: ``prefill_chunk_size``), and the prompts that do not end in it at
-        most ``prefill_chunk_size`` tokens together: a burst of short prompts is admitted in few
-        steps while a long prompt holds the running streams up by one chunk's time a step.
+        """A step feeds what is left of a prompt whole when that is at most ``prefill_chunk_size``
+        tokens, up to ``prefill_step_tokens`` prompt tokens in all (default: ``prefill_chunk_size``);
+        longer prompts get pieces that share ``prefill_chunk_size`` tokens a step: a burst of short
+        prompts is admitted in few steps while a long prompt holds the running streams up by one
+        chunk's time a step.
 
         ``decode_ahead``: while every running row decodes, queue the next decode step (fed the
         tokens just sampled, on the device) before reading this step's tokens, so the device does

@@ -105,7 +105,7 @@ def test_live_process_authenticates_and_never_logs_the_password(checkpoint, tmp_
     assert ("RWKV_PASSWORD" in text) == (source == "argument")  # the process-list warning
     assert ("steps queued ahead of the host" in text) == (source == "environment")  # off by default on CPU
     step, chunk = (12, 5) if source == "environment" else (app.CPU_PREFILL_STEP_TOKENS, 512)
-    assert f"prefill  up to {step} prompt tokens a step, {chunk} of prompts that do not end in it" in text
+    assert f"prefill  up to {step} prompt tokens a step; prompts over {chunk} tokens fed that many a step" in text
 
 
 def test_sessions_survive_a_hard_kill_and_a_graceful_stop_writes_them(checkpoint, tmp_path):
