@@ -31,6 +31,12 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 LONG_PROMPT_DELAY_S = 1.0  # after a level's streams start: they are decoding by then
+STORY_PROMPT = "User: Write a long story about a lighthouse keeper and the sea.\n\nAssistant:"  # 19 tokens
+
+
+def filler_prompt(tokens: int) -> str:
+    """A prompt of ``tokens`` tokens (" the" is one token of the World vocabulary)."""
+    return " the" * tokens
 
 
 def free_port() -> int:
@@ -79,31 +85,32 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) ->
     return times, tokens
 
 
-async def client_streams(base: str, n: int, max_tokens: int, start_at: float) -> list[tuple[list[float], int]]:
+async def client_streams(base: str, n: int, max_tokens: int, start_at: float,
+                         prompt: str = STORY_PROMPT) -> list[tuple[list[float], int]]:
     """n concurrent streams from this process, starting at ``start_at`` (time.perf_counter, which on
     Linux is the system-wide monotonic clock, so processes share it)."""
-    prompt = "User: Write a long story about a lighthouse keeper and the sea.\n\nAssistant:"
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         return await asyncio.gather(*(one_stream(client, prompt, max_tokens) for _ in range(n)))
 
 
-def client_process(base: str, n: int, max_tokens: int, start_at: float) -> list[tuple[list[float], int]]:
-    return asyncio.run(client_streams(base, n, max_tokens, start_at))
+def client_process(base: str, n: int, max_tokens: int, start_at: float,
+                   prompt: str = STORY_PROMPT) -> list[tuple[list[float], int]]:
+    return asyncio.run(client_streams(base, n, max_tokens, start_at, prompt))
 
 
 def long_prompt_ttft(base: str, tokens: int, start_at: float) -> float:
-    """TTFT in ms of one request whose prompt is ``tokens`` tokens (" the" repeated), sent at ``start_at``."""
+    """TTFT in ms of one request whose prompt is ``tokens`` tokens, sent at ``start_at``."""
     async def run() -> float:
         async with httpx.AsyncClient(base_url=base, timeout=600) as client:
             await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-            times, _ = await one_stream(client, " the" * tokens, 8)
+            times, _ = await one_stream(client, filler_prompt(tokens), 8)
             return (times[1] - times[0]) * 1000
     return asyncio.run(run())
 
 
-def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0) -> dict:
+def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0, prompt: str = STORY_PROMPT) -> dict:
     """N streams split over up to ``procs`` client processes: one Python process parsing every
     stream's chunks would itself become the bottleneck at a few thousand chunks per second.
     ``long_prompt`` > 0: one more request with a prompt that long arrives ``LONG_PROMPT_DELAY_S``
@@ -115,11 +122,12 @@ def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0) 
     long_ttft = long_pool.submit(long_prompt_ttft, base, long_prompt, start_at + LONG_PROMPT_DELAY_S) \
         if long_prompt else None
     if procs == 1:
-        streams = client_process(base, n, max_tokens, start_at)
+        streams = client_process(base, n, max_tokens, start_at, prompt)
     else:
         spawn = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(procs, mp_context=spawn) as pool:
-            parts = pool.map(client_process, [base] * procs, shares, [max_tokens] * procs, [start_at] * procs)
+            parts = pool.map(client_process, [base] * procs, shares, [max_tokens] * procs, [start_at] * procs,
+                             [prompt] * procs)
             streams = [s for part in parts for s in part]
     times = [t for t, _ in streams]
     wall = max(t[-1] for t in times) - min(t[0] for t in times)
@@ -145,6 +153,8 @@ def main() -> None:
     ap.add_argument("--name", default="cpu")
     ap.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                     help="client processes the streams of a level are split over (default: half the CPUs, <= 8)")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="each stream's prompt: this many tokens (0: a 19-token story request)")
     ap.add_argument("--long-prompt", type=int, default=0,
                     help="tokens of one extra prompt sent mid-level (0: none); reports its TTFT and the ITL max")
     ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
@@ -155,7 +165,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     copy = Path(os.environ["OUT"]) / out.name if os.environ.get("OUT") and Path(os.environ["OUT"]).is_dir() else None
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": device_name(server_args),
-              "server_args": server_args, "max_tokens": args.max_tokens, "long_prompt": args.long_prompt, "levels": []}
+              "server_args": server_args, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens or 19,
+              "long_prompt": args.long_prompt, "levels": []}
     started = time.perf_counter()
     server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port), "--log-level", "warning",
                                *server_args], env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -173,7 +184,8 @@ def main() -> None:
         print(f"server up after {result['server_startup_s']}s", flush=True)
         level(base, 2, 4, 1)  # warm-up
         for n in args.levels.split(","):
-            result["levels"].append(level(base, int(n), args.max_tokens, args.client_procs, args.long_prompt))
+            prompt = filler_prompt(args.prompt_tokens) if args.prompt_tokens else STORY_PROMPT
+            result["levels"].append(level(base, int(n), args.max_tokens, args.client_procs, args.long_prompt, prompt))
             print(result["levels"][-1], flush=True)
             for path in [out] + ([copy] if copy else []):  # after every level: a later timeout keeps these
                 path.write_text(json.dumps(result, indent=2) + "\n")

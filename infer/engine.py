@@ -172,7 +172,7 @@ class Engine:
         tokens, up to ``prefill_step_tokens`` prompt tokens in all (default: ``prefill_chunk_size``);
         longer prompts get pieces that share ``prefill_chunk_size`` tokens a step: a burst of short
         prompts is admitted in few steps while a long prompt holds the running streams up by one
-        chunk's time a step.
+        chunk's time a step. In a step without decoding rows, prompts share ``prefill_step_tokens``.
 
         ``decode_ahead``: while every running row decodes, queue the next decode step (fed the
         tokens just sampled, on the device) before reading this step's tokens, so the device does
@@ -413,14 +413,15 @@ class Engine:
                 rows.append(row)
         decoding = len(rows)
         samples = [True] * decoding
-        budget = self.prefill_step_tokens   # prompt tokens this step
-        unfinished = self.prefill_chunk_size  # of them, tokens of prompts that do not end in this step
+        budget = self.prefill_step_tokens  # prompt tokens this step
+        chunk = self.prefill_chunk_size if decoding else budget  # no stream to hold up: no smaller chunk
+        unfinished = chunk  # of them, tokens of prompts that do not end in this step
         score: dict[int, tuple[list[int], int]] = {}
         for row in self._running:
             if row.phase is Phase.DECODE or budget <= 0:
                 continue
             left = len(row.feed) - row.pos
-            n = left if left <= min(budget, self.prefill_chunk_size) else min(left, budget, unfinished)
+            n = left if left <= min(budget, chunk) else min(left, budget, unfinished)
             snapshot_at = row.request.options.snapshot_at
             if row.phase is Phase.PREFILL and snapshot_at is not None and row.pos < snapshot_at:
                 n = min(n, snapshot_at - row.pos)  # end a chunk exactly at the snapshot position

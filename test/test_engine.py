@@ -143,12 +143,15 @@ def test_short_prompts_are_fed_whole_up_to_the_step_budget(model, tokenizer):
 
 
 def test_prompts_that_do_not_end_in_a_step_share_one_chunk(model, tokenizer):
-    """Two long prompts get at most 4 tokens a step between them for the pieces that do not end
-    their prompt (not 4 each, not the step's 16), while a short prompt arriving meanwhile is fed
-    whole in one step."""
+    """While a stream decodes, two long prompts get at most 4 tokens a step between them for the
+    pieces that do not end their prompt (not 4 each, not the step's 16), while a short prompt
+    arriving meanwhile is fed whole in one step."""
     long_prompts = [tokenizer.encode("A long document. " * 4), tokenizer.encode("Another long text here. " * 3)]
     assert min(len(p) for p in long_prompts) > 8
     engine = make_engine(model, tokenizer, chunk=4, step_tokens=16)
+    streaming = submit(engine, [tokenizer.encode("Hello")], max_tokens=60, sampling=GREEDY)
+    engine.run_once()
+    engine.run_once()
     late = [submit(engine, [p], max_tokens=4, sampling=GREEDY) for p in long_prompts]
     short_prompt = tokenizer.encode("Hello there")
     assert 1 < len(short_prompt) <= 4
@@ -163,9 +166,33 @@ def test_prompts_that_do_not_end_in_a_step_share_one_chunk(model, tokenizer):
         elif len(fed) == 2:
             assert short.tokens(), "a short prompt waited behind the long ones"
     assert max(fed) == 4 and fed.count(4) >= len(fed) - 2, fed
-    drain(engine, short, *late)
+    assert not streaming.done.is_set()
+    drain(engine, short, streaming, *late)
     for c, p in zip(late, long_prompts):
         assert c.tokens() == run_alone(model, tokenizer, p, max_tokens=4, sampling=GREEDY).tokens()
+
+
+def test_a_prompt_with_no_stream_to_hold_up_takes_the_step_budget(model, tokenizer):
+    """No row decodes: a long prompt is fed 16 tokens a step (the step's budget), not the chunk of 4;
+    once a row decodes, the next long prompt goes 4 a step."""
+    first, second = tokenizer.encode("A long document. " * 9), tokenizer.encode("Another long text here. " * 4)
+    assert min(len(first), len(second)) > 16
+    engine = make_engine(model, tokenizer, chunk=4, step_tokens=16)
+    alone = submit(engine, [first], max_tokens=30, sampling=GREEDY)
+    steps = 0
+    while not alone.tokens():
+        engine.run_once()
+        steps += 1
+    assert steps == -(-len(first) // 16)
+    joined = submit(engine, [second], max_tokens=4, sampling=GREEDY)
+    steps = 0
+    while not joined.tokens():
+        engine.run_once()
+        steps += 1
+    assert steps == -(-len(second) // 4)
+    drain(engine, alone, joined)
+    assert alone.tokens() == run_alone(model, tokenizer, first, max_tokens=30, sampling=GREEDY).tokens()
+    assert joined.tokens() == run_alone(model, tokenizer, second, max_tokens=4, sampling=GREEDY).tokens()
 
 
 def reference_output(model, tokenizer, prompt, n=40):
