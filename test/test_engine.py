@@ -178,18 +178,17 @@ def test_a_prompt_with_no_stream_to_hold_up_takes_the_step_budget(model, tokeniz
     first, second = tokenizer.encode("A long document. " * 9), tokenizer.encode("Another long text here. " * 4)
     assert min(len(first), len(second)) > 16
     engine = make_engine(model, tokenizer, chunk=4, step_tokens=16)
+
+    def steps_to_first_token(c: Collector) -> int:
+        steps = 0
+        while not c.tokens():
+            engine.run_once()
+            steps += 1
+        return steps
     alone = submit(engine, [first], max_tokens=30, sampling=GREEDY)
-    steps = 0
-    while not alone.tokens():
-        engine.run_once()
-        steps += 1
-    assert steps == -(-len(first) // 16)
+    assert steps_to_first_token(alone) == -(-len(first) // 16)
     joined = submit(engine, [second], max_tokens=4, sampling=GREEDY)
-    steps = 0
-    while not joined.tokens():
-        engine.run_once()
-        steps += 1
-    assert steps == -(-len(second) // 4)
+    assert steps_to_first_token(joined) == -(-len(second) // 4)
     drain(engine, alone, joined)
     assert alone.tokens() == run_alone(model, tokenizer, first, max_tokens=30, sampling=GREEDY).tokens()
     assert joined.tokens() == run_alone(model, tokenizer, second, max_tokens=4, sampling=GREEDY).tokens()
