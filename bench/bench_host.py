@@ -232,12 +232,20 @@ def sampling():
     return SamplingParams(temperature=1.0, top_p=0.9, logit_bias={0: -100.0})
 
 
+def server_engine(args, runner, tokenizer):
+    """The engine as app.py builds it on a GPU (which the stub stands for)."""
+    from app import GPU_PREFILL_STEP_TOKENS
+    from infer.engine import Engine
+    return Engine(runner, tokenizer, prefill_chunk_size=512, prefill_step_tokens=GPU_PREFILL_STEP_TOKENS,
+                  decode_ahead=args.decode_ahead)
+
+
 # ---------------------------------------------------------------------------- (a) engine alone
 def engine_level(args, tokenizer, n: int) -> dict:
     """``run_once`` on this thread; events go into lists (no consumer)."""
-    from infer.engine import Engine, GenerationOptions, Request, RowFinished
+    from infer.engine import GenerationOptions, Request, RowFinished
     runner = make_runner(args, max(n, 1), tokenizer)
-    engine = Engine(runner, tokenizer, prefill_chunk_size=512, decode_ahead=args.decode_ahead)
+    engine = server_engine(args, runner, tokenizer)
     prompt = tokenizer.encode(PROMPT)
     options = GenerationOptions(max_tokens=args.max_tokens, stop=args.stop, sampling=sampling())
     sinks = [[] for _ in range(n)]
@@ -264,9 +272,9 @@ def engine_level(args, tokenizer, n: int) -> dict:
 def bridge_level(args, tokenizer, n: int) -> dict:
     """The engine thread feeding n EventStreams read by this thread's asyncio loop (no HTTP)."""
     from infer.api.bridge import EventStream, RowGroup
-    from infer.engine import Engine, GenerationOptions, RowText
+    from infer.engine import GenerationOptions, RowText
     runner = make_runner(args, max(n, 1), tokenizer)
-    engine = Engine(runner, tokenizer, prefill_chunk_size=512, decode_ahead=args.decode_ahead)
+    engine = server_engine(args, runner, tokenizer)
     prompt = tokenizer.encode(PROMPT)
     options = GenerationOptions(max_tokens=args.max_tokens, stop=args.stop, sampling=sampling())
 
@@ -300,7 +308,6 @@ def serve(args) -> None:
 
     from infer.api.context import ServerContext
     from infer.api.server import create_app
-    from infer.engine import Engine
     from infer.prefix_cache import PrefixCache
     from infer.tokenizer import load_world_tokenizer
 
@@ -308,7 +315,7 @@ def serve(args) -> None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     tokenizer = load_world_tokenizer()
     runner = make_runner(args, args.slots, tokenizer)
-    engine = Engine(runner, tokenizer, prefill_chunk_size=512, decode_ahead=args.decode_ahead)
+    engine = server_engine(args, runner, tokenizer)
     prefix_cache = PrefixCache("2GiB", block=256, registry=engine.metrics.registry)  # as app.py's default
     app = create_app(ServerContext(engine, load_world_tokenizer(), "bench-stub", prefix_cache=prefix_cache))
     def thread_cpu() -> dict[str, float]:
@@ -375,8 +382,9 @@ def top_functions(profiler, n: int = 25) -> dict:
 
 
 # ---------------------------------------------------------------------------- (b) http: client
-async def _client_stream(port: int, body: bytes) -> list[float]:
-    """One streaming request over a raw connection; arrival times of the chunks that carry text."""
+async def _client_stream(port: int, body: bytes) -> tuple[list[float], int]:
+    """One streaming request over a raw connection: its start and the arrival times of the chunks that
+    carry text, and the output tokens of its usage chunk (a chunk can carry several tokens)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
             f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
@@ -391,6 +399,7 @@ async def _client_stream(port: int, body: bytes) -> list[float]:
     assert chunked
     buf = b""
     done = False
+    tokens = 0
     while not done:
         size = int((await reader.readline()).split(b";")[0], 16)
         if size == 0:
@@ -408,21 +417,25 @@ async def _client_stream(port: int, body: bytes) -> list[float]:
             chunk = json.loads(event[6:])
             if any(c.get("text") for c in chunk.get("choices", [])):
                 times.append(now)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
     writer.close()
-    return times
+    return times, tokens
 
 
 def client(args) -> None:
     body = json.dumps({"model": "bench", "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 1.0,
-                       "top_p": 0.9, "stream": True, "logit_bias": {"0": -100},
+                       "top_p": 0.9, "stream": True, "stream_options": {"include_usage": True},
+                       "logit_bias": {"0": -100},
                        **({"stop": args.stop} if args.stop else {})}).encode()
 
-    async def run() -> list[list[float]]:
+    async def run() -> list[tuple[list[float], int]]:
         return await asyncio.gather(*(_client_stream(args.port, body) for _ in range(args.n)))
 
     cpu = time.process_time()
     streams = asyncio.run(run())
-    print(json.dumps({"streams": streams, "cpu_s": time.process_time() - cpu}))
+    print(json.dumps({"streams": [t for t, _ in streams], "tokens": [n for _, n in streams],
+                      "cpu_s": time.process_time() - cpu}))
 
 
 # ---------------------------------------------------------------------------- (b) http: driver
@@ -510,15 +523,17 @@ def http_levels(args, levels: list[int]) -> tuple[list[dict], dict | None]:
             streams = result["streams"]
             itl = [(b - a) * 1000 for s in streams for a, b in zip(s[1:], s[2:])]
             ttft = [(s[1] - s[0]) * 1000 for s in streams if len(s) > 1]
-            tokens = sum(len(s) - 1 for s in streams)
-            # steady state: while every stream is between its first and last token
+            tokens = sum(result["tokens"])
+            # steady state: while every stream is between its first and last token (text chunks: a lower bound
+            # on tokens when chunks carry several)
             lo, hi = max(s[1] for s in streams), min(s[-1] for s in streams)
             steady = sum(1 for s in streams for t in s[1:] if lo < t <= hi)
             server_steps = step_stats([tuple(x) for x in stats["log"]], n)
             steps, threads = max(len(stats["log"]), 1), stats["thread_cpu_s"]
             ideal_ms = gpu.ms(n)
             rows.append({
-                "clients": n, "output_tokens": tokens, "wall_s": round(wall, 2),
+                "clients": n, "output_tokens": tokens, "text_chunks": sum(len(s) - 1 for s in streams),
+                "wall_s": round(wall, 2),
                 "tok_s": round(tokens / (max(s[-1] for s in streams) - min(s[0] for s in streams)), 1),
                 "steady_tok_s": round(steady / (hi - lo), 1) if hi > lo else None,
                 "ideal_tok_s": round(n / ideal_ms * 1000, 1), "gpu_ms": round(ideal_ms, 2),
@@ -653,8 +668,8 @@ def main() -> None:
         if "loop_profile" in r:
             print(f"\ncProfile of the event loop thread, {r['clients']} clients "
                   f"({r['loop_profile']['total_s']} s profiled): own % / inclusive %")
-            for name, calls, own, incl in r["loop_profile"]["top_self"][:20]:
-                print(f"  {own:5.1f} {incl:5.1f} {calls:>8}  {name}")
+            for name, calls, own, incl, caller in r["loop_profile"]["top_self"][:20]:
+                print(f"  {own:5.1f} {incl:5.1f} {calls:>8}  {name}  <- {caller}")
     if run.get("profile_top_level"):
         for thread, p in run["profile_top_level"].items():
             print(f"\npy-spy, {thread} thread ({p['samples']} samples), top self %:")
