@@ -417,9 +417,12 @@ class Engine:
         chunk = self.prefill_chunk_size if decoding else budget  # no stream to hold up: no smaller chunk
         unfinished = chunk  # of them, tokens of prompts that do not end in this step
         score: dict[int, tuple[list[int], int]] = {}
-        for row in self._running:
-            if row.phase is Phase.DECODE or budget <= 0:
-                continue
+        # prompts that fit whole first (a short request is not kept waiting behind a long one), each kind in order
+        prompts = sorted((row for row in self._running if row.phase is not Phase.DECODE),
+                         key=lambda row: len(row.feed) - row.pos > chunk)
+        for row in prompts:
+            if budget <= 0:
+                break
             left = len(row.feed) - row.pos
             n = left if left <= min(budget, chunk) else min(left, budget, unfinished)
             snapshot_at = row.request.options.snapshot_at

@@ -194,6 +194,27 @@ def test_a_prompt_with_no_stream_to_hold_up_takes_the_step_budget(model, tokeniz
     assert joined.tokens() == run_alone(model, tokenizer, second, max_tokens=4, sampling=GREEDY).tokens()
 
 
+def test_a_short_prompt_is_not_kept_behind_a_long_one(model, tokenizer):
+    """A long prompt alone takes the whole step budget; a short prompt arriving meanwhile is fed
+    first (whole) and gets its first token after one step, and from then on the long prompt goes
+    one chunk a step."""
+    long_prompt, short_prompt = tokenizer.encode("A long document. " * 9), tokenizer.encode("Hello there")
+    engine = make_engine(model, tokenizer, chunk=4, step_tokens=16)
+    late = submit(engine, [long_prompt], max_tokens=4, sampling=GREEDY)
+    engine.run_once()
+    short = submit(engine, [short_prompt], max_tokens=8, sampling=GREEDY)
+    row = next(r for r in engine._running if r.request is late.request)
+    before = row.pos
+    engine.run_once()
+    assert len(short.tokens()) == 1 and row.pos - before == 16 - len(short_prompt)
+    before = row.pos
+    engine.run_once()
+    assert row.pos - before == 4
+    drain(engine, late, short)
+    assert late.tokens() == run_alone(model, tokenizer, long_prompt, max_tokens=4, sampling=GREEDY).tokens()
+    assert short.tokens() == run_alone(model, tokenizer, short_prompt, max_tokens=8, sampling=GREEDY).tokens()
+
+
 def reference_output(model, tokenizer, prompt, n=40):
     c = run_alone(model, tokenizer, prompt, max_tokens=n, sampling=GREEDY)
     return c.tokens(), c.text()
