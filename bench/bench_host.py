@@ -233,11 +233,11 @@ def sampling():
 
 
 def server_engine(args, runner, tokenizer):
-    """The engine as app.py builds it on a GPU (which the stub stands for)."""
-    from app import GPU_PREFILL_STEP_TOKENS
+    """The engine as app.py builds it on a GPU (which the stub stands for), with app.py's prompt budgets."""
+    from app import GPU_PREFILL_STEP_TOKENS, build_parser
     from infer.engine import Engine
-    return Engine(runner, tokenizer, prefill_chunk_size=512, prefill_step_tokens=GPU_PREFILL_STEP_TOKENS,
-                  decode_ahead=args.decode_ahead)
+    return Engine(runner, tokenizer, prefill_chunk_size=build_parser().get_default("prefill_chunk_size"),
+                  prefill_step_tokens=GPU_PREFILL_STEP_TOKENS, decode_ahead=args.decode_ahead)
 
 
 # ---------------------------------------------------------------------------- (a) engine alone
