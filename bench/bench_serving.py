@@ -100,6 +100,16 @@ def client_process(base: str, n: int, max_tokens: int, start_at: float,
     return asyncio.run(client_streams(base, n, max_tokens, start_at, prompt))
 
 
+def server_ttft(base: str) -> tuple[float, float]:
+    """The server's own time-to-first-token histogram (submit to first sampled token): (sum in s, count)."""
+    values = {}
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(("rwkv_time_to_first_token_seconds_sum", "rwkv_time_to_first_token_seconds_count")):
+            name, value = line.rsplit(" ", 1)
+            values[name.rsplit("_", 1)[-1]] = float(value)
+    return values.get("sum", 0.0), values.get("count", 0.0)
+
+
 def long_prompt_ttft(base: str, tokens: int, start_at: float) -> float:
     """TTFT in ms of one request whose prompt is ``tokens`` tokens, sent at ``start_at``."""
     async def run() -> float:
@@ -118,6 +128,7 @@ def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0, 
     procs = max(1, min(procs, n))
     shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     start_at = time.perf_counter() + 1.0 + 0.05 * procs  # time for the workers to start
+    ttft_before = server_ttft(base)
     long_pool = ThreadPoolExecutor(1)
     long_ttft = long_pool.submit(long_prompt_ttft, base, long_prompt, start_at + LONG_PROMPT_DELAY_S) \
         if long_prompt else None
@@ -137,11 +148,15 @@ def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0, 
     chunks = sum(len(t) - 1 for t in times)
     long = {"long_prompt_tokens": long_prompt, "long_prompt_ttft_ms": round(long_ttft.result(), 1)} if long_ttft else {}
     long_pool.shutdown()
+    ttft_sum, ttft_count = (after - before for after, before in zip(server_ttft(base), ttft_before))
     return {"clients": n, "client_processes": procs, "output_tokens": tokens, "text_chunks": chunks,
             "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1),
             "ttft_ms_p50": round(percentile(ttft, 0.5), 1), "ttft_ms_p99": round(percentile(ttft, 0.99), 1),
             "itl_ms_p50": round(percentile(itl, 0.5), 2), "itl_ms_p99": round(percentile(itl, 0.99), 2),
-            "itl_ms_max": round(max(itl, default=float("nan")), 2), **long}
+            "itl_ms_max": round(max(itl, default=float("nan")), 2),
+            # mean over the level's requests of submit to first sampled token inside the server (engine queue,
+            # prefill, sampling); the client's TTFT adds the HTTP request, tokenizing, detokenizing and the stream
+            "server_ttft_ms_mean": round(1000 * ttft_sum / ttft_count, 1) if ttft_count else float("nan"), **long}
 
 
 def main() -> None:
@@ -197,12 +212,12 @@ def main() -> None:
             server.kill()
             server.wait()
     long = f" {'long TTFT':>9}" if args.long_prompt else ""
-    print(f"{'clients':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8}"
-          f"{long}  (ms)")
+    print(f"{'clients':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'srv TTFT':>9} {'ITL p50':>8} {'ITL p99':>8} "
+          f"{'ITL max':>8}{long}  (ms)")
     for r in result["levels"]:
         long = f" {r['long_prompt_ttft_ms']:>9}" if args.long_prompt else ""
-        print(f"{r['clients']:>7} {r['tok_s']:>9} {r['ttft_ms_p50']:>9} {r['ttft_ms_p99']:>9} {r['itl_ms_p50']:>8} "
-              f"{r['itl_ms_p99']:>8} {r['itl_ms_max']:>8}{long}")
+        print(f"{r['clients']:>7} {r['tok_s']:>9} {r['ttft_ms_p50']:>9} {r['ttft_ms_p99']:>9} "
+              f"{r['server_ttft_ms_mean']:>9} {r['itl_ms_p50']:>8} {r['itl_ms_p99']:>8} {r['itl_ms_max']:>8}{long}")
 
 if __name__ == "__main__":
     main()

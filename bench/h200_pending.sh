@@ -79,7 +79,7 @@
 #                                                                   # with --decode-ahead on / off, twice each
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-steps  # serving with the prompt-token defaults x3,
 #                                                                    # 512 a step between; a 16k prompt mid-level
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh lone-prompt  # TTFT of one 1k / 16k prompt, step budget 2048 vs 512
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh lone-prompt  # TTFT of one 19 / 1k / 16k-token prompt (16k: step budget 2048 vs 512)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-ratio  # 7.2B batch-256 forward, then serving, one machine
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
@@ -1092,16 +1092,17 @@ serving-steps)  # prompt tokens a step: --prefill-step-tokens (prompts that end 
     done
     ;;
 lone-prompt)  # one prompt with no stream decoding (since the twenty-second session fed 2,048 tokens a step, the
-    # step budget, instead of 512): TTFT of 1,024- and 16,384-token prompts, defaults against --prefill-step-tokens 512,
-    # three each with the prefix cache off (the same prompt again would hit it)
+    # step budget, instead of 512): TTFT of 19-, 1,024- and 16,384-token prompts with the defaults, the 16k one also
+    # with --prefill-step-tokens 512; the prefix cache off (the same prompt again would hit it); each level also
+    # reports the server's own TTFT (submit to first sampled token) beside the client's
     build_fused
-    for tokens in 1024 16384; do
-        for kind in default 512; do
-            args="--prefix-cache 0" && [ $kind = 512 ] && args="$args --prefill-step-tokens 512"
-            step 120 "lone $tokens-token prompt, step tokens $kind" env NAME=h200_7.2b_lone${tokens}_$kind LEVELS=1,1,1 \
-                MAX_TOKENS=8 PROMPT_TOKENS=$tokens EXTRA_SERVER_ARGS="$args" bash bench/h200_serving.sh
-            copy bench/results/serving_h200_7.2b_lone${tokens}_$kind.json
-        done
+    for run in 19:default 1024:default 16384:default 16384:512; do
+        tokens=${run%:*} kind=${run#*:}
+        args="--prefix-cache 0" && [ $kind = 512 ] && args="$args --prefill-step-tokens 512"
+        prompt=$tokens && [ $tokens = 19 ] && prompt=0  # 0: the 19-token story request
+        step 120 "lone $tokens-token prompt, step tokens $kind" env NAME=h200_7.2b_lone${tokens}_$kind LEVELS=1,1,1,1 \
+            MAX_TOKENS=8 PROMPT_TOKENS=$prompt EXTRA_SERVER_ARGS="$args" bash bench/h200_serving.sh
+        copy bench/results/serving_h200_7.2b_lone${tokens}_$kind.json
     done
     ;;
 serving-ratio)  # the serving target's two sides on one machine: the 7.2B forward at batch 256 (fp32 state, the
