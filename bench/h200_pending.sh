@@ -81,6 +81,7 @@
 #                                                                    # 512 a step between; a 16k prompt mid-level
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh lone-prompt  # TTFT of one 19 / 1k / 16k-token prompt (16k: step budget 2048 vs 512)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-ratio  # 7.2B batch-256 forward, then serving, one machine
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh f16-gemm  # experiment: CUTLASS fp16 GEMMs (stream-K) vs cuBLAS
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -1113,6 +1114,14 @@ serving-ratio)  # the serving target's two sides on one machine: the 7.2B forwar
     copy bench/results/decode_h200_b256_twentysecond.json
     step 120 "HTTP serving, defaults" env NAME=h200_7.2b_ratio LEVELS=1,32,256 MAX_TOKENS=256 bash bench/h200_serving.sh
     copy bench/results/serving_h200_7.2b_ratio.json
+    ;;
+f16-gemm)  # experiment: CUTLASS's Hopper fp16 GEMM (data-parallel and stream-K tiles) against cuBLAS on every product
+    # of a large-batch decode step, 7.2B and 1.5B shapes at 128/256/512 rows
+    step 300 "build the fp16 GEMM experiment" python -c "import sys; sys.path.insert(0, '.'); \
+from bench.experiment_f16_gemm import build; build()"
+    step 240 "fp16 GEMMs: CUTLASS against cuBLAS" python bench/experiment_f16_gemm.py \
+        --out bench/results/experiment_f16_gemm_h200.json
+    copy bench/results/experiment_f16_gemm_h200.json
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights
