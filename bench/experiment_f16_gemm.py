@@ -68,7 +68,6 @@ def main() -> None:
     args = ap.parse_args()
     ext = build()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    stream = torch.cuda.current_stream().cuda_stream
     gen = torch.Generator(device="cuda").manual_seed(0)
     configs = [(i, ext.name(i), 0) for i in range(ext.configs())]
     configs += [(i, f"{name} split {s}", s) for i, name, _ in list(configs) if "stream-K" in name
@@ -93,14 +92,16 @@ def main() -> None:
                         need = ext.workspace_size(index, x, weights[0], y, splits, sms)
                         workspace = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
                         got = y0.clone()
-                        ext.gemm(index, x, weights[0], got, beta, splits, workspace, sms, stream)
+                        ext.gemm(index, x, weights[0], got, beta, splits, workspace, sms,
+                                 torch.cuda.current_stream().cuda_stream)
                         torch.cuda.synchronize()
                         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
                         if not err <= 2e-3:
                             row[label] = f"wrong (max relative difference {err:.3g})"
                             continue
                         seconds = time_op(lambda i: ext.gemm(index, x, weights[i], y, beta, splits, workspace, sms,
-                                                             stream), copies, args.reps, graph=True)
+                                                             torch.cuda.current_stream().cuda_stream),  # capture's
+                                          copies, args.reps, graph=True)
                         row[label] = round(1e6 * seconds, 2)
                     except RuntimeError as e:
                         row[label] = f"failed: {str(e).splitlines()[0][:120]}"
