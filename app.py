@@ -189,6 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     if runner.graphs is not None:
         log.info("capturing decode CUDA graphs for batch buckets %s", runner.graphs.buckets)
         runner.graphs.warmup()
+    if model.device.type == "cuda":  # what a first forward of a shape loads lazily, before the first request
+        lengths = sorted({16, args.prefill_chunk_size, step_tokens})
+        log.info("warming up prompt steps of %s tokens", lengths)
+        runner.warm_up_prompts(lengths)
     for part, impl in runner.implementations().items():
         log.info("%-8s %s", part, impl)
     decode_ahead = args.decode_ahead == "on" or (args.decode_ahead == "auto" and model.device.type == "cuda")

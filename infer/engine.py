@@ -182,6 +182,7 @@ class Engine:
             raise ValueError("prefill_chunk_size and prefill_step_tokens must be >= 1")
         self.runner = runner
         self.tokenizer = tokenizer
+        tokenizer.token_texts  # built now (~25 ms): the first request's detokenizer would otherwise wait for it
         self.prefill_chunk_size = prefill_chunk_size
         self.prefill_step_tokens = prefill_step_tokens
         self.max_queued_requests = max_queued_requests
