@@ -81,6 +81,7 @@
 #                                                                    # 512 a step between; a 16k prompt mid-level
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh lone-prompt  # TTFT of one 19 / 1k / 16k-token prompt (16k: step budget 2048 vs 512)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-ratio  # 7.2B batch-256 forward, then serving, one machine
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh ttft-host  # a lone request's TTFT in the engine (cProfile), server
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh f16-gemm  # experiment: CUTLASS fp16 GEMMs (stream-K) vs cuBLAS
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
@@ -1114,6 +1115,16 @@ serving-ratio)  # the serving target's two sides on one machine: the 7.2B forwar
     copy bench/results/decode_h200_b256_twentysecond.json
     step 120 "HTTP serving, defaults" env NAME=h200_7.2b_ratio LEVELS=1,32,256 MAX_TOKENS=256 bash bench/h200_serving.sh
     copy bench/results/serving_h200_7.2b_ratio.json
+    ;;
+ttft-host)  # a lone short request's TTFT inside the engine (first and steady, without and with the prompt warm-up,
+    # cProfile of the prompt step), then the server's first and later TTFTs with the warm-up (19-token prompts)
+    build_fused
+    step 240 "engine TTFT, 7.2B, 19 tokens" python bench/profile_ttft.py --size 7.2b --cprofile \
+        --out bench/results/profile_ttft_h200.json
+    copy bench/results/profile_ttft_h200.json
+    step 120 "lone 19-token prompt, warmed up" env NAME=h200_7.2b_lone19_warmed LEVELS=1,1,1,1 MAX_TOKENS=8 \
+        EXTRA_SERVER_ARGS="--prefix-cache 0" bash bench/h200_serving.sh
+    copy bench/results/serving_h200_7.2b_lone19_warmed.json
     ;;
 f16-gemm)  # experiment: CUTLASS's Hopper fp16 GEMM (data-parallel and stream-K tiles) against cuBLAS on every product
     # of a large-batch decode step, 7.2B and 1.5B shapes at 128/256/512 rows
