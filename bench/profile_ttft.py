@@ -81,17 +81,18 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--runs", default="cold,warmed_up", help="engines timed: without and with the prompt warm-up")
     ap.add_argument("--out", default="bench/results/profile_ttft_h200.json")
     args = ap.parse_args()
     tokenizer = load_world_tokenizer()
     prompt = tokenizer.encode(STORY_PROMPT) if args.prompt_tokens == 19 else [1] * args.prompt_tokens
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(0),
               "torch": torch.__version__, "size": args.size, "prompt_tokens": len(prompt), "runs": {}}
-    for warm_up in (False, True):
+    for key in args.runs.split(","):
+        warm_up = key == "warmed_up"
         engine = build_engine(args.size, warm_up, args.slots)
         runs = [one_request(engine, prompt) for _ in range(args.requests)]
         steady = [r["ttft_ms"] for r in runs[1:]]
-        key = "warmed_up" if warm_up else "cold"
         result["runs"][key] = {"first": runs[0], "steady_ttft_ms_median": round(statistics.median(steady), 2),
                                "steady": runs[1:]}
         print(key, json.dumps(result["runs"][key]["first"]), "steady median", result["runs"][key][
