@@ -1142,6 +1142,17 @@ lora-streams-eager)  # side streams for the LoRA chains of eager forwards shorte
         copy bench/results/experiment_prefill_sides${min}_h200.json
     done
     ;;
+lora-streams-ab)  # the engine TTFT of a lone 19-token request with the LoRA side streams of short eager forwards
+    # off (256) and on (0), alternating, twice
+    build_fused
+    for run in 256:1 0:1 256:2 0:2; do
+        min=${run%:*} round=${run#*:}
+        step 100 "engine TTFT, side streams from $min tokens, round $round" env RWKV_LORA_STREAM_MIN_TOKENS=$min \
+            python bench/profile_ttft.py --size 7.2b --runs warmed_up --requests 16 \
+            --out bench/results/profile_ttft_sides${min}_${round}_h200.json
+        copy bench/results/profile_ttft_sides${min}_${round}_h200.json
+    done
+    ;;
 f16-gemm)  # experiment: CUTLASS's Hopper fp16 GEMM (data-parallel and stream-K tiles) against cuBLAS on every product
     # of a large-batch decode step, 7.2B and 1.5B shapes at 128/256/512 rows
     step 300 "build the fp16 GEMM experiment" python -c "import sys; sys.path.insert(0, '.'); \
