@@ -82,7 +82,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh lone-prompt  # TTFT of one 19 / 1k / 16k-token prompt (16k: step budget 2048 vs 512)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-ratio  # 7.2B batch-256 forward, then serving, one machine
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ttft-host  # a lone request's TTFT in the engine (cProfile), server
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh lora-streams-eager  # LoRA side streams in short eager forwards
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh f16-gemm  # experiment: CUTLASS fp16 GEMMs (stream-K) vs cuBLAS
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
@@ -1126,32 +1125,6 @@ ttft-host)  # a lone short request's TTFT inside the engine (first and steady, w
     step 120 "lone 19-token prompt, warmed up" env NAME=h200_7.2b_lone19_warmed LEVELS=1,1,1,1 MAX_TOKENS=8 \
         EXTRA_SERVER_ARGS="--prefix-cache 0" bash bench/h200_serving.sh
     copy bench/results/serving_h200_7.2b_lone19_warmed.json
-    ;;
-lora-streams-eager)  # side streams for the LoRA chains of eager forwards shorter than 256 tokens, off (the default
-    # since the twenty-third session) against on: GPU tests, a lone 19-token request's TTFT in the engine, prefill
-    build_fused
-    step 150 "GPU tests: side streams, graphs" python -m pytest -q -p no:cacheprovider test/test_fused_cuda.py \
-        test/test_graphs_cuda.py -k "lora_side_stream or graph"
-    for min in 256 0; do
-        step 100 "engine TTFT, side streams from $min tokens" env RWKV_LORA_STREAM_MIN_TOKENS=$min \
-            python bench/profile_ttft.py --size 7.2b --runs warmed_up --out bench/results/profile_ttft_sides${min}_h200.json
-        copy bench/results/profile_ttft_sides${min}_h200.json
-        step 100 "prefill, side streams from $min tokens" env RWKV_LORA_STREAM_MIN_TOKENS=$min python bench/bench_decode.py \
-            --sizes 7.2b --batches "" --prefill 19,128,1024 --prefill-rows 1,16 --wkv cuda --no-checks \
-            --out bench/results/experiment_prefill_sides${min}_h200.json
-        copy bench/results/experiment_prefill_sides${min}_h200.json
-    done
-    ;;
-lora-streams-ab)  # the engine TTFT of a lone 19-token request with the LoRA side streams of short eager forwards
-    # off (256) and on (0), alternating, twice
-    build_fused
-    for run in 256:1 0:1 256:2 0:2; do
-        min=${run%:*} round=${run#*:}
-        step 100 "engine TTFT, side streams from $min tokens, round $round" env RWKV_LORA_STREAM_MIN_TOKENS=$min \
-            python bench/profile_ttft.py --size 7.2b --runs warmed_up --requests 16 \
-            --out bench/results/profile_ttft_sides${min}_${round}_h200.json
-        copy bench/results/profile_ttft_sides${min}_${round}_h200.json
-    done
     ;;
 f16-gemm)  # experiment: CUTLASS's Hopper fp16 GEMM (data-parallel and stream-K tiles) against cuBLAS on every product
     # of a large-batch decode step, 7.2B and 1.5B shapes at 128/256/512 rows

@@ -220,8 +220,7 @@ def test_sparse_ffn_value_switch(monkeypatch):
 
 def test_lora_side_streams_switch(monkeypatch):
     """RWKV_LORA_STREAM: how many side streams the large-batch LoRA chains take (default 2, one per chain; clamped to
-    0-2), and none for tensors off CUDA, whatever the setting (the GPU test checks the results are the same);
-    RWKV_LORA_STREAM_MIN_TOKENS: the shortest eager forward that takes them (default 256)."""
+    0-2), and none for tensors off CUDA, whatever the setting (the GPU test checks the results are the same)."""
     from types import SimpleNamespace
 
     from infer.ops.fused import FusedKernels
@@ -232,8 +231,4 @@ def test_lora_side_streams_switch(monkeypatch):
         monkeypatch.setenv("RWKV_LORA_STREAM", value)
         kernels = FusedKernels(module)
         assert kernels.lora_streams == want, value
-        assert kernels._lora_sides(torch.device("cpu"), 4096) == ()
-    monkeypatch.delenv("RWKV_LORA_STREAM")
-    assert FusedKernels(module).lora_stream_min_tokens == 256
-    monkeypatch.setenv("RWKV_LORA_STREAM_MIN_TOKENS", "0")
-    assert FusedKernels(module).lora_stream_min_tokens == 0
+        assert kernels._lora_sides(torch.device("cpu")) == ()

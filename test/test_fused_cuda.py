@@ -479,7 +479,6 @@ def test_lora_side_stream_changes_no_output(pair, quantized, monkeypatch):
         model = pair[1]
     rows, slots = 20, 24
     assert rows > model.fused.rows_for(model)
-    monkeypatch.setattr(model.fused, "lora_stream_min_tokens", 0)  # eager forwards this short take them too
     results = []
     for streams in (0, 1, 2):
         monkeypatch.setattr(model.fused, "lora_streams", streams)
@@ -492,10 +491,8 @@ def test_lora_side_stream_changes_no_output(pair, quantized, monkeypatch):
         assert torch.equal(pool.wkv, want_pool.wkv) and torch.equal(pool.att_shift, want_pool.att_shift)
         assert torch.equal(prompt, want_prompt) and torch.equal(prompt_wkv, want_prompt_wkv)
 
-    # one step captured (after a warm-up on another stream, as DecodeGraphs does), replayed from decode_steps' start;
-    # a capture takes the side streams whatever its length
+    # one step captured (after a warm-up on another stream, as DecodeGraphs does), replayed from decode_steps' start
     monkeypatch.setattr(model.fused, "lora_streams", 2)
-    monkeypatch.setattr(model.fused, "lora_stream_min_tokens", 256)
     pool = model.new_state_pool(slots)
     tokens = [[(7 * i + 3) % 1024] for i in range(rows)]
     batch = PackedBatch.from_rows(tokens, list(range(slots - 1, slots - 1 - rows, -1)), "cuda")

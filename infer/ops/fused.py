@@ -281,10 +281,6 @@ class FusedKernels:
         # / 58,881 on none; 7.2B 6,098 / 16,404 / 21,490, 5,725 / 15,983 / 21,177, 5,498 / 15,494 / 20,906
         # (bench/results/experiment_lora_streams*_h200.json). RWKV_LORA_STREAM=0/1 for A/B runs.
         self.lora_streams: int = min(max(env_int("RWKV_LORA_STREAM", 2), 0), 2)
-        # ... in CUDA graphs and in eager forwards of at least this many tokens: a shorter eager forward (a short
-        # prompt's step) is bound by the host's launches, which the streams' switches and waits only lengthen.
-        # RWKV_LORA_STREAM_MIN_TOKENS for A/B runs.
-        self.lora_stream_min_tokens: int = max(env_int("RWKV_LORA_STREAM_MIN_TOKENS", 256), 0)
         self._side_streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
         self._forward_stream: int | None = None  # the stream handle of the forward running (forward)
 
@@ -327,11 +323,9 @@ class FusedKernels:
         staging = (stages, self._stage_counters(xs[0].device)) if then else ()
         self._m.gemv(ws, scales, zeros, xs, ys, res, groups, epis, self._stream(xs[0]), *staging)
 
-    def _lora_sides(self, device: torch.device, tokens: int) -> tuple[torch.cuda.Stream, ...]:
-        """The side streams of the large-batch LoRA chains (batched_projections) of a forward of ``tokens`` tokens:
-        none when off, not CUDA, or an eager forward shorter than ``lora_stream_min_tokens``."""
-        if self.lora_streams == 0 or device.type != "cuda" or (
-                tokens < self.lora_stream_min_tokens and not torch.cuda.is_current_stream_capturing()):
+    def _lora_sides(self, device: torch.device) -> tuple[torch.cuda.Stream, ...]:
+        """The side streams of the large-batch LoRA chains (batched_projections): none when off or not CUDA."""
+        if self.lora_streams == 0 or device.type != "cuda":
             return ()
         if len(self._side_streams.get(device, ())) != self.lora_streams:
             self._side_streams[device] = tuple(torch.cuda.Stream(device) for _ in range(self.lora_streams))
@@ -419,7 +413,7 @@ class FusedKernels:
             r, k, v, dw, da, dv, g = (new(T, C) for _ in range(7))
             hw, ha, hv, hg = new(T, cfg.rank_w), new(T, cfg.rank_a), new(T, cfg.rank_v), new(T, cfg.rank_g)
             hidden = new(T, cfg.ffn_dim)
-        sides = () if small else self._lora_sides(x.device, T)  # the LoRA chains' streams (batched_projections)
+        sides = () if small else self._lora_sides(x.device)  # the LoRA chains' streams (batched_projections)
         for i, blk in enumerate(model.blocks):
             first = i == 0
             self.ln_shift_mix(x, blk.ln1_w, blk.ln1_b, state.att_shift[i], batch,
