@@ -82,7 +82,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh lone-prompt  # TTFT of one 19 / 1k / 16k-token prompt (16k: step budget 2048 vs 512)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-ratio  # 7.2B batch-256 forward, then serving, one machine
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ttft-host  # a lone request's TTFT in the engine (cProfile), server
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh f16-gemm  # experiment: CUTLASS fp16 GEMMs (stream-K) vs cuBLAS
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -1125,14 +1124,6 @@ ttft-host)  # a lone short request's TTFT inside the engine (first and steady, w
     step 120 "lone 19-token prompt, warmed up" env NAME=h200_7.2b_lone19_warmed LEVELS=1,1,1,1 MAX_TOKENS=8 \
         EXTRA_SERVER_ARGS="--prefix-cache 0" bash bench/h200_serving.sh
     copy bench/results/serving_h200_7.2b_lone19_warmed.json
-    ;;
-f16-gemm)  # experiment: CUTLASS's Hopper fp16 GEMM (data-parallel and stream-K tiles) against cuBLAS on every product
-    # of a large-batch decode step, 7.2B and 1.5B shapes at 128/256/512 rows
-    step 300 "build the fp16 GEMM experiment" python -c "import sys; sys.path.insert(0, '.'); \
-from bench.experiment_f16_gemm import build; build()"
-    step 240 "fp16 GEMMs: CUTLASS against cuBLAS" python bench/experiment_f16_gemm.py \
-        --out bench/results/experiment_f16_gemm_h200.json
-    copy bench/results/experiment_f16_gemm_h200.json
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights
