@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("--cuda-graphs on needs a CUDA device")
     runner = ModelRunner(model, slots, wkv_dtype, cuda_graphs=graphs)
     if runner.graphs is not None:
-        log.info("capturing decode CUDA graphs for batch buckets %s", runner.graphs.buckets)
+        log.info("capturing CUDA graphs: decode steps of %s rows, one-row prompt steps of 2-%d tokens",
+                 runner.graphs.buckets, runner.graphs.prompt_lengths[-1])
         runner.graphs.warmup()
     if model.device.type == "cuda":  # what a first forward of a shape loads lazily, before the first request
         lengths = sorted({16, args.prefill_chunk_size, step_tokens})

@@ -82,6 +82,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh lone-prompt  # TTFT of one 19 / 1k / 16k-token prompt (16k: step budget 2048 vs 512)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-ratio  # 7.2B batch-256 forward, then serving, one machine
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ttft-host  # a lone request's TTFT in the engine (cProfile), server
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh prompt-graphs  # short one-row prompts from graphs: tests, TTFT
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -1124,6 +1125,14 @@ ttft-host)  # a lone short request's TTFT inside the engine (first and steady, w
     step 120 "lone 19-token prompt, warmed up" env NAME=h200_7.2b_lone19_warmed LEVELS=1,1,1,1 MAX_TOKENS=8 \
         EXTRA_SERVER_ARGS="--prefix-cache 0" bash bench/h200_serving.sh
     copy bench/results/serving_h200_7.2b_lone19_warmed.json
+    ;;
+prompt-graphs)  # one-row prompt steps of 2-64 tokens replayed from CUDA graphs: graph GPU tests, then a lone
+    # 19-token request's TTFT in the engine (7.2B)
+    build_fused
+    step 120 "graph GPU tests" python -m pytest -q -p no:cacheprovider test/test_graphs_cuda.py
+    step 100 "engine TTFT, prompt graphs" python bench/profile_ttft.py --size 7.2b --runs warmed_up --requests 12 \
+        --out bench/results/profile_ttft_prompt_graphs_h200.json
+    copy bench/results/profile_ttft_prompt_graphs_h200.json
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights

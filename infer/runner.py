@@ -65,58 +65,81 @@ class LaunchedStep:
 
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# One row's prompt of 2 to this many tokens in a step of its own replays a graph captured for its length: such a step
+# (a request arriving while nothing decodes) is bound by the host's launches, a 7.2B forward of 19 tokens issuing
+# ~10 ms of them for ~5 ms of GPU work; longer prompts keep the GPU busier than the host.
+PROMPT_GRAPH_MAX_TOKENS = 64
 
 
-class DecodeGraphs:
-    """The decode forward captured as CUDA graphs at bucketed batch sizes.
+class StepGraphs:
+    """Model forwards captured as CUDA graphs: decode steps at bucketed batch sizes, and steps that feed
+    one row a short prompt, one graph per length.
 
     A decode step of B rows replays the graph of the smallest bucket >= B after copying the
     token and slot ids into static buffers; padding rows use a scratch slot that no row owns.
-    This removes the per-kernel launch cost that dominates small-batch decode.
+    This removes the per-kernel launch cost that dominates small-batch decode. A prompt step
+    replays the graph of exactly its length (padding would change the recurrence). All graphs
+    share one memory pool: they run one at a time, on one stream.
     """
 
-    def __init__(self, model: RWKV7, state: StatePool, scratch_slot: int, max_rows: int):
+    def __init__(self, model: RWKV7, state: StatePool, scratch_slot: int, max_rows: int,
+                 prompt_tokens: int = PROMPT_GRAPH_MAX_TOKENS):
         self.model, self.state, self.scratch = model, state, scratch_slot
         self.buckets = sorted({b for b in GRAPH_BUCKETS if b < max_rows} | {max_rows})
+        self.prompt_lengths = range(2, prompt_tokens + 1)
         device = model.device
-        self.tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(max(max_rows, prompt_tokens), dtype=torch.long, device=device)
         self.slots = torch.full((max_rows,), scratch_slot, dtype=torch.long, device=device)
         self._rows = torch.arange(max_rows, dtype=torch.long, device=device)
-        # bucket -> (graph, its logits, its batch: kept alive, the graph reads the batch's buffers)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, PackedBatch]] = {}
+        # (kind, size) -> (graph, its logits, its batch: kept alive, the graph reads the batch's buffers)
+        self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, PackedBatch]] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
     def warmup(self) -> None:
         for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
-            self._capture(bucket)
+            self._capture("decode", bucket)
+        for length in reversed(self.prompt_lengths):
+            self._capture("prompt", length)
 
-    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, PackedBatch]:
-        self.slots[:bucket].fill_(self.scratch)  # warm-up runs below write only the scratch slot
-        batch = PackedBatch.decode(self.tokens[:bucket], self.slots[:bucket], self._rows[:bucket])
+    def _capture(self, kind: str, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, PackedBatch]:
+        self.slots[:size if kind == "decode" else 1].fill_(self.scratch)  # warm-up runs write only the scratch slot
+        if kind == "decode":
+            batch = PackedBatch.decode(self.tokens[:size], self.slots[:size], self._rows[:size])
+        else:
+            batch = PackedBatch(tokens=self.tokens[:size], slots=self.slots[:1], lens=[size], starts=self._rows[:1],
+                                last=torch.full((1,), size - 1, dtype=torch.long, device=self.tokens.device))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side):  # also builds the batch's cached index tensors outside the capture
             for _ in range(2):
                 self.model.forward(batch, self.state)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self.model.forward(batch, self.state)
-        self._graphs[bucket] = (graph, logits, batch)
-        return self._graphs[bucket]
+        self._graphs[kind, size] = (graph, logits, batch)
+        return self._graphs[kind, size]
 
-    def run(self, tokens: Sequence[int] | torch.Tensor, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, V] and the slot-id tensor [B] of a decode step (``tokens`` may be on the device)."""
-        rows = len(tokens)
-        bucket = next(b for b in self.buckets if b >= rows)
-        graph, logits, _ = self._graphs.get(bucket) or self._capture(bucket)
-        if not isinstance(tokens, torch.Tensor):
-            tokens = torch.tensor(tokens, dtype=torch.long)
-        self.tokens[:rows].copy_(tokens, non_blocking=True)
-        self.slots[:rows].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
-        self.slots[rows:bucket].fill_(self.scratch)
+    def covers(self, rows: Sequence[Sequence[int]]) -> bool:
+        """Whether a step feeding ``rows`` replays a graph: every row one token, or one row a short prompt."""
+        return all(len(r) == 1 for r in rows) or (len(rows) == 1 and len(rows[0]) in self.prompt_lengths)
+
+    def run(self, rows: Sequence[Sequence[int]] | torch.Tensor, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, V] and the slot-id tensor [B] of a step that ``covers`` (``rows`` may also be a tensor of one
+        token per row, on the device)."""
+        if isinstance(rows, torch.Tensor) or len(rows[0]) == 1:
+            count = len(rows)
+            key = ("decode", next(b for b in self.buckets if b >= count))
+            tokens = rows if isinstance(rows, torch.Tensor) else torch.tensor([r[0] for r in rows], dtype=torch.long)
+        else:
+            count, key = 1, ("prompt", len(rows[0]))
+            tokens = torch.tensor(rows[0], dtype=torch.long)
+        graph, logits, batch = self._graphs.get(key) or self._capture(*key)
+        self.tokens[:len(tokens)].copy_(tokens, non_blocking=True)
+        self.slots[:count].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        self.slots[count:batch.num_rows].fill_(self.scratch)
         graph.replay()
-        return logits[:rows], self.slots[:rows]
+        return logits[:count], self.slots[:count]
 
 
 class ModelRunner:
@@ -127,7 +150,7 @@ class ModelRunner:
         # one extra slot pads graph batches; rows never own it
         self.state = model.new_state_pool(num_slots + 1, wkv_dtype)
         self.sampler = Sampler(model.config.vocab_size, num_slots, model.device)
-        self.graphs = DecodeGraphs(model, self.state, num_slots, num_slots) if cuda_graphs else None
+        self.graphs = StepGraphs(model, self.state, num_slots, num_slots) if cuda_graphs else None
 
     def warm_up_prompts(self, lengths: Sequence[int]) -> None:
         """Run a prompt step of each length in ``lengths`` (one row, sampled), then one mixed step (a decoding row
@@ -150,7 +173,8 @@ class ModelRunner:
     def implementations(self) -> dict[str, str]:
         return {**self.model.implementations(), "sampler": getattr(self.sampler, "name", "torch"),
                 "state": f"{self.num_slots} slots, wkv {str(self.state.wkv.dtype).removeprefix('torch.')}",
-                "decode": f"CUDA graphs, buckets {self.graphs.buckets}" if self.graphs else "eager"}
+                "decode": f"CUDA graphs, buckets {self.graphs.buckets}; one-row prompts of 2-"
+                          f"{self.graphs.prompt_lengths[-1]} tokens too" if self.graphs else "eager"}
 
     def start_row(self, slot: int, params: SamplingParams, initial: SlotState | None = None) -> None:
         """Prepare a slot for a new row: its starting state (empty or imported) and sampler state."""
@@ -184,12 +208,12 @@ class ModelRunner:
                want_logprobs: bool = False, score: dict[int, tuple[Sequence[int], int]] | None = None,
                on_launched: Callable[[], None] | None = None) -> LaunchedStep:
         """``step`` without reading its results: they come from ``LaunchedStep.result``."""
-        graphed = self.graphs is not None and not score and all(len(r) == 1 for r in rows)
+        graphed = self.graphs is not None and not score and self.graphs.covers(rows)
         if on_launched is not None and not graphed:
             on_launched()
             on_launched = None
         if graphed:
-            logits, slot_ids = self.graphs.run([r[0] for r in rows], slots)
+            logits, slot_ids = self.graphs.run(rows, slots)
         else:
             batch = PackedBatch.from_rows(rows, slots, self.model.device)
             logits = self.model.forward(batch, self.state, all_logits=bool(score))

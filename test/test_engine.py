@@ -675,3 +675,18 @@ def test_prompt_warm_up_leaves_no_trace(model, tokenizer, sampling):
     got = [submit(warmed, [p], **options) for p in prompts]
     drain(warmed, *got)
     assert [c.tokens() for c in got] == [c.tokens() for c in want]
+
+
+def test_which_steps_replay_a_graph():
+    """StepGraphs.covers: decode steps (one token a row) and steps feeding one row a prompt of 2 to
+    PROMPT_GRAPH_MAX_TOKENS tokens replay CUDA graphs; anything else (several prompt rows, a prompt with decoding
+    rows, a longer prompt) runs eagerly."""
+    from types import SimpleNamespace
+
+    from infer.runner import PROMPT_GRAPH_MAX_TOKENS, StepGraphs
+    graphs = SimpleNamespace(prompt_lengths=range(2, PROMPT_GRAPH_MAX_TOKENS + 1))
+    covers = lambda rows: StepGraphs.covers(graphs, rows)  # noqa: E731
+    assert covers([[5]]) and covers([[5], [6], [7]])
+    assert covers([[5, 6]]) and covers([[1] * PROMPT_GRAPH_MAX_TOKENS])
+    assert not covers([[1] * (PROMPT_GRAPH_MAX_TOKENS + 1)])
+    assert not covers([[5, 6], [7, 8]]) and not covers([[5], [6, 7]])
