@@ -41,10 +41,25 @@ def test_graph_decode_matches_eager(model, rows):
         assert (x.wkv - y.wkv).abs().max().item() < 1e-2
 
 
-@pytest.mark.parametrize("length", [2, 19, 64, 65])
-def test_prompt_graph_matches_eager(model, length):
+@pytest.fixture(scope="module")
+def fused_model():
+    """The fixture's model on the fused CUDA kernels (skipped when they cannot be built here)."""
+    from infer.ops.fused import select_fused
+    sd = random_state_dict(make_config(2, 128, 65536), seed=9, dtype=torch.float32)
+    m = RWKV7.from_state_dict(sd, device="cuda", dtype="fp16")
+    m.wkv = select_wkv(m.device, "auto")
+    if select_fused(m, "auto") is None:
+        pytest.skip("the fused CUDA kernels are not available")
+    return m
+
+
+@pytest.mark.parametrize("forward", ["readable", "fused"])
+@pytest.mark.parametrize("length", [2, 7, 19, 64, 65])
+def test_prompt_graph_matches_eager(request, forward, length):
     """A step feeding one row a prompt of 2-64 tokens replays the graph of its length (65: eager on both runners): the
-    same token and state as the eager step, and decoding on from there stays the same."""
+    same token and state as the eager step, and decoding on from there stays the same; on the readable forward and
+    on the fused kernels (7 tokens: their GEMV path, 19 and 64: their matmul path with the last block on two)."""
+    model = request.getfixturevalue("model" if forward == "readable" else "fused_model")
     eager, graphs = ModelRunner(model, 8), ModelRunner(model, 8, cuda_graphs=True)
     assert graphs.graphs.covers([[1] * length]) == (length <= 64)
     g = torch.Generator().manual_seed(length)
