@@ -491,7 +491,7 @@ def test_lora_side_stream_changes_no_output(pair, quantized, monkeypatch):
         assert torch.equal(pool.wkv, want_pool.wkv) and torch.equal(pool.att_shift, want_pool.att_shift)
         assert torch.equal(prompt, want_prompt) and torch.equal(prompt_wkv, want_prompt_wkv)
 
-    # one step captured (after a warm-up on another stream, as DecodeGraphs does), replayed from decode_steps' start
+    # one step captured (after a warm-up on another stream, as StepGraphs does), replayed from decode_steps' start
     monkeypatch.setattr(model.fused, "lora_streams", 2)
     pool = model.new_state_pool(slots)
     tokens = [[(7 * i + 3) % 1024] for i in range(rows)]
