@@ -32,6 +32,11 @@ from infer.tokenizer import IncrementalDecoder, WorldTokenizer
 log = logging.getLogger(__name__)
 
 EOD_TOKEN = 0  # end of document: always stops a row
+# A step that scores prompt tokens (prompt_logprobs) computes the logits of every token it feeds, [tokens, vocab] in
+# fp32 and again as log-probabilities: 512 MB each for a 2,048-token step at vocab 65,536. Such a step feeds at most
+# this many prompt tokens (64 MB each), so one scoring request cannot exhaust the device's memory and fail the step
+# of every other row.
+SCORED_STEP_TOKENS = 256
 
 
 def visible_byte_count(raw: bytes, chars: int) -> int:
@@ -415,6 +420,9 @@ class Engine:
         decoding = len(rows)
         samples = [True] * decoding
         budget = self.prefill_step_tokens  # prompt tokens this step
+        if any(row.phase is Phase.PREFILL and row.request.options.prompt_logprobs is not None
+               for row in self._running):
+            budget = min(budget, SCORED_STEP_TOKENS)
         chunk = self.prefill_chunk_size if decoding else budget  # no stream to hold up: no smaller chunk
         unfinished = chunk  # of them, tokens of prompts that do not end in this step
         score: dict[int, tuple[list[int], int]] = {}

@@ -690,3 +690,34 @@ def test_which_steps_replay_a_graph():
     assert covers([[5, 6]]) and covers([[1] * PROMPT_GRAPH_MAX_TOKENS])
     assert not covers([[1] * (PROMPT_GRAPH_MAX_TOKENS + 1)])
     assert not covers([[5, 6], [7, 8]]) and not covers([[5], [6, 7]])
+
+
+def test_a_step_that_scores_prompt_tokens_feeds_a_bounded_number(model, tokenizer, monkeypatch):
+    """A step scoring prompt tokens (prompt_logprobs) computes every fed token's logits: it feeds at most
+    SCORED_STEP_TOKENS prompt tokens (its own and other prompts'), whatever the step budget, and the scores are those
+    of the whole prompt at once."""
+    import infer.engine as engine_module
+    from infer.engine import PromptLogprobs
+    monkeypatch.setattr(engine_module, "SCORED_STEP_TOKENS", 8)
+    prompt = tokenizer.encode("Scoring a prompt long enough to need several steps of eight tokens each, at least; "
+                              "so it goes on a while longer, with a few more words after the first clause.")
+    other = tokenizer.encode("Another prompt, not scored, that arrives with it and would fit in one step.")
+    assert len(prompt) > 24 and len(other) > 8
+    engine = make_engine(model, tokenizer, chunk=64, step_tokens=256)
+    fed = []  # tokens fed by each step while the scored prompt is not through
+    step = engine.runner.launch
+
+    def launch(rows, *args, **kwargs):
+        if not any(isinstance(e, PromptLogprobs) for e in scored.events):
+            fed.append(sum(map(len, rows)))
+        return step(rows, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "launch", launch)
+    scored = submit(engine, [prompt], max_tokens=0, prompt_logprobs=1)
+    plain = submit(engine, [other], max_tokens=2, sampling=GREEDY)
+    drain(engine, scored, plain)
+    assert len(fed) >= 4 and max(fed) <= 8 + 1  # prompt tokens, and the other row's decode token once it decodes
+    (event,) = [e for e in scored.events if isinstance(e, PromptLogprobs)]
+    logp = torch.log_softmax(model.prefill([prompt], [0], model.new_state_pool(1), all_logits=True), -1)
+    assert all(abs(event.entries[j].logprob - logp[j - 1, prompt[j]].item()) < 1e-4 for j in range(1, len(prompt)))
+    assert plain.tokens() == run_alone(model, tokenizer, other, max_tokens=2, sampling=GREEDY).tokens()
