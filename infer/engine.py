@@ -411,24 +411,24 @@ class Engine:
     def _launch_and_read(self) -> tuple[list[_Row], int, list[bool], dict[int, tuple[list[int], int]], StepOutput]:
         """Build this step's batch from the running rows (decoding rows first, then prompt chunks),
         run it, and read its results (queueing the next decode step first where it may run ahead)."""
-        feeds, slots, samples, rows = [], [], [], []
+        feeds, slots, samples, rows, prompts = [], [], [], [], []
         for row in self._running:
             if row.phase is Phase.DECODE:
                 feeds.append([row.next_input])
                 slots.append(row.slot)
                 rows.append(row)
+            else:
+                prompts.append(row)
         decoding = len(rows)
         samples = [True] * decoding
         budget = self.prefill_step_tokens  # prompt tokens this step
-        if any(row.phase is Phase.PREFILL and row.request.options.prompt_logprobs is not None
-               for row in self._running):
+        if any(row.phase is Phase.PREFILL and row.request.options.prompt_logprobs is not None for row in prompts):
             budget = min(budget, SCORED_STEP_TOKENS)
         chunk = self.prefill_chunk_size if decoding else budget  # no stream to hold up: no smaller chunk
         unfinished = chunk  # of them, tokens of prompts that do not end in this step
         score: dict[int, tuple[list[int], int]] = {}
         # prompts that fit whole first (a short request is not kept waiting behind a long one), each kind in order
-        prompts = sorted((row for row in self._running if row.phase is not Phase.DECODE),
-                         key=lambda row: len(row.feed) - row.pos > chunk)
+        prompts.sort(key=lambda row: len(row.feed) - row.pos > chunk)
         for row in prompts:
             if budget <= 0:
                 break

@@ -127,7 +127,7 @@ class StepGraphs:
     def run(self, rows: Sequence[Sequence[int]] | torch.Tensor, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, V] and the slot-id tensor [B] of a step that ``covers`` (``rows`` may also be a tensor of one
         token per row, on the device)."""
-        if isinstance(rows, torch.Tensor) or all(len(r) == 1 for r in rows):
+        if isinstance(rows, torch.Tensor) or not rows or len(rows[0]) == 1:  # covered: a decode step
             count = len(rows)
             key = ("decode", next(b for b in self.buckets if b >= count))
             tokens = rows if isinstance(rows, torch.Tensor) else torch.tensor([r[0] for r in rows], dtype=torch.long)
