@@ -1,9 +1,9 @@
 """Where a lone short request's time to first token goes inside the engine (no HTTP): the engine as app.py builds
 it on a GPU (CUDA graphs, decode ahead, app.py's prompt budgets), run on this thread, one request at a time.
 
-For each request: submit to first token (the engine's own TTFT), split into the admission step (inbox, slot,
-sampler row) and the prompt step (forward, sampling, reading the token); the first request is timed apart (what a
-server pays once, before and after ``ModelRunner.warm_up_prompts``, which app.py runs). With --cprofile, the
+For each request: submit to first token (the engine's own TTFT) and the time of each engine round until then
+(admission and the prompt step share one round); the first request is timed apart (what a server pays once,
+without and with ``ModelRunner.warm_up_prompts``, which app.py runs). With --cprofile, the
 host functions of one steady-state request's prompt step by their own time.
 
     python bench/profile_ttft.py --size 7.2b --prompt-tokens 19 --out bench/results/profile_ttft_h200.json
@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app import GPU_PREFILL_STEP_TOKENS, build_parser  # noqa: E402
 from bench.bench_decode import load_model  # noqa: E402
+from bench.bench_serving import STORY_PROMPT  # noqa: E402
 from infer.engine import Engine, GenerationOptions, Request, RowText  # noqa: E402
 from infer.runner import ModelRunner  # noqa: E402
 from infer.sampler import SamplingParams  # noqa: E402
 from infer.tokenizer import load_world_tokenizer  # noqa: E402
 
-STORY_PROMPT = "User: Write a long story about a lighthouse keeper and the sea.\n\nAssistant:"  # 19 tokens
 
 
 def build_engine(size: str, warm_up: bool, slots: int) -> Engine:
