@@ -85,19 +85,24 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) ->
     return times, tokens
 
 
-async def client_streams(base: str, n: int, max_tokens: int, start_at: float,
-                         prompt: str = STORY_PROMPT) -> list[tuple[list[float], int]]:
+async def client_streams(base: str, n: int, max_tokens: int, start_at: float, prompt: str = STORY_PROMPT,
+                         starts: list[float] | None = None) -> list[tuple[list[float], int]]:
     """n concurrent streams from this process, starting at ``start_at`` (time.perf_counter, which on
-    Linux is the system-wide monotonic clock, so processes share it)."""
+    Linux is the system-wide monotonic clock, so processes share it), or stream j at ``starts[j]``."""
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    starts = starts or [start_at] * n
+
+    async def stream_at(at: float) -> tuple[list[float], int]:
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        return await one_stream(client, prompt, max_tokens)
+
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
-        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-        return await asyncio.gather(*(one_stream(client, prompt, max_tokens) for _ in range(n)))
+        return await asyncio.gather(*(stream_at(at) for at in starts))
 
 
-def client_process(base: str, n: int, max_tokens: int, start_at: float,
-                   prompt: str = STORY_PROMPT) -> list[tuple[list[float], int]]:
-    return asyncio.run(client_streams(base, n, max_tokens, start_at, prompt))
+def client_process(base: str, n: int, max_tokens: int, start_at: float, prompt: str = STORY_PROMPT,
+                   starts: list[float] | None = None) -> list[tuple[list[float], int]]:
+    return asyncio.run(client_streams(base, n, max_tokens, start_at, prompt, starts))
 
 
 def server_ttft(base: str) -> tuple[float, float]:
@@ -120,25 +125,30 @@ def long_prompt_ttft(base: str, tokens: int, start_at: float) -> float:
     return asyncio.run(run())
 
 
-def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0, prompt: str = STORY_PROMPT) -> dict:
+def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0, prompt: str = STORY_PROMPT,
+          stagger_s: float = 0.0) -> dict:
     """N streams split over up to ``procs`` client processes: one Python process parsing every
     stream's chunks would itself become the bottleneck at a few thousand chunks per second.
     ``long_prompt`` > 0: one more request with a prompt that long arrives ``LONG_PROMPT_DELAY_S``
-    after the streams (while they decode); the streams' ITL shows what feeding it costs them."""
+    after the streams (while they decode); the streams' ITL shows what feeding it costs them.
+    ``stagger_s`` > 0: stream i starts i * stagger_s after the first (each arrives while the earlier ones decode)
+    instead of all at once."""
     procs = max(1, min(procs, n))
     shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     start_at = time.perf_counter() + 1.0 + 0.05 * procs  # time for the workers to start
+    # stream i of the level is process i % procs's stream i // procs
+    starts = [[start_at + (p + procs * j) * stagger_s for j in range(share)] for p, share in enumerate(shares)]
     ttft_before = server_ttft(base)
     long_pool = ThreadPoolExecutor(1)
     long_ttft = long_pool.submit(long_prompt_ttft, base, long_prompt, start_at + LONG_PROMPT_DELAY_S) \
         if long_prompt else None
     if procs == 1:
-        streams = client_process(base, n, max_tokens, start_at, prompt)
+        streams = client_process(base, n, max_tokens, start_at, prompt, starts[0])
     else:
         spawn = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(procs, mp_context=spawn) as pool:
             parts = pool.map(client_process, [base] * procs, shares, [max_tokens] * procs, [start_at] * procs,
-                             [prompt] * procs)
+                             [prompt] * procs, starts)
             streams = [s for part in parts for s in part]
     times = [t for t, _ in streams]
     wall = max(t[-1] for t in times) - min(t[0] for t in times)
@@ -172,6 +182,9 @@ def main() -> None:
                     help="each stream's prompt: this many tokens (0: a 19-token story request)")
     ap.add_argument("--long-prompt", type=int, default=0,
                     help="tokens of one extra prompt sent mid-level (0: none); reports its TTFT and the ITL max")
+    ap.add_argument("--stagger-ms", type=float, default=0.0,
+                    help="start a level's streams this far apart instead of all at once (each arrives while the "
+                         "earlier ones decode)")
     ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     port = free_port()
@@ -181,7 +194,7 @@ def main() -> None:
     copy = Path(os.environ["OUT"]) / out.name if os.environ.get("OUT") and Path(os.environ["OUT"]).is_dir() else None
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": device_name(server_args),
               "server_args": server_args, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens or 19,
-              "long_prompt": args.long_prompt, "levels": []}
+              "long_prompt": args.long_prompt, "stagger_ms": args.stagger_ms, "levels": []}
     started = time.perf_counter()
     server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port), "--log-level", "warning",
                                *server_args], env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -200,7 +213,8 @@ def main() -> None:
         level(base, 2, 4, 1)  # warm-up
         for n in args.levels.split(","):
             prompt = filler_prompt(args.prompt_tokens) if args.prompt_tokens else STORY_PROMPT
-            result["levels"].append(level(base, int(n), args.max_tokens, args.client_procs, args.long_prompt, prompt))
+            result["levels"].append(level(base, int(n), args.max_tokens, args.client_procs, args.long_prompt, prompt,
+                                          args.stagger_ms / 1000))
             print(result["levels"][-1], flush=True)
             for path in [out] + ([copy] if copy else []):  # after every level: a later timeout keeps these
                 path.write_text(json.dumps(result, indent=2) + "\n")

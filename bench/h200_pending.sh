@@ -83,6 +83,10 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-ratio  # 7.2B batch-256 forward, then serving, one machine
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh ttft-host  # a lone request's TTFT in the engine (cProfile), server
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh prompt-graphs  # short one-row prompts from graphs: tests, TTFT
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh graphs-http  # graph GPU tests, lone 19/1k prompts and 1/32/256
+#                                                                  # streams through HTTP (NAME_TAG names the results)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh mixed-graphs  # mixed steps from graphs: tests, eager vs graphs
+#                                                                   # by decoding rows, HTTP staggered and at once
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -1133,6 +1137,39 @@ prompt-graphs)  # one-row prompt steps of 2-64 tokens replayed from CUDA graphs:
     step 100 "engine TTFT, prompt graphs" python bench/profile_ttft.py --size 7.2b --runs warmed_up --requests 12 \
         --out bench/results/profile_ttft_prompt_graphs_h200.json
     copy bench/results/profile_ttft_prompt_graphs_h200.json
+    ;;
+graphs-http)  # the prompt graphs through HTTP: graph GPU tests (the fused-kernel prompt graphs too), a lone 19- and
+    # 1,024-token prompt four times each, then 1/32/256 streams of 256 tokens (defaults); NAME_TAG names the results
+    build_fused
+    step 120 "graph GPU tests" python -m pytest -q -p no:cacheprovider test/test_graphs_cuda.py
+    tag=${NAME_TAG:-graphs}
+    for tokens in 19 1024; do
+        prompt=$tokens && [ $tokens = 19 ] && prompt=0
+        step 120 "lone $tokens-token prompt" env NAME=h200_7.2b_lone${tokens}_$tag LEVELS=1,1,1,1 MAX_TOKENS=8 \
+            PROMPT_TOKENS=$prompt EXTRA_SERVER_ARGS="--prefix-cache 0" bash bench/h200_serving.sh
+        copy bench/results/serving_h200_7.2b_lone${tokens}_$tag.json
+    done
+    step 150 "HTTP serving, defaults" env NAME=h200_7.2b_$tag LEVELS=1,32,256 MAX_TOKENS=256 bash bench/h200_serving.sh
+    copy bench/results/serving_h200_7.2b_$tag.json
+    ;;
+mixed-graphs)  # a step of decoding rows and one short prompt replayed as the decode graph, then the prompt's: graph GPU
+    # tests, eager against replayed at 1-256 decoding rows (7.2B, 1.5B), then HTTP: 32 streams arriving 20 ms apart
+    # (each arrival a mixed step) and 1/32/256 at once
+    build_fused
+    step 150 "graph GPU tests" python -m pytest -q -p no:cacheprovider test/test_graphs_cuda.py
+    step 200 "mixed steps, eager against graphs" python bench/bench_mixed_steps.py --sizes 7.2b,1.5b \
+        --out bench/results/mixed_steps_h200.json
+    copy bench/results/mixed_steps_h200.json
+    cp infer/runner.py /tmp/runner.py  # the eager mixed steps first (no decoding row beside a graphed prompt)
+    sed -i "s/^MIXED_GRAPH_MAX_DECODE_ROWS = .*/MIXED_GRAPH_MAX_DECODE_ROWS = -1/" infer/runner.py
+    for run in eager mixed; do
+        step 100 "HTTP, 32 streams 20 ms apart, $run" env NAME=h200_7.2b_stagger_$run LEVELS=32,32 MAX_TOKENS=256 \
+            STAGGER_MS=20 bash bench/h200_serving.sh
+        copy bench/results/serving_h200_7.2b_stagger_$run.json
+        cp /tmp/runner.py infer/runner.py
+    done
+    step 150 "HTTP serving, defaults" env NAME=h200_7.2b_mixed LEVELS=1,32,256 MAX_TOKENS=256 bash bench/h200_serving.sh
+    copy bench/results/serving_h200_7.2b_mixed.json
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights

@@ -21,6 +21,7 @@ LEVELS=${LEVELS:-1,32,256}
 MAX_TOKENS=${MAX_TOKENS:-128}
 LONG_PROMPT=${LONG_PROMPT:-0}                      # tokens of one extra prompt sent mid-level (0: none)
 PROMPT_TOKENS=${PROMPT_TOKENS:-0}                  # each stream's prompt length (0: a 19-token request)
+STAGGER_MS=${STAGGER_MS:-0}                        # streams of a level start this far apart (0: all at once)
 MAX_BATCH=${MAX_BATCH:-256}
 GRAPHS=${GRAPHS:-on}
 NAME=${NAME:-h200_7.2b}
@@ -49,7 +50,7 @@ fi
 stamp "bench_serving: levels $LEVELS, $MAX_TOKENS tokens, $MAX_BATCH slots, cuda graphs $GRAPHS"
 # shellcheck disable=SC2086  # EXTRA_SERVER_ARGS is a word list on purpose
 $PY bench/bench_serving.py --levels "$LEVELS" --max-tokens "$MAX_TOKENS" --long-prompt "$LONG_PROMPT" \
-    --prompt-tokens "$PROMPT_TOKENS" --name "$NAME" \
+    --prompt-tokens "$PROMPT_TOKENS" --stagger-ms "$STAGGER_MS" --name "$NAME" \
     --out-dir "$RESULTS" -- \
     "${model_args[@]}" --max-batch-size "$MAX_BATCH" --cuda-graphs "$GRAPHS" $EXTRA_SERVER_ARGS 2>&1 | tee -a "$LOG"
 stamp "done: $RESULTS/serving_$NAME.json"

@@ -69,6 +69,11 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # (a request arriving while nothing decodes) is bound by the host's launches, a 7.2B forward of 19 tokens issuing
 # ~10 ms of them for ~5 ms of GPU work; longer prompts keep the GPU busier than the host.
 PROMPT_GRAPH_MAX_TOKENS = 64
+# A step of decoding rows and one such prompt (a request arriving while others stream) replays the decode graph, then
+# the prompt's, when it has at most this many decoding rows: two replays read the weights twice, which costs less than
+# an eager forward's launches while the decode graph is short; with more rows the eager step wins (measured on the
+# H200 at 7.2B, the model most bound by its weights: bench/bench_mixed_steps.py).
+MIXED_GRAPH_MAX_DECODE_ROWS = 64
 
 
 class StepGraphs:
@@ -78,15 +83,17 @@ class StepGraphs:
     A decode step of B rows replays the graph of the smallest bucket >= B after copying the
     token and slot ids into static buffers; padding rows use a scratch slot that no row owns.
     This removes the per-kernel launch cost that dominates small-batch decode. A prompt step
-    replays the graph of exactly its length (padding would change the recurrence). All graphs
-    share one memory pool: they run one at a time, on one stream.
+    replays the graph of exactly its length (padding would change the recurrence); a step of
+    decoding rows and one short prompt replays both. All graphs share one memory pool: they run
+    one at a time, on one stream.
     """
 
     def __init__(self, model: RWKV7, state: StatePool, scratch_slot: int, max_rows: int,
-                 prompt_tokens: int = PROMPT_GRAPH_MAX_TOKENS):
+                 prompt_tokens: int = PROMPT_GRAPH_MAX_TOKENS, mixed_rows: int = MIXED_GRAPH_MAX_DECODE_ROWS):
         self.model, self.state, self.scratch = model, state, scratch_slot
         self.buckets = sorted({b for b in GRAPH_BUCKETS if b < max_rows} | {max_rows})
         self.prompt_lengths = range(2, prompt_tokens + 1)
+        self.mixed_rows = mixed_rows  # decoding rows a step beside a prompt may have to replay graphs
         device = model.device
         self.tokens = torch.zeros(max(max_rows, prompt_tokens), dtype=torch.long, device=device)
         self.slots = torch.full((max_rows,), scratch_slot, dtype=torch.long, device=device)
@@ -121,20 +128,34 @@ class StepGraphs:
         return self._graphs[kind, size]
 
     def covers(self, rows: Sequence[Sequence[int]]) -> bool:
-        """Whether a step feeding ``rows`` replays a graph: every row one token, or one row a short prompt."""
-        return all(len(r) == 1 for r in rows) or (len(rows) == 1 and len(rows[0]) in self.prompt_lengths)
+        """Whether a step feeding ``rows`` replays graphs: every row one token; or one row a short prompt, last,
+        after at most ``mixed_rows`` rows of one token (the engine puts decoding rows first)."""
+        decoding = len(rows) - 1
+        return not rows or all(len(r) == 1 for r in rows) or (
+            len(rows[-1]) in self.prompt_lengths and decoding <= self.mixed_rows
+            and all(len(r) == 1 for r in rows[:decoding]))
 
     def run(self, rows: Sequence[Sequence[int]] | torch.Tensor, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, V] and the slot-id tensor [B] of a step that ``covers`` (``rows`` may also be a tensor of one
         token per row, on the device)."""
-        if isinstance(rows, torch.Tensor) or not rows or len(rows[0]) == 1:  # covered: a decode step
-            count = len(rows)
-            key = ("decode", next(b for b in self.buckets if b >= count))
-            tokens = rows if isinstance(rows, torch.Tensor) else torch.tensor([r[0] for r in rows], dtype=torch.long)
-        else:
-            count, key = 1, ("prompt", len(rows[0]))
-            tokens = torch.tensor(rows[0], dtype=torch.long)
-        graph, logits, batch = self._graphs.get(key) or self._capture(*key)
+        if isinstance(rows, torch.Tensor):
+            return self._replay("decode", rows, slots)
+        if not rows or len(rows[-1]) == 1:  # covered: a decode step
+            return self._replay("decode", torch.tensor([r[0] for r in rows], dtype=torch.long), slots)
+        prompt = torch.tensor(rows[-1], dtype=torch.long)
+        if len(rows) == 1:
+            return self._replay("prompt", prompt, slots)
+        # The decode graph first: the prompt graph was captured while the decode graphs' logits were held, so its
+        # replay leaves them alone; the other way round, the decode graph's scratch memory may hold the prompt's.
+        decoded, _ = self._replay("decode", torch.tensor([r[0] for r in rows[:-1]], dtype=torch.long), slots[:-1])
+        prompted, _ = self._replay("prompt", prompt, slots[-1:])
+        slot_ids = torch.tensor(slots, dtype=torch.long).to(self.slots.device, non_blocking=True)
+        return torch.cat([decoded, prompted]), slot_ids  # slot ids of their own: the static ones now hold the prompt's
+
+    def _replay(self, kind: str, tokens: torch.Tensor, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        count = len(slots)
+        size = next(b for b in self.buckets if b >= count) if kind == "decode" else len(tokens)
+        graph, logits, batch = self._graphs.get((kind, size)) or self._capture(kind, size)
         self.tokens[:len(tokens)].copy_(tokens, non_blocking=True)
         self.slots[:count].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
         self.slots[count:batch.num_rows].fill_(self.scratch)
@@ -174,7 +195,8 @@ class ModelRunner:
         return {**self.model.implementations(), "sampler": getattr(self.sampler, "name", "torch"),
                 "state": f"{self.num_slots} slots, wkv {str(self.state.wkv.dtype).removeprefix('torch.')}",
                 "decode": f"CUDA graphs, buckets {self.graphs.buckets}; one-row prompts of 2-"
-                          f"{self.graphs.prompt_lengths[-1]} tokens too" if self.graphs else "eager"}
+                          f"{self.graphs.prompt_lengths[-1]} tokens too, beside up to {self.graphs.mixed_rows} "
+                          "decoding rows" if self.graphs else "eager"}
 
     def start_row(self, slot: int, params: SamplingParams, initial: SlotState | None = None) -> None:
         """Prepare a slot for a new row: its starting state (empty or imported) and sampler state."""

@@ -1,14 +1,16 @@
-"""Decode and short one-row prompts through CUDA graphs equal eager steps (needs a CUDA GPU; skipped elsewhere)."""
+"""Decode, short one-row prompts and both in one step through CUDA graphs equal eager steps (needs a CUDA GPU;
+skipped elsewhere)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from infer.batch import PackedBatch
 from infer.engine import Engine, GenerationOptions, Request, RowFinished, RowText
 from infer.model import RWKV7
 from infer.ops.wkv_cuda import select_wkv
 from infer.random_model import make_config, random_state_dict
-from infer.runner import ModelRunner
+from infer.runner import MIXED_GRAPH_MAX_DECODE_ROWS, ModelRunner
 from infer.sampler import SamplingParams
 from infer.tokenizer import load_world_tokenizer
 
@@ -75,6 +77,41 @@ def test_prompt_graph_matches_eager(request, forward, length):
     x, y = eager.export_state(5), graphs.export_state(5)
     assert (x.wkv - y.wkv).abs().max().item() < 1e-2
     assert (x.att_shift.float() - y.att_shift.float()).abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("forward", ["readable", "fused"])
+@pytest.mark.parametrize("decoding", [1, 5, MIXED_GRAPH_MAX_DECODE_ROWS])
+def test_mixed_step_graphs_match_eager(request, forward, decoding):
+    """A step of decoding rows and one short prompt (last) replays the decode graph, then the prompt's: the logits
+    of every row and the slot ids handed to the sampler are the eager step's, and decoding on from there gives the
+    same tokens and states; one more decoding row makes the step eager."""
+    model = request.getfixturevalue("model" if forward == "readable" else "fused_model")
+    slots_total = MIXED_GRAPH_MAX_DECODE_ROWS + 8
+    eager, graphs = ModelRunner(model, slots_total), ModelRunner(model, slots_total, cuda_graphs=True)
+    g = torch.Generator().manual_seed(decoding)
+    slots = list(range(slots_total - 1, slots_total - 2 - decoding, -1))  # not in order: slot ids must follow rows
+    histories = torch.randint(1, 65530, (2, decoding), generator=g).tolist()
+    prompt = torch.randint(1, 65530, (19,), generator=g).tolist()
+    rows = [[t] for t in torch.randint(1, 65530, (decoding,), generator=g).tolist()] + [prompt]
+    assert graphs.graphs.covers(rows) and not graphs.graphs.covers([[1]] * (MIXED_GRAPH_MAX_DECODE_ROWS + 1) + [prompt])
+    for runner in (eager, graphs):
+        for s in slots:
+            runner.start_row(s, SamplingParams(temperature=0))
+        for tokens in histories:  # some state in the decoding rows
+            runner.step([[t] for t in tokens], slots[:-1], [True] * decoding)
+    want = model.forward(PackedBatch.from_rows(rows, slots, model.device), eager.state).float()
+    got, slot_ids = graphs.graphs.run(rows, slots)
+    assert slot_ids.tolist() == slots
+    assert (got.float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+    outs = []
+    for runner in (eager, graphs):  # the next steps from the states these forwards left
+        out = [runner.step([[5]] * len(slots), slots, [True] * len(slots)).tokens]
+        out.append(runner.step([[t] for t in out[-1]], slots, [True] * len(slots)).tokens)
+        outs.append(out)
+    assert outs[0] == outs[1]
+    for s in slots:
+        x, y = eager.export_state(s), graphs.export_state(s)
+        assert (x.wkv - y.wkv).abs().max().item() < 1e-2
 
 
 def generate(runner: ModelRunner, prompts: list[list[int]], decode_ahead: bool = False) -> list[list[int]]:
