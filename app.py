@@ -51,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weights/activations; default fp32 on CPU, fp16 on CUDA")
     ap.add_argument("--state-dtype", choices=("fp32", "fp16"), default="fp32", help="storage of the WKV state")
     ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
-                    help="replay decode steps (bucketed batch sizes) and one-row prompt steps of 2-64 tokens as CUDA "
-                         "graphs (auto: on for CUDA devices)")
+                    help="replay decode steps (bucketed batch sizes) and steps feeding one row a prompt of 2-64 tokens "
+                         "(alone or beside decoding rows) as CUDA graphs (auto: on for CUDA devices)")
     ap.add_argument("--decode-ahead", choices=("auto", "on", "off"), default="auto",
                     help="queue each decode step before the last one's tokens are read, so the GPU does not wait "
                          "for the host between steps (same outputs; auto: on for CUDA devices)")

@@ -1,6 +1,6 @@
 """A step of decoding rows and one short prompt (a request arriving while others stream): eager against replayed
 from CUDA graphs (the decode graph, then the prompt's), wall time of ModelRunner.step (launch to tokens on the host)
-at each number of decoding rows. Sets MIXED_GRAPH_MAX_DECODE_ROWS: the largest row count where the graphs win.
+at each number of decoding rows (StepGraphs.mixed_steps off and on).
 
     python bench/bench_mixed_steps.py --sizes 7.2b,1.5b --out bench/results/mixed_steps_h200.json
 """
@@ -38,8 +38,8 @@ def measure(runner: ModelRunner, decoding: int, prompt_tokens: int, repeats: int
         runner.start_row(s, SamplingParams(temperature=0))
     times: dict[str, list[float]] = {"eager": [], "graphs": []}
     for i in range(repeats + 3):
-        for path, limit in (("eager", -1), ("graphs", decoding)):
-            runner.graphs.mixed_rows = limit
+        for path, mixed in (("eager", False), ("graphs", True)):
+            runner.graphs.mixed_steps = mixed
             assert runner.graphs.covers(rows) == (path == "graphs")
             ms = step_ms(runner, rows, slots)
             if i >= 3:  # the first rounds load kernels and pick cuBLAS algorithms

@@ -1161,7 +1161,8 @@ mixed-graphs)  # a step of decoding rows and one short prompt replayed as the de
         --out bench/results/mixed_steps_h200.json
     copy bench/results/mixed_steps_h200.json
     cp infer/runner.py /tmp/runner.py  # the eager mixed steps first (no decoding row beside a graphed prompt)
-    sed -i "s/^MIXED_GRAPH_MAX_DECODE_ROWS = .*/MIXED_GRAPH_MAX_DECODE_ROWS = -1/" infer/runner.py
+    sed -i "s/mixed_steps: bool = True/mixed_steps: bool = False/" infer/runner.py
+    grep -q "mixed_steps: bool = False" infer/runner.py || { echo "mixed_steps default not found"; exit 1; }
     for run in eager mixed; do
         step 100 "HTTP, 32 streams 20 ms apart, $run" env NAME=h200_7.2b_stagger_$run LEVELS=32,32 MAX_TOKENS=256 \
             STAGGER_MS=20 bash bench/h200_serving.sh

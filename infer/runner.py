@@ -69,11 +69,6 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # (a request arriving while nothing decodes) is bound by the host's launches, a 7.2B forward of 19 tokens issuing
 # ~10 ms of them for ~5 ms of GPU work; longer prompts keep the GPU busier than the host.
 PROMPT_GRAPH_MAX_TOKENS = 64
-# A step of decoding rows and one such prompt (a request arriving while others stream) replays the decode graph, then
-# the prompt's, when it has at most this many decoding rows: two replays read the weights twice, which costs less than
-# an eager forward's launches while the decode graph is short; with more rows the eager step wins (measured on the
-# H200 at 7.2B, the model most bound by its weights: bench/bench_mixed_steps.py).
-MIXED_GRAPH_MAX_DECODE_ROWS = 64
 
 
 class StepGraphs:
@@ -83,17 +78,22 @@ class StepGraphs:
     A decode step of B rows replays the graph of the smallest bucket >= B after copying the
     token and slot ids into static buffers; padding rows use a scratch slot that no row owns.
     This removes the per-kernel launch cost that dominates small-batch decode. A prompt step
-    replays the graph of exactly its length (padding would change the recurrence); a step of
-    decoding rows and one short prompt replays both. All graphs share one memory pool: they run
-    one at a time, on one stream.
+    replays the graph of exactly its length (padding would change the recurrence). A step of
+    decoding rows and one short prompt (a request arriving while others stream) replays both:
+    the weights are read twice, but the host launches nothing per layer. On an H200
+    (bench/bench_mixed_steps.py) that is 1.4-2.6x faster than the eager step at 1.5B whatever the
+    decoding rows, and at 7.2B 0.88-1.23x of it alone but faster in the server, whose other
+    threads slow the eager step's launches (32 streams arriving 20 ms apart: the server's TTFT
+    19-23 ms against 26-37, inter-token p99 17 ms against 21-32). All graphs share one memory
+    pool: they run one at a time, on one stream.
     """
 
     def __init__(self, model: RWKV7, state: StatePool, scratch_slot: int, max_rows: int,
-                 prompt_tokens: int = PROMPT_GRAPH_MAX_TOKENS, mixed_rows: int = MIXED_GRAPH_MAX_DECODE_ROWS):
+                 prompt_tokens: int = PROMPT_GRAPH_MAX_TOKENS, mixed_steps: bool = True):
         self.model, self.state, self.scratch = model, state, scratch_slot
         self.buckets = sorted({b for b in GRAPH_BUCKETS if b < max_rows} | {max_rows})
         self.prompt_lengths = range(2, prompt_tokens + 1)
-        self.mixed_rows = mixed_rows  # decoding rows a step beside a prompt may have to replay graphs
+        self.mixed_steps = mixed_steps  # whether decoding rows beside a short prompt replay graphs too
         device = model.device
         self.tokens = torch.zeros(max(max_rows, prompt_tokens), dtype=torch.long, device=device)
         self.slots = torch.full((max_rows,), scratch_slot, dtype=torch.long, device=device)
@@ -128,12 +128,11 @@ class StepGraphs:
         return self._graphs[kind, size]
 
     def covers(self, rows: Sequence[Sequence[int]]) -> bool:
-        """Whether a step feeding ``rows`` replays graphs: every row one token; or one row a short prompt, last,
-        after at most ``mixed_rows`` rows of one token (the engine puts decoding rows first)."""
-        decoding = len(rows) - 1
+        """Whether a step feeding ``rows`` replays graphs: every row one token; or one row a short prompt, alone or
+        (``mixed_steps``) last after rows of one token (the engine puts decoding rows first)."""
         return not rows or all(len(r) == 1 for r in rows) or (
-            len(rows[-1]) in self.prompt_lengths and decoding <= self.mixed_rows
-            and all(len(r) == 1 for r in rows[:decoding]))
+            len(rows[-1]) in self.prompt_lengths and (len(rows) == 1 or self.mixed_steps)
+            and all(len(r) == 1 for r in rows[:-1]))
 
     def run(self, rows: Sequence[Sequence[int]] | torch.Tensor, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, V] and the slot-id tensor [B] of a step that ``covers`` (``rows`` may also be a tensor of one
@@ -195,8 +194,8 @@ class ModelRunner:
         return {**self.model.implementations(), "sampler": getattr(self.sampler, "name", "torch"),
                 "state": f"{self.num_slots} slots, wkv {str(self.state.wkv.dtype).removeprefix('torch.')}",
                 "decode": f"CUDA graphs, buckets {self.graphs.buckets}; one-row prompts of 2-"
-                          f"{self.graphs.prompt_lengths[-1]} tokens too, beside up to {self.graphs.mixed_rows} "
-                          "decoding rows" if self.graphs else "eager"}
+                          f"{self.graphs.prompt_lengths[-1]} tokens too, alone or beside decoding rows"
+                          if self.graphs else "eager"}
 
     def start_row(self, slot: int, params: SamplingParams, initial: SlotState | None = None) -> None:
         """Prepare a slot for a new row: its starting state (empty or imported) and sampler state."""

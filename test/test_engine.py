@@ -679,22 +679,21 @@ def test_prompt_warm_up_leaves_no_trace(model, tokenizer, sampling):
 
 def test_which_steps_replay_a_graph():
     """StepGraphs.covers: decode steps (one token a row), steps feeding one row a prompt of 2 to
-    PROMPT_GRAPH_MAX_TOKENS tokens, and such a prompt last after up to MIXED_GRAPH_MAX_DECODE_ROWS decoding rows
-    replay CUDA graphs; anything else (several prompt rows, a prompt before a decoding row, more decoding rows, a
-    longer prompt) runs eagerly."""
+    PROMPT_GRAPH_MAX_TOKENS tokens, and such a prompt last after decoding rows (unless mixed steps are off) replay
+    CUDA graphs; anything else (several prompt rows, a prompt before a decoding row, a longer prompt) runs eagerly."""
     from types import SimpleNamespace
 
-    from infer.runner import MIXED_GRAPH_MAX_DECODE_ROWS, PROMPT_GRAPH_MAX_TOKENS, StepGraphs
-    graphs = SimpleNamespace(prompt_lengths=range(2, PROMPT_GRAPH_MAX_TOKENS + 1),
-                             mixed_rows=MIXED_GRAPH_MAX_DECODE_ROWS)
+    from infer.runner import PROMPT_GRAPH_MAX_TOKENS, StepGraphs
+    graphs = SimpleNamespace(prompt_lengths=range(2, PROMPT_GRAPH_MAX_TOKENS + 1), mixed_steps=True)
     covers = lambda rows: StepGraphs.covers(graphs, rows)  # noqa: E731
     assert covers([[5]]) and covers([[5], [6], [7]])
     assert covers([[5, 6]]) and covers([[1] * PROMPT_GRAPH_MAX_TOKENS])
     assert not covers([[1] * (PROMPT_GRAPH_MAX_TOKENS + 1)])
     assert not covers([[5, 6], [7, 8]]) and not covers([[5, 6], [7]])
-    assert covers([[5], [6, 7]]) and covers([[5]] * MIXED_GRAPH_MAX_DECODE_ROWS + [[6, 7]])
-    assert not covers([[5]] * (MIXED_GRAPH_MAX_DECODE_ROWS + 1) + [[6, 7]])
+    assert covers([[5], [6, 7]]) and covers([[5]] * 300 + [[1] * PROMPT_GRAPH_MAX_TOKENS])
     assert not covers([[5], [1] * (PROMPT_GRAPH_MAX_TOKENS + 1)]) and not covers([[5], [6, 7], [8, 9]])
+    graphs.mixed_steps = False
+    assert covers([[5], [6]]) and covers([[5, 6]]) and not covers([[5], [6, 7]])
 
 
 def test_a_step_that_scores_prompt_tokens_feeds_a_bounded_number(model, tokenizer, monkeypatch):
