@@ -182,9 +182,9 @@ def main() -> None:
                     help="each stream's prompt: this many tokens (0: a 19-token story request)")
     ap.add_argument("--long-prompt", type=int, default=0,
                     help="tokens of one extra prompt sent mid-level (0: none); reports its TTFT and the ITL max")
-    ap.add_argument("--stagger-ms", type=float, default=0.0,
+    ap.add_argument("--stagger-ms", default="0",
                     help="start a level's streams this far apart instead of all at once (each arrives while the "
-                         "earlier ones decode)")
+                         "earlier ones decode); one value, or one per level (comma-separated)")
     ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     port = free_port()
@@ -194,7 +194,7 @@ def main() -> None:
     copy = Path(os.environ["OUT"]) / out.name if os.environ.get("OUT") and Path(os.environ["OUT"]).is_dir() else None
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": device_name(server_args),
               "server_args": server_args, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens or 19,
-              "long_prompt": args.long_prompt, "stagger_ms": args.stagger_ms, "levels": []}
+              "long_prompt": args.long_prompt, "levels": []}
     started = time.perf_counter()
     server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port), "--log-level", "warning",
                                *server_args], env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -211,10 +211,14 @@ def main() -> None:
         result["server_startup_s"] = round(time.perf_counter() - started, 1)
         print(f"server up after {result['server_startup_s']}s", flush=True)
         level(base, 2, 4, 1)  # warm-up
-        for n in args.levels.split(","):
+        levels = args.levels.split(",")
+        staggers = [float(ms) for ms in args.stagger_ms.split(",")]
+        if len(staggers) not in (1, len(levels)):
+            sys.exit("--stagger-ms: one value, or one per level")
+        for n, stagger_ms in zip(levels, staggers * len(levels) if len(staggers) == 1 else staggers):
             prompt = filler_prompt(args.prompt_tokens) if args.prompt_tokens else STORY_PROMPT
-            result["levels"].append(level(base, int(n), args.max_tokens, args.client_procs, args.long_prompt, prompt,
-                                          args.stagger_ms / 1000))
+            result["levels"].append({**level(base, int(n), args.max_tokens, args.client_procs, args.long_prompt,
+                                             prompt, stagger_ms / 1000), "stagger_ms": stagger_ms})
             print(result["levels"][-1], flush=True)
             for path in [out] + ([copy] if copy else []):  # after every level: a later timeout keeps these
                 path.write_text(json.dumps(result, indent=2) + "\n")

@@ -87,6 +87,8 @@
 #                                                                  # streams through HTTP (NAME_TAG names the results)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh mixed-graphs  # mixed steps from graphs: tests, eager vs graphs
 #                                                                   # by decoding rows, HTTP staggered and at once
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh mixed-stagger  # graph tests; streams arriving apart, eager vs
+#                                                                    # graphed mixed steps, 1.5B and 7.2B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -1171,6 +1173,23 @@ mixed-graphs)  # a step of decoding rows and one short prompt replayed as the de
     done
     step 150 "HTTP serving, defaults" env NAME=h200_7.2b_mixed LEVELS=1,32,256 MAX_TOKENS=256 bash bench/h200_serving.sh
     copy bench/results/serving_h200_7.2b_mixed.json
+    ;;
+mixed-stagger)  # graph GPU tests, then streams arriving apart (each arrival a step of decoding rows and one prompt),
+    # eager mixed steps against graphed ones, 1.5B and 7.2B: 32 streams 20 ms apart and 128 streams 4 ms apart
+    build_fused
+    step 150 "graph GPU tests" python -m pytest -q -p no:cacheprovider test/test_graphs_cuda.py
+    cp infer/runner.py /tmp/runner.py
+    for size in 1.5b:24:2048 7.2b:32:4096; do
+        IFS=: read -r name layers embd <<< "$size"
+        for run in eager mixed; do
+            [ $run = eager ] && sed -i "s/mixed_steps: bool = True/mixed_steps: bool = False/" infer/runner.py
+            step 100 "HTTP $name, streams arriving apart, $run" env NAME=h200_${name}_stagger2_$run LEVELS=32,128 \
+                MAX_TOKENS=256 STAGGER_MS=20,4 MODEL=/tmp/rwkv7-$name-random-fp16.pth \
+                N_LAYER=$layers N_EMBD=$embd bash bench/h200_serving.sh
+            copy bench/results/serving_h200_${name}_stagger2_$run.json
+            cp /tmp/runner.py infer/runner.py
+        done
+    done
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights
