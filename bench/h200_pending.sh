@@ -89,6 +89,8 @@
 #                                                                   # by decoding rows, HTTP staggered and at once
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh mixed-stagger  # graph tests; streams arriving apart, eager vs
 #                                                                    # graphed mixed steps, 1.5B and 7.2B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh mixed-ab  # graph tests; 1.5B, 128 streams 4 ms apart x3,
+#                                                               # eager vs graphed mixed steps
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -1189,6 +1191,19 @@ mixed-stagger)  # graph GPU tests, then streams arriving apart (each arrival a s
             copy bench/results/serving_h200_${name}_stagger2_$run.json
             cp /tmp/runner.py infer/runner.py
         done
+    done
+    ;;
+mixed-ab)  # graph GPU tests, then 1.5B: 128 streams arriving 4 ms apart three times, eager mixed steps then graphed
+    build_fused
+    step 150 "graph GPU tests" python -m pytest -q -p no:cacheprovider test/test_graphs_cuda.py
+    cp infer/runner.py /tmp/runner.py
+    for run in eager mixed; do
+        [ $run = eager ] && sed -i "s/mixed_steps: bool = True/mixed_steps: bool = False/" infer/runner.py
+        step 100 "HTTP 1.5b, 128 streams 4 ms apart, $run" env NAME=h200_1.5b_stagger3_$run LEVELS=128,128,128 \
+            MAX_TOKENS=256 STAGGER_MS=4 MODEL=/tmp/rwkv7-1.5b-random-fp16.pth N_LAYER=24 N_EMBD=2048 \
+            bash bench/h200_serving.sh
+        copy bench/results/serving_h200_1.5b_stagger3_$run.json
+        cp /tmp/runner.py infer/runner.py
     done
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,

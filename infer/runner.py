@@ -141,22 +141,27 @@ class StepGraphs:
             return self._replay("decode", rows, slots)
         if not rows or len(rows[-1]) == 1:  # covered: a decode step
             return self._replay("decode", torch.tensor([r[0] for r in rows], dtype=torch.long), slots)
-        prompt = torch.tensor(rows[-1], dtype=torch.long)
         if len(rows) == 1:
-            return self._replay("prompt", prompt, slots)
+            return self._replay("prompt", torch.tensor(rows[0], dtype=torch.long), slots)
+        # Both graphs' inputs in one copy to the device, before either is queued: the host queues the second graph's
+        # inputs from the device then, not from its own memory after the first graph.
+        decoding, length = len(rows) - 1, len(rows[-1])
+        inputs = torch.tensor([r[0] for r in rows[:-1]] + list(rows[-1]) + list(slots), dtype=torch.long)
+        tokens, prompt, slot_ids = inputs.to(self.slots.device, non_blocking=True).split([decoding, length, len(slots)])
         # The decode graph first: the prompt graph was captured while the decode graphs' logits were held, so its
         # replay leaves them alone; the other way round, the decode graph's scratch memory may hold the prompt's.
-        decoded, _ = self._replay("decode", torch.tensor([r[0] for r in rows[:-1]], dtype=torch.long), slots[:-1])
-        prompted, _ = self._replay("prompt", prompt, slots[-1:])
-        slot_ids = torch.tensor(slots, dtype=torch.long).to(self.slots.device, non_blocking=True)
-        return torch.cat([decoded, prompted]), slot_ids  # slot ids of their own: the static ones now hold the prompt's
+        decoded, _ = self._replay("decode", tokens, slot_ids[:-1])
+        prompted, _ = self._replay("prompt", prompt, slot_ids[-1:])
+        return torch.cat([decoded, prompted]), slot_ids  # not the static slot ids: they hold the prompt's now
 
-    def _replay(self, kind: str, tokens: torch.Tensor, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, kind: str, tokens: torch.Tensor, slots: Sequence[int] | torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         count = len(slots)
         size = next(b for b in self.buckets if b >= count) if kind == "decode" else len(tokens)
         graph, logits, batch = self._graphs.get((kind, size)) or self._capture(kind, size)
         self.tokens[:len(tokens)].copy_(tokens, non_blocking=True)
-        self.slots[:count].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        self.slots[:count].copy_(slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.long),
+                                 non_blocking=True)
         self.slots[count:batch.num_rows].fill_(self.scratch)
         graph.replay()
         return logits[:count], self.slots[:count]
