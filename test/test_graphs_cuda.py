@@ -114,18 +114,27 @@ def test_mixed_step_graphs_match_eager(request, forward, decoding):
         assert (x.wkv - y.wkv).abs().max().item() < 1e-2
 
 
-def generate(runner: ModelRunner, prompts: list[list[int]], decode_ahead: bool = False) -> list[list[int]]:
+def generate(runner: ModelRunner, prompts: list[list[int]], decode_ahead: bool = False,
+             staggered: bool = False) -> list[list[int]]:
+    """Greedy tokens of each prompt: one request of them all, or (``staggered``) a request each, submitted one step
+    apart, so each after the first arrives while the earlier ones decode."""
     engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=64, decode_ahead=decode_ahead)
     out: list[list[int]] = [[] for _ in prompts]
     done = []
 
-    def sink(event):
-        if isinstance(event, RowText):
-            out[event.index].append(event.token_id)
-        elif isinstance(event, RowFinished):
-            done.append(event)
+    def sink_for(first: int):
+        def sink(event):
+            if isinstance(event, RowText):
+                out[first + event.index].append(event.token_id)
+            elif isinstance(event, RowFinished):
+                done.append(event)
+        return sink
 
-    engine.submit(Request(prompts, GenerationOptions(max_tokens=16, sampling=SamplingParams(temperature=0)), sink))
+    options = GenerationOptions(max_tokens=16, sampling=SamplingParams(temperature=0))
+    groups = [[p] for p in prompts] if staggered else [prompts]
+    for i, group in enumerate(groups):
+        engine.submit(Request(group, options, sink_for(i if staggered else 0)))
+        engine.run_once()
     while len(done) < len(prompts):
         engine.run_once()
     assert (engine.steps_ahead > 0) == decode_ahead
@@ -142,6 +151,13 @@ def test_engine_with_graphs_generates_like_eager(model):
     assert generate(ModelRunner(model, 8, cuda_graphs=True), prompts[1:2]) == alone
     # the next graphed step queued before the host reads the tokens it is fed
     assert generate(ModelRunner(model, 8, cuda_graphs=True), prompts, decode_ahead=True) == eager
+    # requests arriving while others decode: their prompt steps replay the decode graph and the prompt's
+    graphed = ModelRunner(model, 8, cuda_graphs=True)
+    replay, mixed = graphed.graphs.run, []
+    graphed.graphs.run = lambda rows, slots: (mixed.append(isinstance(rows, list) and len(rows) > 1
+                                                            and len(rows[-1]) > 1), replay(rows, slots))[1]
+    assert generate(graphed, prompts, staggered=True) == generate(ModelRunner(model, 8), prompts, staggered=True)
+    assert sum(mixed) == len(prompts) - 1
 
 
 def test_step_results_do_not_wait_for_work_queued_after_them(model):
