@@ -83,9 +83,9 @@ class StepGraphs:
     the weights are read twice, but the host launches nothing per layer. On an H200
     (bench/bench_mixed_steps.py) that is 1.4-2.6x faster than the eager step at 1.5B whatever the
     decoding rows, and at 7.2B 0.88-1.23x of it alone but faster in the server, whose other
-    threads slow the eager step's launches (32 streams arriving 20 ms apart: the server's TTFT
-    19-23 ms against 26-37, inter-token p99 17 ms against 21-32). All graphs share one memory
-    pool: they run one at a time, on one stream.
+    threads slow the eager step's launches (7.2B, 32 streams arriving 20 ms apart: the server's
+    TTFT 19-23 ms against 26-37; 1.5B, 128 streams 4 ms apart: 46-62 against 66-85). All graphs
+    share one memory pool: they run one at a time, on one stream.
     """
 
     def __init__(self, model: RWKV7, state: StatePool, scratch_slot: int, max_rows: int,
