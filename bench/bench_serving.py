@@ -230,11 +230,11 @@ def main() -> None:
             server.kill()
             server.wait()
     long = f" {'long TTFT':>9}" if args.long_prompt else ""
-    print(f"{'clients':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'srv TTFT':>9} {'ITL p50':>8} {'ITL p99':>8} "
-          f"{'ITL max':>8}{long}  (ms)")
+    print(f"{'clients':>7} {'apart':>6} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'srv TTFT':>9} {'ITL p50':>8} "
+          f"{'ITL p99':>8} {'ITL max':>8}{long}  (ms)")
     for r in result["levels"]:
         long = f" {r['long_prompt_ttft_ms']:>9}" if args.long_prompt else ""
-        print(f"{r['clients']:>7} {r['tok_s']:>9} {r['ttft_ms_p50']:>9} {r['ttft_ms_p99']:>9} "
+        print(f"{r['clients']:>7} {r['stagger_ms']:>6} {r['tok_s']:>9} {r['ttft_ms_p50']:>9} {r['ttft_ms_p99']:>9} "
               f"{r['server_ttft_ms_mean']:>9} {r['itl_ms_p50']:>8} {r['itl_ms_p99']:>8} {r['itl_ms_max']:>8}{long}")
 
 if __name__ == "__main__":
