@@ -189,8 +189,8 @@ class ModelRunner:
             self.start_row(slot, warm)
         for n in lengths:
             self.step([[0] * n], slots[:1], [True])
-        if len(slots) == 2:
-            self.step([[0], [0] * min(lengths, default=1)], slots, [True, True])
+        if len(slots) == 2:  # the prompt row first: an eager step with graphs on too (the graphs warmed at capture)
+            self.step([[0] * min(lengths, default=1), [0]], slots, [True, True])
         for slot in slots:
             self.end_row(slot)
             self.state.reset([slot])

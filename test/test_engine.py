@@ -680,12 +680,19 @@ def test_prompt_warm_up_leaves_no_trace(model, tokenizer, sampling):
 def test_which_steps_replay_a_graph():
     """StepGraphs.covers: decode steps (one token a row), steps feeding one row a prompt of 2 to
     PROMPT_GRAPH_MAX_TOKENS tokens, and such a prompt last after decoding rows (unless mixed steps are off) replay
-    CUDA graphs; anything else (several prompt rows, a prompt before a decoding row, a longer prompt) runs eagerly."""
+    CUDA graphs; anything else (several prompt rows, a prompt before a decoding row, a longer prompt) runs eagerly,
+    among them the mixed step of the prompt warm-up (it warms the eager forward's shapes)."""
     from types import SimpleNamespace
 
-    from infer.runner import PROMPT_GRAPH_MAX_TOKENS, StepGraphs
+    from infer.runner import PROMPT_GRAPH_MAX_TOKENS, ModelRunner, StepGraphs
     graphs = SimpleNamespace(prompt_lengths=range(2, PROMPT_GRAPH_MAX_TOKENS + 1), mixed_steps=True)
     covers = lambda rows: StepGraphs.covers(graphs, rows)  # noqa: E731
+    warm_up_steps = []
+    runner = SimpleNamespace(num_slots=4, start_row=lambda *a: None, end_row=lambda *a: None,
+                             state=SimpleNamespace(reset=lambda *a: None),
+                             step=lambda rows, slots, sample: warm_up_steps.append(rows))
+    ModelRunner.warm_up_prompts(runner, [16, 512])
+    assert [len(rows) for rows in warm_up_steps] == [1, 1, 2] and not covers(warm_up_steps[-1])
     assert covers([[5]]) and covers([[5], [6], [7]])
     assert covers([[5, 6]]) and covers([[1] * PROMPT_GRAPH_MAX_TOKENS])
     assert not covers([[1] * (PROMPT_GRAPH_MAX_TOKENS + 1)])
