@@ -191,6 +191,25 @@ trained_accuracy() {
     copy "bench/results/$1"
 }
 
+# mixed_ab NAME LEVELS STAGGER_MS SIZE LAYERS EMBD: HTTP serving of the random SIZE model (LAYERS x EMBD), streams of a
+# level arriving STAGGER_MS apart, first with steps of decoding rows and one prompt eager (StepGraphs.mixed_steps off,
+# a sed on this copy of the tree), then replayed from graphs; into bench/results/serving_h200_NAME_{eager,mixed}.json
+mixed_ab() {
+    local name=$1 levels=$2 stagger=$3 size=$4 layers=$5 embd=$6
+    cp infer/runner.py /tmp/runner.py
+    for run in eager mixed; do
+        if [ $run = eager ]; then
+            sed -i "s/mixed_steps: bool = True/mixed_steps: bool = False/" infer/runner.py
+            grep -q "mixed_steps: bool = False" infer/runner.py || { echo "mixed_steps default not found"; return 1; }
+        fi
+        step 100 "HTTP $size, streams $stagger ms apart, $run" env NAME=h200_${name}_$run LEVELS=$levels \
+            MAX_TOKENS=256 STAGGER_MS=$stagger MODEL=/tmp/rwkv7-$size-random-fp16.pth N_LAYER=$layers N_EMBD=$embd \
+            bash bench/h200_serving.sh
+        copy bench/results/serving_h200_${name}_$run.json
+        cp /tmp/runner.py infer/runner.py
+    done
+}
+
 case $PART in
 tests)
     step 300 "GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py \
@@ -1164,15 +1183,7 @@ mixed-graphs)  # a step of decoding rows and one short prompt replayed as the de
     step 200 "mixed steps, eager against graphs" python bench/bench_mixed_steps.py --sizes 7.2b,1.5b \
         --out bench/results/mixed_steps_h200.json
     copy bench/results/mixed_steps_h200.json
-    cp infer/runner.py /tmp/runner.py  # the eager mixed steps first (no decoding row beside a graphed prompt)
-    sed -i "s/mixed_steps: bool = True/mixed_steps: bool = False/" infer/runner.py
-    grep -q "mixed_steps: bool = False" infer/runner.py || { echo "mixed_steps default not found"; exit 1; }
-    for run in eager mixed; do
-        step 100 "HTTP, 32 streams 20 ms apart, $run" env NAME=h200_7.2b_stagger_$run LEVELS=32,32 MAX_TOKENS=256 \
-            STAGGER_MS=20 bash bench/h200_serving.sh
-        copy bench/results/serving_h200_7.2b_stagger_$run.json
-        cp /tmp/runner.py infer/runner.py
-    done
+    mixed_ab 7.2b_stagger 32,32 20 7.2b 32 4096
     step 150 "HTTP serving, defaults" env NAME=h200_7.2b_mixed LEVELS=1,32,256 MAX_TOKENS=256 bash bench/h200_serving.sh
     copy bench/results/serving_h200_7.2b_mixed.json
     ;;
@@ -1180,31 +1191,13 @@ mixed-stagger)  # graph GPU tests, then streams arriving apart (each arrival a s
     # eager mixed steps against graphed ones, 1.5B and 7.2B: 32 streams 20 ms apart and 128 streams 4 ms apart
     build_fused
     step 150 "graph GPU tests" python -m pytest -q -p no:cacheprovider test/test_graphs_cuda.py
-    cp infer/runner.py /tmp/runner.py
-    for size in 1.5b:24:2048 7.2b:32:4096; do
-        IFS=: read -r name layers embd <<< "$size"
-        for run in eager mixed; do
-            [ $run = eager ] && sed -i "s/mixed_steps: bool = True/mixed_steps: bool = False/" infer/runner.py
-            step 100 "HTTP $name, streams arriving apart, $run" env NAME=h200_${name}_stagger2_$run LEVELS=32,128 \
-                MAX_TOKENS=256 STAGGER_MS=20,4 MODEL=/tmp/rwkv7-$name-random-fp16.pth \
-                N_LAYER=$layers N_EMBD=$embd bash bench/h200_serving.sh
-            copy bench/results/serving_h200_${name}_stagger2_$run.json
-            cp /tmp/runner.py infer/runner.py
-        done
-    done
+    mixed_ab 1.5b_stagger2 32,128 20,4 1.5b 24 2048
+    mixed_ab 7.2b_stagger2 32,128 20,4 7.2b 32 4096
     ;;
 mixed-ab)  # graph GPU tests, then 1.5B: 128 streams arriving 4 ms apart three times, eager mixed steps then graphed
     build_fused
     step 150 "graph GPU tests" python -m pytest -q -p no:cacheprovider test/test_graphs_cuda.py
-    cp infer/runner.py /tmp/runner.py
-    for run in eager mixed; do
-        [ $run = eager ] && sed -i "s/mixed_steps: bool = True/mixed_steps: bool = False/" infer/runner.py
-        step 100 "HTTP 1.5b, 128 streams 4 ms apart, $run" env NAME=h200_1.5b_stagger3_$run LEVELS=128,128,128 \
-            MAX_TOKENS=256 STAGGER_MS=4 MODEL=/tmp/rwkv7-1.5b-random-fp16.pth N_LAYER=24 N_EMBD=2048 \
-            bash bench/h200_serving.sh
-        copy bench/results/serving_h200_1.5b_stagger3_$run.json
-        cp /tmp/runner.py infer/runner.py
-    done
+    mixed_ab 1.5b_stagger3 128,128,128 4 1.5b 24 2048
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights
