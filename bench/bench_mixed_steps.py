@@ -69,20 +69,20 @@ def main() -> None:
         model = load_model(size, "fp16")
         runner = ModelRunner(model, max(counts) + 1, torch.float32, cuda_graphs=True)
         runner.graphs.warmup()
-        rows = []
+        timings = []
         for length in (int(n) for n in args.prompt_tokens.split(",")):
             for decoding in counts:
-                rows.append(measure(runner, decoding, length, args.repeats))
-                r = rows[-1]
+                timings.append(measure(runner, decoding, length, args.repeats))
+                r = timings[-1]
                 print(f"{size:>5} prompt {length:>3} + {decoding:>4} decoding rows: eager {r['eager_ms']:8.2f} ms  "
                       f"graphs {r['graphs_ms']:8.2f} ms  ({r['eager_over_graphs']:.2f}x)", flush=True)
-        results["sizes"][size] = rows
+        results["sizes"][size] = timings
         del runner, model
         torch.cuda.empty_cache()
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(f"\n{'size':>5} {'prompt':>6} {'rows':>5} {'eager ms':>9} {'graphs ms':>9} {'ratio':>6}")
-    for size, rows in results["sizes"].items():
-        for r in rows:
+    for size, timings in results["sizes"].items():
+        for r in timings:
             print(f"{size:>5} {r['prompt_tokens']:>6} {r['decoding_rows']:>5} {r['eager_ms']:>9.2f} "
                   f"{r['graphs_ms']:>9.2f} {r['eager_over_graphs']:>6.2f}")
 

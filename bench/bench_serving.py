@@ -85,12 +85,11 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) ->
     return times, tokens
 
 
-async def client_streams(base: str, n: int, max_tokens: int, start_at: float, prompt: str = STORY_PROMPT,
-                         starts: list[float] | None = None) -> list[tuple[list[float], int]]:
-    """n concurrent streams from this process, starting at ``start_at`` (time.perf_counter, which on
-    Linux is the system-wide monotonic clock, so processes share it), or stream j at ``starts[j]``."""
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
-    starts = starts or [start_at] * n
+async def client_streams(base: str, starts: list[float], max_tokens: int,
+                         prompt: str = STORY_PROMPT) -> list[tuple[list[float], int]]:
+    """Concurrent streams from this process, stream j starting at ``starts[j]`` (time.perf_counter, which on
+    Linux is the system-wide monotonic clock, so processes share it)."""
+    limits = httpx.Limits(max_connections=len(starts) + 8, max_keepalive_connections=len(starts) + 8)
 
     async def stream_at(at: float) -> tuple[list[float], int]:
         await asyncio.sleep(max(0.0, at - time.perf_counter()))
@@ -100,9 +99,9 @@ async def client_streams(base: str, n: int, max_tokens: int, start_at: float, pr
         return await asyncio.gather(*(stream_at(at) for at in starts))
 
 
-def client_process(base: str, n: int, max_tokens: int, start_at: float, prompt: str = STORY_PROMPT,
-                   starts: list[float] | None = None) -> list[tuple[list[float], int]]:
-    return asyncio.run(client_streams(base, n, max_tokens, start_at, prompt, starts))
+def client_process(base: str, starts: list[float], max_tokens: int,
+                   prompt: str = STORY_PROMPT) -> list[tuple[list[float], int]]:
+    return asyncio.run(client_streams(base, starts, max_tokens, prompt))
 
 
 def server_ttft(base: str) -> tuple[float, float]:
@@ -143,12 +142,11 @@ def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0, 
     long_ttft = long_pool.submit(long_prompt_ttft, base, long_prompt, start_at + LONG_PROMPT_DELAY_S) \
         if long_prompt else None
     if procs == 1:
-        streams = client_process(base, n, max_tokens, start_at, prompt, starts[0])
+        streams = client_process(base, starts[0], max_tokens, prompt)
     else:
         spawn = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(procs, mp_context=spawn) as pool:
-            parts = pool.map(client_process, [base] * procs, shares, [max_tokens] * procs, [start_at] * procs,
-                             [prompt] * procs, starts)
+            parts = pool.map(client_process, [base] * procs, starts, [max_tokens] * procs, [prompt] * procs)
             streams = [s for part in parts for s in part]
     times = [t for t, _ in streams]
     wall = max(t[-1] for t in times) - min(t[0] for t in times)

@@ -130,9 +130,10 @@ class StepGraphs:
     def covers(self, rows: Sequence[Sequence[int]]) -> bool:
         """Whether a step feeding ``rows`` replays graphs: every row one token; or one row a short prompt, alone or
         (``mixed_steps``) last after rows of one token (the engine puts decoding rows first)."""
-        return not rows or all(len(r) == 1 for r in rows) or (
-            len(rows[-1]) in self.prompt_lengths and (len(rows) == 1 or self.mixed_steps)
-            and all(len(r) == 1 for r in rows[:-1]))
+        if not all(len(r) == 1 for r in rows[:-1]):
+            return False
+        last = len(rows[-1]) if rows else 1
+        return last == 1 or (last in self.prompt_lengths and (len(rows) == 1 or self.mixed_steps))
 
     def run(self, rows: Sequence[Sequence[int]] | torch.Tensor, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, V] and the slot-id tensor [B] of a step that ``covers`` (``rows`` may also be a tensor of one
