@@ -91,6 +91,8 @@
 #                                                                    # graphed mixed steps, 1.5B and 7.2B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh mixed-ab  # graph tests; 1.5B, 128 streams 4 ms apart x3,
 #                                                               # eager vs graphed mixed steps
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh admission-ab  # graph tests; streams arriving apart with the
+#                                                                   # host's copies waiting for the stream and not
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -191,24 +193,36 @@ trained_accuracy() {
     copy "bench/results/$1"
 }
 
-# mixed_ab NAME LEVELS STAGGER_MS SIZE LAYERS EMBD: HTTP serving of the random SIZE model (LAYERS x EMBD), streams of a
-# level arriving STAGGER_MS apart, first with steps of decoding rows and one prompt eager (StepGraphs.mixed_steps off,
-# a sed on this copy of the tree), then replayed from graphs; into bench/results/serving_h200_NAME_{eager,mixed}.json
-mixed_ab() {
-    local name=$1 levels=$2 stagger=$3 size=$4 layers=$5 embd=$6
-    cp infer/runner.py /tmp/runner.py
-    for run in eager mixed; do
-        if [ $run = eager ]; then
-            sed -i "s/mixed_steps: bool = True/mixed_steps: bool = False/" infer/runner.py
-            grep -q "mixed_steps: bool = False" infer/runner.py || { echo "mixed_steps default not found"; return 1; }
-        fi
+# serving_ab NAME LEVELS STAGGER_MS SIZE LAYERS EMBD CHANGE A B FILE...: HTTP serving of the random SIZE model (LAYERS x
+# EMBD), streams of a level arriving STAGGER_MS apart: run A on the tree changed by the shell function CHANGE (which
+# edits the FILEs, put back afterwards), then run B on the tree as it is; into bench/results/serving_h200_NAME_{A,B}.json
+serving_ab() {
+    local name=$1 levels=$2 stagger=$3 size=$4 layers=$5 embd=$6 change=$7 first=$8 second=$9
+    shift 9
+    tar cf /tmp/serving_ab.tar "$@" || return 1
+    for run in "$first" "$second"; do
+        if [ "$run" = "$first" ]; then "$change" || { tar xf /tmp/serving_ab.tar; return 1; }; fi
         step 100 "HTTP $size, streams $stagger ms apart, $run" env NAME=h200_${name}_$run LEVELS=$levels \
             MAX_TOKENS=256 STAGGER_MS=$stagger MODEL=/tmp/rwkv7-$size-random-fp16.pth N_LAYER=$layers N_EMBD=$embd \
             bash bench/h200_serving.sh
         copy bench/results/serving_h200_${name}_$run.json
-        cp /tmp/runner.py infer/runner.py
+        tar xf /tmp/serving_ab.tar
     done
 }
+
+# steps of decoding rows and one short prompt eager (StepGraphs.mixed_steps off)
+mixed_steps_off() {
+    sed -i "s/mixed_steps: bool = True/mixed_steps: bool = False/" infer/runner.py
+    grep -q "mixed_steps: bool = False" infer/runner.py || { echo "mixed_steps default not found"; return 1; }
+}
+
+# mixed_ab NAME LEVELS STAGGER_MS SIZE LAYERS EMBD: serving_ab of eager mixed steps, then graphed ones
+mixed_ab() { serving_ab "$@" mixed_steps_off eager mixed infer/runner.py; }
+
+# the host's small copies to the device as they were while they waited for the stream (commit 4940d7d), from ab_before/:
+#   mkdir -p ab_before/infer && for f in batch runner sampler state; do git show 4940d7d:infer/$f.py > ab_before/infer/$f.py; done
+blocking_copies() { cp ab_before/infer/*.py infer/; }
+ADMISSION_FILES=(infer/batch.py infer/runner.py infer/sampler.py infer/state.py)
 
 case $PART in
 tests)
@@ -1004,8 +1018,9 @@ sparse-int8)  # W8A16 FFN values also stored K-major, decode through the sparse-
     done
     ;;
 int8-loads)  # bytes in flight per int8 band lane (kInt8Loads 3; 4 spills 12-20 bytes in the 64-register kernels, 2 for
-    # the slope): the int8 bands are bound by memory latency at batch 1 (ncu_gemv_b1_cutlass_h200.txt). If 4 wins
-    # despite its spills, more bytes in flight without registers (cp.async stages in shared memory) is worth building.
+    # the slope): the int8 bands are bound by memory latency at batch 1 (ncu_gemv_b1_cutlass_h200.txt)? Run in the
+    # twenty-fifth session as 3 against 4 (and 4 with x read beside each mma, 4-12 bytes of spills): every int8
+    # launch slower with 4 (experiment_int8_loads*_h200.json), so 3 stays.
     build
     for n in 4 2; do
         sed "s/^constexpr int kInt8Loads = 3;/constexpr int kInt8Loads = $n;/" cuda/rwkv7_fused.cu > /tmp/int8_loads$n.cu
@@ -1198,6 +1213,15 @@ mixed-ab)  # graph GPU tests, then 1.5B: 128 streams arriving 4 ms apart three t
     build_fused
     step 150 "graph GPU tests" python -m pytest -q -p no:cacheprovider test/test_graphs_cuda.py
     mixed_ab 1.5b_stagger3 128,128,128 4 1.5b 24 2048
+    ;;
+admission-ab)  # copies to the device that waited for the stream (blocking_copies) against the tree's, which do not: graph
+    # GPU tests (the test of not waiting among them), streams arriving apart (each arrival starts a row) before and
+    # after, 1.5B and 7.2B; then 7.2B eager mixed steps against graphed ones (the final mixed steps' 7.2B rows)
+    build_fused
+    step 200 "graph GPU tests" python -m pytest -q -p no:cacheprovider test/test_graphs_cuda.py
+    serving_ab 1.5b_admission 128,128,128 4 1.5b 24 2048 blocking_copies blocking async "${ADMISSION_FILES[@]}"
+    serving_ab 7.2b_admission 32,128 20,4 7.2b 32 4096 blocking_copies blocking async "${ADMISSION_FILES[@]}"
+    mixed_ab 7.2b_stagger4 32,128 20,4 7.2b 32 4096
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights

@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from infer.batch import PackedBatch
+from infer.batch import PackedBatch, to_device
 from infer.model import RWKV7
 from infer.sampler import SampleOutput, Sampler, SamplingParams
 from infer.state import SlotState, StatePool
@@ -257,7 +257,7 @@ class ModelRunner:
         sampled = None
         if picked:
             if len(picked) < len(rows):
-                index = torch.tensor(picked, dtype=torch.long, device=logits.device)
+                index = to_device(picked, logits.device)
                 logits, slot_ids = logits[index], slot_ids[index]
             sampled = self.sampler.sample(logits, slot_ids, want_logprob=want_logprobs)
         if on_launched is not None:
@@ -276,7 +276,7 @@ class ModelRunner:
             logits, slot_ids = self.graphs.run(tokens, step.slots)
         else:
             device = self.model.device
-            batch = PackedBatch.decode(tokens, torch.tensor(step.slots, dtype=torch.long, device=device),
+            batch = PackedBatch.decode(tokens, to_device(step.slots, device),
                                        torch.arange(len(step.slots), dtype=torch.long, device=device))
             logits = self.model.forward(batch, self.state)
             slot_ids = batch.slots

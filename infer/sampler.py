@@ -70,6 +70,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from infer.batch import to_device
+
 __all__ = ["SamplingParams", "SampleOutput", "Sampler", "uniform_reference"]
 
 log = logging.getLogger(__name__)
@@ -315,10 +317,9 @@ class Sampler:
         dev = self.device
         self.penalty[slot].zero_()
         self.step[slot] = 0
-        self._fparams[slot] = torch.tensor(
-            [temp, top_p, pres, freq, float(params.alpha_decay)], dtype=torch.float32
-        ).to(dev)
-        self._iparams[slot] = torch.tensor([int(greedy), top_k, k1, k2], dtype=torch.int64).to(dev)
+        # copies that do not wait for the steps queued before this row's start (infer.batch.to_device)
+        self._fparams[slot] = to_device([temp, top_p, pres, freq, float(params.alpha_decay)], dev, torch.float32)
+        self._iparams[slot] = to_device([int(greedy), top_k, k1, k2], dev, torch.int64)
         n = len(bias)
         if n > self._bias_ids.shape[1]:
             kb = max(n, 2 * self._bias_ids.shape[1])
@@ -333,8 +334,8 @@ class Sampler:
             if n:
                 row_ids[:n] = torch.tensor([int(t) for t in bias.keys()], dtype=torch.int64)
                 row_vals[:n] = torch.tensor([float(v) for v in bias.values()], dtype=torch.float32)
-            self._bias_ids[slot] = row_ids.to(dev)
-            self._bias_vals[slot] = row_vals.to(dev)
+            self._bias_ids[slot] = row_ids.to(dev, non_blocking=True)
+            self._bias_vals[slot] = row_vals.to(dev, non_blocking=True)
 
     # ---------------------------------------------------------------- sampling
     def _thresholds(self, p: Tensor, top_k: Tensor, top_p: Tensor, K: int) -> tuple[Tensor, Tensor]:

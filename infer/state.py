@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from infer.batch import to_device
 from infer.checkpoint import ModelConfig
 
 
@@ -59,7 +60,7 @@ class StatePool:
 
     def reset(self, slots: Sequence[int]) -> None:
         """Zero the given slots (a fresh, empty context)."""
-        idx = torch.tensor(list(slots), dtype=torch.long, device=self.wkv.device)
+        idx = to_device(list(slots), self.wkv.device)
         for pool in (self.att_shift, self.wkv, self.ffn_shift):
             pool.index_fill_(1, idx, 0)
 

@@ -176,3 +176,39 @@ def test_step_results_do_not_wait_for_work_queued_after_them(model):
     torch.cuda.synchronize()
     assert still_busy, "reading a step's tokens waited for the work queued after it"
     assert tokens == expected
+
+
+@pytest.mark.parametrize("forward", ["readable", "fused"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_queuing_steps_does_not_wait_for_the_device(request, forward, graphs):
+    """Starting rows and queuing steps copy their inputs to the device without waiting for the work already queued
+    there (a blocking copy waits for the whole stream), so the host queues a step while the last one runs: each
+    kind of step is queued behind ~1 s of device work and the device must still be busy after all of them. Kinds:
+    a prompt, a mixed step whose prompt row does not sample yet, decoding rows and the step queued behind them
+    (decode ahead), two prompts (eager with graphs too), a prompt longer than the prompt graphs'."""
+    model = request.getfixturevalue("model" if forward == "readable" else "fused_model")
+    runner = ModelRunner(model, 8, cuda_graphs=graphs)
+    params = SamplingParams(temperature=1.0, top_p=0.9, alpha_presence=0.5, logit_bias={7: 1.5}, seed=1)
+    g = torch.Generator().manual_seed(3)
+
+    def queue_steps() -> list:
+        prompt, long_prompt = (torch.randint(1, 65530, (n,), generator=g).tolist() for n in (5, 80))
+        for slot in (1, 2):
+            runner.start_row(slot, params)
+        launched = [runner.launch([prompt], [1], [True]),
+                    runner.launch([[9], prompt[:3]], [1, 2], [True, False])]
+        launched.append(runner.launch([[9], [11]], [1, 2], [True, True]))
+        launched.append(runner.launch_next(launched[-1]))
+        launched.append(runner.launch([prompt[:2], prompt], [1, 2], [True, True]))
+        launched.append(runner.launch([long_prompt], [1], [True]))
+        return launched
+
+    expected = [step.result().tokens for step in queue_steps()]  # first shapes: graphs captured, kernels loaded
+    assert [len(t) for t in expected] == [1, 1, 2, 2, 2, 1]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    launched = queue_steps()
+    still_busy = not torch.cuda.current_stream().query()
+    results = [step.result().tokens for step in launched]
+    assert still_busy, "queuing a step waited for the work queued before it"
+    assert [len(t) for t in results] == [1, 1, 2, 2, 2, 1]
