@@ -219,7 +219,8 @@ mixed_steps_off() {
 # mixed_ab NAME LEVELS STAGGER_MS SIZE LAYERS EMBD: serving_ab of eager mixed steps, then graphed ones
 mixed_ab() { serving_ab "$@" mixed_steps_off eager mixed infer/runner.py; }
 
-# the host's small copies to the device as they were while they waited for the stream (commit 4940d7d), from ab_before/:
+# the host's small copies to the device as they were while they waited for the stream (commit 4940d7d), from ab_before/
+# (git-ignored: carry it):
 #   mkdir -p ab_before/infer && for f in batch runner sampler state; do git show 4940d7d:infer/$f.py > ab_before/infer/$f.py; done
 blocking_copies() { cp ab_before/infer/*.py infer/; }
 ADMISSION_FILES=(infer/batch.py infer/runner.py infer/sampler.py infer/state.py)
