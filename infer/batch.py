@@ -17,6 +17,19 @@ def to_device(values: Sequence[int] | Sequence[float], device: torch.device | st
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
+def to_device_parts(parts: Sequence[Sequence[int]], device: torch.device | str) -> list[torch.Tensor]:
+    """Each of ``parts`` as an int64 tensor on ``device``, all in one ``to_device`` copy. Every part starts on a
+    16-byte boundary of the copy: the fused kernels read index tensors 16 bytes at a time."""
+    values: list[int] = []
+    offsets = []
+    for part in parts:
+        offsets.append(len(values))
+        values.extend(part)
+        values.extend([0] * (len(part) % 2))
+    copied = to_device(values, device)
+    return [copied[offset:offset + len(part)] for offset, part in zip(offsets, parts)]
+
+
 @dataclass
 class PackedBatch:
     """B rows of different lengths packed end to end (no padding).
@@ -47,9 +60,7 @@ class PackedBatch:
         flat = [t for r in rows for t in r]
         starts = [0] + list(itertools.accumulate(lens))[:-1]
         last = [s + n - 1 for s, n in zip(starts, lens)]
-        # one copy for the four index tensors
-        tokens, slot_ids, starts_t, last_t = to_device(flat + list(slots) + starts + last, device).split(
-            [len(flat), len(lens), len(lens), len(lens)])
+        tokens, slot_ids, starts_t, last_t = to_device_parts([flat, list(slots), starts, last], device)
         return cls(tokens=tokens, slots=slot_ids, lens=lens, starts=starts_t, last=last_t)
 
     @classmethod
@@ -85,9 +96,8 @@ class PackedBatch:
             ends = itertools.accumulate(self.lens)
             index = [p for end, k in zip(ends, lens) for p in range(end - k, end)]
             starts = [0] + list(itertools.accumulate(lens))[:-1]
-            positions, tail_starts, tail_last = to_device(
-                index + starts + [s + k - 1 for s, k in zip(starts, lens)], self.tokens.device).split(
-                [len(index), len(lens), len(lens)])
+            positions, tail_starts, tail_last = to_device_parts(
+                [index, starts, [s + k - 1 for s, k in zip(starts, lens)]], self.tokens.device)
             tail = PackedBatch(tokens=self.tokens[positions], slots=self.slots, lens=lens, starts=tail_starts,
                                last=tail_last)
             self._tails = (n, tail, positions)
@@ -110,5 +120,5 @@ class PackedBatch:
                 steps.append([starts[i] + t for i in order if self.lens[i] > t])
             device = self.tokens.device
             self._order = to_device(order, device)
-            self._steps = list(to_device([p for s in steps for p in s], device).split([len(s) for s in steps]))
+            self._steps = to_device_parts(steps, device)
         return self._order, self._steps

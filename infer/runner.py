@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from infer.batch import PackedBatch, to_device
+from infer.batch import PackedBatch, to_device, to_device_parts
 from infer.model import RWKV7
 from infer.sampler import SampleOutput, Sampler, SamplingParams
 from infer.state import SlotState, StatePool
@@ -146,9 +146,7 @@ class StepGraphs:
             return self._replay("prompt", torch.tensor(rows[0], dtype=torch.long), slots)
         # Both graphs' inputs in one copy to the device, before either is queued: the host queues the second graph's
         # inputs from the device then, not from its own memory after the first graph.
-        decoding, length = len(rows) - 1, len(rows[-1])
-        inputs = torch.tensor([r[0] for r in rows[:-1]] + list(rows[-1]) + list(slots), dtype=torch.long)
-        tokens, prompt, slot_ids = inputs.to(self.slots.device, non_blocking=True).split([decoding, length, len(slots)])
+        tokens, prompt, slot_ids = to_device_parts([[r[0] for r in rows[:-1]], rows[-1], slots], self.slots.device)
         # The decode graph first: the prompt graph was captured while the decode graphs' logits were held, so its
         # replay leaves them alone; the other way round, the decode graph's scratch memory may hold the prompt's.
         decoded, _ = self._replay("decode", tokens, slot_ids[:-1])

@@ -2,6 +2,8 @@
 skipped elsewhere)."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -207,8 +209,15 @@ def test_queuing_steps_does_not_wait_for_the_device(request, forward, graphs):
     assert [len(t) for t in expected] == [1, 1, 2, 2, 2, 1]
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)
-    launched = queue_steps()
+    torch.cuda.set_sync_debug_mode("warn")  # names the line of a synchronizing op, if there is one
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            launched = queue_steps()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     still_busy = not torch.cuda.current_stream().query()
     results = [step.result().tokens for step in launched]
-    assert still_busy, "queuing a step waited for the work queued before it"
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert still_busy and not syncs, f"queuing a step waited for the work queued before it (synchronizing: {syncs})"
     assert [len(t) for t in results] == [1, 1, 2, 2, 2, 1]
