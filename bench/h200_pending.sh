@@ -1224,6 +1224,13 @@ admission-ab)  # copies to the device that waited for the stream (blocking_copie
     serving_ab 7.2b_admission 32,128 20,4 7.2b 32 4096 blocking_copies blocking async "${ADMISSION_FILES[@]}"
     mixed_ab 7.2b_stagger4 32,128 20,4 7.2b 32 4096
     ;;
+admission-check)  # after the sampler's last waiting copies went: graph GPU tests, then 1.5B 128 streams 4 ms apart x3
+    build_fused
+    step 200 "graph GPU tests" python -m pytest -q -p no:cacheprovider test/test_graphs_cuda.py
+    step 100 "HTTP 1.5b, streams 4 ms apart" env NAME=h200_1.5b_admission_async2 LEVELS=128,128,128 MAX_TOKENS=256 \
+        STAGGER_MS=4 MODEL=/tmp/rwkv7-1.5b-random-fp16.pth N_LAYER=24 N_EMBD=2048 bash bench/h200_serving.sh
+    copy bench/results/serving_h200_1.5b_admission_async2.json
+    ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights
     build

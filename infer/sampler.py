@@ -271,7 +271,7 @@ class Sampler:
         if old is not None:
             self._account(old, -1)
             self._rows[slot] = None
-        self._iparams[slot, _I_GREEDY] = 1
+        self._iparams[slot, _I_GREEDY].fill_(1)  # not `= 1`: a host scalar's copy waits for the stream
 
     def slot_seed(self, slot: int) -> int | None:
         info = self._rows[slot]
@@ -316,7 +316,7 @@ class Sampler:
 
         dev = self.device
         self.penalty[slot].zero_()
-        self.step[slot] = 0
+        self.step[slot].zero_()  # a fill: `= 0` would copy a host scalar and wait for the stream
         # copies that do not wait for the steps queued before this row's start (infer.batch.to_device)
         self._fparams[slot] = to_device([temp, top_p, pres, freq, float(params.alpha_decay)], dev, torch.float32)
         self._iparams[slot] = to_device([int(greedy), top_k, k1, k2], dev, torch.int64)

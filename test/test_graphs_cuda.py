@@ -187,7 +187,7 @@ def test_queuing_steps_does_not_wait_for_the_device(request, forward, graphs):
     there (a blocking copy waits for the whole stream), so the host queues a step while the last one runs: each
     kind of step is queued behind ~1 s of device work and the device must still be busy after all of them. Kinds:
     a prompt, a mixed step whose prompt row does not sample yet, decoding rows and the step queued behind them
-    (decode ahead), two prompts (eager with graphs too), a prompt longer than the prompt graphs'."""
+    (decode ahead), two prompts (eager with graphs too), a prompt longer than the prompt graphs'; then the rows end."""
     model = request.getfixturevalue("model" if forward == "readable" else "fused_model")
     runner = ModelRunner(model, 8, cuda_graphs=graphs)
     params = SamplingParams(temperature=1.0, top_p=0.9, alpha_presence=0.5, logit_bias={7: 1.5}, seed=1)
@@ -203,6 +203,8 @@ def test_queuing_steps_does_not_wait_for_the_device(request, forward, graphs):
         launched.append(runner.launch_next(launched[-1]))
         launched.append(runner.launch([prompt[:2], prompt], [1, 2], [True, True]))
         launched.append(runner.launch([long_prompt], [1], [True]))
+        for slot in (1, 2):
+            runner.end_row(slot)
         return launched
 
     expected = [step.result().tokens for step in queue_steps()]  # first shapes: graphs captured, kernels loaded
