@@ -30,6 +30,11 @@ def to_device_parts(parts: Sequence[Sequence[int]], device: torch.device | str) 
     return [copied[offset:offset + len(part)] for offset, part in zip(offsets, parts)]
 
 
+def row_starts(lens: Sequence[int]) -> list[int]:
+    """Each packed row's first position, from the host's row lengths."""
+    return [0] + list(itertools.accumulate(lens))[:-1]
+
+
 @dataclass
 class PackedBatch:
     """B rows of different lengths packed end to end (no padding).
@@ -58,7 +63,7 @@ class PackedBatch:
         if not lens or min(lens) < 1:
             raise ValueError("every row needs at least one token")
         flat = [t for r in rows for t in r]
-        starts = [0] + list(itertools.accumulate(lens))[:-1]
+        starts = row_starts(lens)
         last = [s + n - 1 for s, n in zip(starts, lens)]
         tokens, slot_ids, starts_t, last_t = to_device_parts([flat, list(slots), starts, last], device)
         return cls(tokens=tokens, slots=slot_ids, lens=lens, starts=starts_t, last=last_t)
@@ -83,7 +88,7 @@ class PackedBatch:
         from the host lengths, so a CUDA graph that captured it keeps reading the same buffer."""
         if self._prev is None:
             prev = torch.arange(-1, self.num_tokens - 1, dtype=torch.int32)
-            starts = torch.tensor([0] + list(itertools.accumulate(self.lens))[:-1], dtype=torch.long)
+            starts = torch.tensor(row_starts(self.lens), dtype=torch.long)
             prev[starts] = -1 - torch.arange(self.num_rows, dtype=torch.int32)
             self._prev = prev.to(self.tokens.device, non_blocking=True)
         return self._prev
@@ -95,7 +100,7 @@ class PackedBatch:
             lens = [min(length, n) for length in self.lens]
             ends = itertools.accumulate(self.lens)
             index = [p for end, k in zip(ends, lens) for p in range(end - k, end)]
-            starts = [0] + list(itertools.accumulate(lens))[:-1]
+            starts = row_starts(lens)
             positions, tail_starts, tail_last = to_device_parts(
                 [index, starts, [s + k - 1 for s, k in zip(starts, lens)]], self.tokens.device)
             tail = PackedBatch(tokens=self.tokens[positions], slots=self.slots, lens=lens, starts=tail_starts,
@@ -114,7 +119,7 @@ class PackedBatch:
         the order)."""
         if self._steps is None:
             order = sorted(range(self.num_rows), key=lambda i: -self.lens[i])
-            starts = [0] + list(itertools.accumulate(self.lens))[:-1]  # the host's copy: no read from the device
+            starts = row_starts(self.lens)  # the host's copy: no read from the device
             steps = []
             for t in range(max(self.lens)):
                 steps.append([starts[i] + t for i in order if self.lens[i] > t])
