@@ -16,6 +16,7 @@ log = logging.getLogger("rwkv7-server")
 
 INFERENCE_ENGINES = ("fp16", "cutlass", "gemlite")
 SHUTDOWN_GRACE_SECONDS = 10
+DEFAULT_GIL_SWITCH_MS = 0.5
 # Prompt tokens an engine step may feed. On the H200, 256 short prompts arriving at once were admitted
 # with a TTFT p50 ~25 % lower at 2048 than at 512 a step (docs/BENCHMARKS.md), while a long prompt
 # fed 2048 tokens a step stretched the running streams' ITL p99 from 33 to 102 ms: so prompts over
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory for cached prompt-prefix states: a count or a size; 0 turns the cache off")
     ap.add_argument("--prefix-cache-block", type=int, default=256,
                     help="prompt prefixes are cached at multiples of this many tokens (and at chat turn boundaries)")
+    ap.add_argument("--gil-switch-ms", type=float, default=DEFAULT_GIL_SWITCH_MS,
+                    help="how long a thread may hold Python's GIL while another waits for it (sys.setswitchinterval): "
+                         "the engine thread waits up to this long for it whenever the HTTP event loop is busy "
+                         "(Python's own default is 5 ms)")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                     help="server and access log verbosity (no log line ever contains a password or a prompt)")
     return ap
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
                  "prefill_chunk_size", "prefill_step_tokens", "prefix_cache_block", "state_max_sessions"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("state_flush_interval", "state_ttl"):
+    for name in ("state_flush_interval", "state_ttl", "gil_switch_ms"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -226,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(ServerContext(engine, load_world_tokenizer(), model_name, password, limits,
                                    translate_no_auth=args.translate_no_auth, cors_origins=origins,
                                    sessions=SessionService(store, args.session_busy), prefix_cache=prefix_cache))
+    sys.setswitchinterval(args.gil_switch_ms / 1000)
+    log.info("GIL      a thread waiting for it gets it within %g ms", args.gil_switch_ms)
     engine.start()
     try:
         # Open streams must not hold up a shutdown forever.

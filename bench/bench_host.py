@@ -54,7 +54,9 @@ from typing import Sequence
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-# The client role imports nothing of the server (no torch): it starts fast and stays lean.
+# The client role imports nothing of the server (no torch): it starts fast and stays lean. app.py imports torch
+# only when it starts a server.
+from app import DEFAULT_GIL_SWITCH_MS  # noqa: E402
 
 DEFAULT_GPU_MS = "1:5.1,8:6.9,64:8.7,256:16,512:28"  # 7.2B fused graphed forward, H200 (decode_h200_fused.json)
 PROMPT = "User: Write a long story about a lighthouse keeper and the sea.\n\nAssistant:"
@@ -311,8 +313,7 @@ def serve(args) -> None:
     from infer.prefix_cache import PrefixCache
     from infer.tokenizer import load_world_tokenizer
 
-    if args.switch_interval_ms is not None:
-        sys.setswitchinterval(args.switch_interval_ms / 1000)
+    sys.setswitchinterval((args.switch_interval_ms or DEFAULT_GIL_SWITCH_MS) / 1000)  # as app.py's --gil-switch-ms
     tokenizer = load_world_tokenizer()
     runner = make_runner(args, args.slots, tokenizer)
     engine = server_engine(args, runner, tokenizer)
@@ -609,7 +610,7 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true",
                     help="cProfile the engine-alone runs and the server's event loop thread (slows both)")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
-                    help="sys.setswitchinterval of the server process (default: Python's 5 ms)")
+                    help="sys.setswitchinterval of the server process (default: app.py's --gil-switch-ms default)")
     ap.add_argument("--flush-before-launch", action="store_true",
                     help="stub without on_launched: the engine wakes the event loop before each launch")
     ap.add_argument("--decode-ahead", action="store_true",
@@ -637,7 +638,7 @@ def main() -> None:
                  "config": {"gpu_ms": args.gpu_ms, "launch_ops": args.launch_ops, "launch_op_us": args.launch_op_us,
                             "sampler_ms": args.sampler_ms, "max_tokens": args.max_tokens, "stop": args.stop,
                             "flush_before_launch": args.flush_before_launch, "decode_ahead": args.decode_ahead,
-                            "server_switch_interval_ms": args.switch_interval_ms or sys.getswitchinterval() * 1000}}
+                            "server_switch_interval_ms": args.switch_interval_ms or DEFAULT_GIL_SWITCH_MS}}
     if "engine" in only:
         run["engine"] = []
         for n in levels:

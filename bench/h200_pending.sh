@@ -225,6 +225,24 @@ mixed_ab() { serving_ab "$@" mixed_steps_off eager mixed infer/runner.py; }
 blocking_copies() { cp ab_before/infer/*.py infer/; }
 ADMISSION_FILES=(infer/batch.py infer/runner.py infer/sampler.py infer/state.py)
 
+# gil_ab SIZE LAYERS EMBD LEVELS: the SIZE model's decode forward at 32 and 256 rows (CUDA graphs, fp32 state), then
+# HTTP serving at the LEVELS (streams arriving at once) with --gil-switch-ms 5 and 0.5, two rounds; into
+# serving_h200_SIZE_gil{5,0.5}_{1,2}.json
+gil_ab() {
+    local size=$1 layers=$2 embd=$3 levels=$4
+    step 150 "$size decode, batch 32 and 256" python bench/bench_decode.py --sizes "$size" --batches 32,256 --wkv cuda \
+        --no-checks --out "bench/results/decode_h200_${size}_b256_gil.json"
+    copy "bench/results/decode_h200_${size}_b256_gil.json"
+    for round in 1 2; do
+        for ms in 5 0.5; do
+            step 100 "HTTP $size, GIL switch $ms ms, round $round" env NAME="h200_${size}_gil${ms}_$round" LEVELS="$levels" \
+                MAX_TOKENS=256 MODEL="/tmp/rwkv7-$size-random-fp16.pth" N_LAYER="$layers" N_EMBD="$embd" \
+                EXTRA_SERVER_ARGS="--gil-switch-ms $ms" bash bench/h200_serving.sh
+            copy "bench/results/serving_h200_${size}_gil${ms}_$round.json"
+        done
+    done
+}
+
 case $PART in
 tests)
     step 300 "GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py \
@@ -1230,6 +1248,12 @@ admission-check)  # after the sampler's last waiting copies went: graph GPU test
     step 100 "HTTP 1.5b, streams 4 ms apart" env NAME=h200_1.5b_admission_async2 LEVELS=128,128,128 MAX_TOKENS=256 \
         STAGGER_MS=4 MODEL=/tmp/rwkv7-1.5b-random-fp16.pth N_LAYER=24 N_EMBD=2048 bash bench/h200_serving.sh
     copy bench/results/serving_h200_1.5b_admission_async2.json
+    ;;
+gil-switch)  # the server's GIL switch interval (--gil-switch-ms): Python's 5 ms against the server's default 0.5, twice
+    # each, 1.5B at 32 and 256 streams arriving at once, 7.2B at 256; beside them each model's forward at 32 and 256 rows
+    build_fused
+    gil_ab 1.5b 24 2048 32,256
+    gil_ab 7.2b 32 4096 256
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights

@@ -77,7 +77,8 @@ def test_live_process_authenticates_and_never_logs_the_password(checkpoint, tmp_
     if source == "environment":
         env["RWKV_PASSWORD"] = PASSWORD
         options += ["--decode-ahead", "on",  # the curl script's endpoints with decode steps queued ahead
-                    "--prefill-chunk-size", "5", "--prefill-step-tokens", "12"]  # prompts fed over several steps
+                    "--prefill-chunk-size", "5", "--prefill-step-tokens", "12",  # prompts fed over several steps
+                    "--gil-switch-ms", "2"]
     else:
         options += ["--password", PASSWORD]
     log_path = tmp_path / "server.log"
@@ -106,6 +107,15 @@ def test_live_process_authenticates_and_never_logs_the_password(checkpoint, tmp_
     assert ("steps queued ahead of the host" in text) == (source == "environment")  # off by default on CPU
     step, chunk = (12, 5) if source == "environment" else (app.CPU_PREFILL_STEP_TOKENS, 512)
     assert f"prefill  up to {step} prompt tokens a step; prompts over {chunk} tokens fed that many a step" in text
+    gil_ms = "2" if source == "environment" else f"{app.DEFAULT_GIL_SWITCH_MS:g}"
+    assert f"GIL      a thread waiting for it gets it within {gil_ms} ms" in text
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_gil_switch_interval_must_be_positive(value, capsys):
+    with pytest.raises(SystemExit):
+        app.main(["--gil-switch-ms", value])
+    assert "--gil-switch-ms must be positive" in capsys.readouterr().err
 
 
 def test_sessions_survive_a_hard_kill_and_a_graceful_stop_writes_them(checkpoint, tmp_path):
