@@ -318,7 +318,8 @@ def serve(args) -> None:
     runner = make_runner(args, args.slots, tokenizer)
     engine = server_engine(args, runner, tokenizer)
     prefix_cache = PrefixCache("2GiB", block=256, registry=engine.metrics.registry)  # as app.py's default
-    app = create_app(ServerContext(engine, load_world_tokenizer(), "bench-stub", prefix_cache=prefix_cache))
+    app = create_app(ServerContext(engine, load_world_tokenizer(), "bench-stub", prefix_cache=prefix_cache,
+                                   stream_interval=args.stream_interval))
     def thread_cpu() -> dict[str, float]:
         """CPU seconds (user + system) of the event loop thread, the engine thread and the rest."""
         tick = os.sysconf("SC_CLK_TCK")
@@ -451,6 +452,7 @@ def stub_args(args) -> list[str]:
             *(["--decode-ahead"] if args.decode_ahead else []), "--gpu-ms", args.gpu_ms,
             "--launch-ops", str(args.launch_ops), "--launch-op-us", str(args.launch_op_us),
             "--sampler-ms", str(args.sampler_ms), "--max-tokens", str(args.max_tokens),
+            "--stream-interval", str(args.stream_interval),
             *(["--stop", *args.stop] if args.stop else [])]
 
 
@@ -611,6 +613,7 @@ def main() -> None:
                     help="cProfile the engine-alone runs and the server's event loop thread (slows both)")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval of the server process (default: app.py's --gil-switch-ms default)")
+    ap.add_argument("--stream-interval", type=int, default=1, help="app.py's --stream-interval")
     ap.add_argument("--flush-before-launch", action="store_true",
                     help="stub without on_launched: the engine wakes the event loop before each launch")
     ap.add_argument("--decode-ahead", action="store_true",
@@ -638,6 +641,7 @@ def main() -> None:
                  "config": {"gpu_ms": args.gpu_ms, "launch_ops": args.launch_ops, "launch_op_us": args.launch_op_us,
                             "sampler_ms": args.sampler_ms, "max_tokens": args.max_tokens, "stop": args.stop,
                             "flush_before_launch": args.flush_before_launch, "decode_ahead": args.decode_ahead,
+                            "stream_interval": args.stream_interval,
                             "server_switch_interval_ms": args.switch_interval_ms or DEFAULT_GIL_SWITCH_MS}}
     if "engine" in only:
         run["engine"] = []

@@ -104,14 +104,30 @@ def client_process(base: str, starts: list[float], max_tokens: int,
     return asyncio.run(client_streams(base, starts, max_tokens, prompt))
 
 
-def server_ttft(base: str) -> tuple[float, float]:
-    """The server's own time-to-first-token histogram (submit to first sampled token): (sum in s, count)."""
-    values = {}
+# the server's own histograms read around a level: submit to first sampled token, a row's gap between tokens, and one
+# engine step (the client's ITL adds detokenizing and the stream; a step longer than the GPU's is host-bound)
+SERVER_HISTOGRAMS = ("rwkv_time_to_first_token_seconds", "rwkv_inter_token_latency_seconds", "rwkv_step_seconds")
+
+
+def server_histograms(base: str) -> dict[str, float]:
+    """(name)_sum in seconds and (name)_count of each of SERVER_HISTOGRAMS, from /metrics."""
+    wanted = {f"{h}_{part}" for h in SERVER_HISTOGRAMS for part in ("sum", "count")}
+    values = dict.fromkeys(wanted, 0.0)
     for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(("rwkv_time_to_first_token_seconds_sum", "rwkv_time_to_first_token_seconds_count")):
-            name, value = line.rsplit(" ", 1)
-            values[name.rsplit("_", 1)[-1]] = float(value)
-    return values.get("sum", 0.0), values.get("count", 0.0)
+        name, _, value = line.rpartition(" ")
+        if name in wanted:
+            values[name] = float(value)
+    return values
+
+
+def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean ms of each histogram over the level's observations (ttft, itl, step) and the level's step count."""
+    delta = {k: after[k] - before[k] for k in after}
+    means = {}
+    for histogram, key in zip(SERVER_HISTOGRAMS, ("ttft", "itl", "step")):
+        count = delta[f"{histogram}_count"]
+        means[f"server_{key}_ms_mean"] = round(1000 * delta[f"{histogram}_sum"] / count, 2) if count else float("nan")
+    return {**means, "server_steps": int(delta["rwkv_step_seconds_count"])}
 
 
 def long_prompt_ttft(base: str, tokens: int, start_at: float) -> float:
@@ -137,7 +153,7 @@ def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0, 
     start_at = time.perf_counter() + 1.0 + 0.05 * procs  # time for the workers to start
     # stream i of the level is process i % procs's stream i // procs
     starts = [[start_at + (p + procs * j) * stagger_s for j in range(share)] for p, share in enumerate(shares)]
-    ttft_before = server_ttft(base)
+    histograms_before = server_histograms(base)
     long_pool = ThreadPoolExecutor(1)
     long_ttft = long_pool.submit(long_prompt_ttft, base, long_prompt, start_at + LONG_PROMPT_DELAY_S) \
         if long_prompt else None
@@ -156,15 +172,15 @@ def level(base: str, n: int, max_tokens: int, procs: int, long_prompt: int = 0, 
     chunks = sum(len(t) - 1 for t in times)
     long = {"long_prompt_tokens": long_prompt, "long_prompt_ttft_ms": round(long_ttft.result(), 1)} if long_ttft else {}
     long_pool.shutdown()
-    ttft_sum, ttft_count = (after - before for after, before in zip(server_ttft(base), ttft_before))
+    server = server_means(histograms_before, server_histograms(base))
     return {"clients": n, "client_processes": procs, "output_tokens": tokens, "text_chunks": chunks,
             "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1),
             "ttft_ms_p50": round(percentile(ttft, 0.5), 1), "ttft_ms_p99": round(percentile(ttft, 0.99), 1),
             "itl_ms_p50": round(percentile(itl, 0.5), 2), "itl_ms_p99": round(percentile(itl, 0.99), 2),
             "itl_ms_max": round(max(itl, default=float("nan")), 2),
-            # mean over the level's requests of submit to first sampled token inside the server (engine queue,
-            # prefill, sampling); the client's TTFT adds the HTTP request, tokenizing, detokenizing and the stream
-            "server_ttft_ms_mean": round(1000 * ttft_sum / ttft_count, 1) if ttft_count else float("nan"), **long}
+            # server_ttft_ms_mean: over the level's requests, submit to first sampled token inside the server (engine
+            # queue, prefill, sampling); the client's TTFT adds the HTTP request, tokenizing, detokenizing and the stream
+            **server, **long}
 
 
 def main() -> None:
@@ -229,11 +245,12 @@ def main() -> None:
             server.wait()
     long = f" {'long TTFT':>9}" if args.long_prompt else ""
     print(f"{'clients':>7} {'apart':>6} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'srv TTFT':>9} {'ITL p50':>8} "
-          f"{'ITL p99':>8} {'ITL max':>8}{long}  (ms)")
+          f"{'ITL p99':>8} {'ITL max':>8} {'srv ITL':>8} {'srv step':>8}{long}  (ms; srv: the server's means)")
     for r in result["levels"]:
         long = f" {r['long_prompt_ttft_ms']:>9}" if args.long_prompt else ""
         print(f"{r['clients']:>7} {r['stagger_ms']:>6} {r['tok_s']:>9} {r['ttft_ms_p50']:>9} {r['ttft_ms_p99']:>9} "
-              f"{r['server_ttft_ms_mean']:>9} {r['itl_ms_p50']:>8} {r['itl_ms_p99']:>8} {r['itl_ms_max']:>8}{long}")
+              f"{r['server_ttft_ms_mean']:>9} {r['itl_ms_p50']:>8} {r['itl_ms_p99']:>8} {r['itl_ms_max']:>8} "
+              f"{r['server_itl_ms_mean']:>8} {r['server_step_ms_mean']:>8}{long}")
 
 if __name__ == "__main__":
     main()

@@ -93,6 +93,8 @@
 #                                                               # eager vs graphed mixed steps
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh admission-ab  # graph tests; streams arriving apart with the
 #                                                                   # host's copies waiting for the stream and not
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh gil-switch  # serving 1.5B/7.2B, --gil-switch-ms 5 against 0.5
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh stream-interval  # serving 1.5B/7.2B, --stream-interval 1, 2, 4
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -225,20 +227,21 @@ mixed_ab() { serving_ab "$@" mixed_steps_off eager mixed infer/runner.py; }
 blocking_copies() { cp ab_before/infer/*.py infer/; }
 ADMISSION_FILES=(infer/batch.py infer/runner.py infer/sampler.py infer/state.py)
 
-# gil_ab SIZE LAYERS EMBD LEVELS: the SIZE model's decode forward at 32 and 256 rows (CUDA graphs, fp32 state), then
-# HTTP serving at the LEVELS (streams arriving at once) with --gil-switch-ms 5 and 0.5, two rounds; into
-# serving_h200_SIZE_gil{5,0.5}_{1,2}.json
-gil_ab() {
-    local size=$1 layers=$2 embd=$3 levels=$4
+# option_ab SIZE LAYERS EMBD LEVELS OPTION TAG VALUE...: the SIZE model's decode forward at 32 and 256 rows (CUDA graphs,
+# fp32 state), then HTTP serving at the LEVELS (streams arriving at once) with the server's --OPTION at each VALUE in
+# turn, two rounds; into serving_h200_SIZE_TAG{VALUE}_{1,2}.json
+option_ab() {
+    local size=$1 layers=$2 embd=$3 levels=$4 option=$5 tag=$6
+    shift 6
     step 150 "$size decode, batch 32 and 256" python bench/bench_decode.py --sizes "$size" --batches 32,256 --wkv cuda \
-        --no-checks --out "bench/results/decode_h200_${size}_b256_gil.json"
-    copy "bench/results/decode_h200_${size}_b256_gil.json"
+        --no-checks --out "bench/results/decode_h200_${size}_b256_$tag.json"
+    copy "bench/results/decode_h200_${size}_b256_$tag.json"
     for round in 1 2; do
-        for ms in 5 0.5; do
-            step 100 "HTTP $size, GIL switch $ms ms, round $round" env NAME="h200_${size}_gil${ms}_$round" LEVELS="$levels" \
-                MAX_TOKENS=256 MODEL="/tmp/rwkv7-$size-random-fp16.pth" N_LAYER="$layers" N_EMBD="$embd" \
-                EXTRA_SERVER_ARGS="--gil-switch-ms $ms" bash bench/h200_serving.sh
-            copy "bench/results/serving_h200_${size}_gil${ms}_$round.json"
+        for value in "$@"; do
+            step 100 "HTTP $size, --$option $value, round $round" env NAME="h200_${size}_$tag${value}_$round" \
+                LEVELS="$levels" MAX_TOKENS=256 MODEL="/tmp/rwkv7-$size-random-fp16.pth" N_LAYER="$layers" \
+                N_EMBD="$embd" EXTRA_SERVER_ARGS="--$option $value" bash bench/h200_serving.sh
+            copy "bench/results/serving_h200_${size}_$tag${value}_$round.json"
         done
     done
 }
@@ -1252,8 +1255,14 @@ admission-check)  # after the sampler's last waiting copies went: graph GPU test
 gil-switch)  # the server's GIL switch interval (--gil-switch-ms): Python's 5 ms against the server's default 0.5, twice
     # each, 1.5B at 32 and 256 streams arriving at once, 7.2B at 256; beside them each model's forward at 32 and 256 rows
     build_fused
-    gil_ab 1.5b 24 2048 32,256
-    gil_ab 7.2b 32 4096 256
+    option_ab 1.5b 24 2048 32,256 gil-switch-ms gil 5 0.5
+    option_ab 7.2b 32 4096 256 gil-switch-ms gil 5 0.5
+    ;;
+stream-interval)  # --stream-interval: a chunk a token against one every 2 and 4 tokens after the first, twice each;
+    # 1.5B at 32 and 256 streams arriving at once (where the event loop's chunks set the step rate), 7.2B at 256
+    build_fused
+    option_ab 1.5b 24 2048 32,256 stream-interval interval 1 2 4
+    option_ab 7.2b 32 4096 256 stream-interval interval 1 2
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights

@@ -282,6 +282,26 @@ def test_completion_stream_equals_non_stream(client):
             assert [x for c in parts if c["logprobs"] for x in c["logprobs"][key]] == choice["logprobs"][key]
 
 
+def test_stream_interval_sends_fewer_chunks_of_the_same_text(model, client):
+    """--stream-interval 4: a chunk every 4 tokens after the first, the same text and usage as every token."""
+    body = {"prompt": ["Once upon a time", "In a galaxy"], "max_tokens": 17, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "logit_bias": {"0": -100}}
+    every_token = parse_sse(client.post("/v1/completions", json=body).text)
+    with LiveServer(model, stream_interval=4) as live, live.client() as gathered:
+        events = parse_sse(gathered.post("/v1/completions", json=body).text)
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9, "temperature": 0, "stream": True}
+        chat_events = parse_sse(gathered.post("/v1/chat/completions", json=chat).text)
+    assert events[-2]["usage"] == every_token[-2]["usage"]
+    for i in range(2):
+        texts = [[c["text"] for e in stream[:-2] for c in e["choices"] if c["index"] == i and c["text"]]
+                 for stream in (events, every_token)]
+        assert "".join(texts[0]) == "".join(texts[1])
+        assert len(texts[0]) <= 1 + 4  # the first token, then 16 in fours
+    deltas = [c["delta"].get("content", "") for e in chat_events[:-1] for c in e["choices"]]
+    reference_chat = client.post("/v1/chat/completions", json={**chat, "stream": False}).json()
+    assert "".join(deltas) == reference_chat["choices"][0]["message"]["content"]
+
+
 def test_completion_n_and_seed_ordering(client):
     body = {"prompt": ["Alpha", "Beta"], "max_tokens": 6, "n": 2, "seed": 3, "temperature": 1.0}
     out = client.post("/v1/completions", json=body).json()

@@ -145,6 +145,73 @@ def test_event_stream_wakes_the_loop_once_per_step(tokenizer):
     assert wakeups <= engine.steps + 2  # was one per event: 6 * 2 * 13 = 156
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_stream_interval_wakes_the_reader_once_per_interval(tokenizer, rows):
+    """--stream-interval 3: the reader gets the first tokens at once, then every 3 tokens a row, and any
+    other event (a row's end) at once with what is held."""
+    engine = Engine(CountingRunner(1), tokenizer)  # never run: the events are delivered by hand, as drains do
+
+    async def main():
+        stream = EventStream(engine, [RowGroup([[5, 6]] * rows, GenerationOptions(max_tokens=50))], interval=3)
+        batches = []
+
+        async def reader():
+            async for events in stream.batches():
+                batches.append(events)
+        task = asyncio.ensure_future(reader())
+
+        async def deliver(*events) -> int:  # one engine step's events; how many batches the reader has had
+            for event in events:
+                stream._deliver(0, event)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            return len(batches)
+
+        def step(i):
+            return [RowText(r, f"<{i}>", 7) for r in range(rows)]
+        assert await deliver(*step(0)) == 1 and len(batches[0]) == rows  # the first tokens at once
+        assert await deliver(*step(1)) == 1 and await deliver(*step(2)) == 1  # held
+        assert await deliver(*step(3)) == 2 and [e.text for e in batches[1]] == [e.text for i in (1, 2, 3)
+                                                                                 for e in step(i)]
+        assert await deliver(*step(4)) == 2
+        ends = [RowFinished(r, "length", 2, 5) for r in range(rows)]
+        assert await deliver(*ends) == 3 and batches[2] == step(4) + ends  # the end at once, with what was held
+        await task
+    asyncio.run(main())
+
+
+def test_a_stream_interval_changes_no_event(tokenizer):
+    (token,) = tokenizer.encode(" the")
+
+    def read(interval: int) -> list:
+        engine = Engine(CountingRunner(token), tokenizer)
+
+        async def main():
+            stream = EventStream(engine, [RowGroup([[5, 6], [7]], GenerationOptions(max_tokens=11))],
+                                 interval=interval)
+            stream.submit()
+            events = []
+
+            async def reader():
+                async for batch in stream.batches():
+                    events.extend(batch)
+            task = asyncio.ensure_future(reader())
+            while not task.done():
+                engine.run_once()
+                for _ in range(5):
+                    await asyncio.sleep(0)
+            return events
+        return asyncio.run(main())
+    assert read(4) == read(1)
+
+
+def test_a_stream_interval_below_one_is_refused(tokenizer):
+    async def make():
+        EventStream(Engine(CountingRunner(1), tokenizer), [RowGroup([[5]], GenerationOptions())], interval=0)
+    with pytest.raises(ValueError, match="interval"):
+        asyncio.run(make())
+
+
 def test_event_stream_on_a_closed_loop_cancels_the_request(tokenizer):
     (token,) = tokenizer.encode(" the")
     engine = Engine(CountingRunner(token), tokenizer)

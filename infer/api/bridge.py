@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
-from infer.engine import Engine, Event, GenerationOptions, QueueFullError, Request, RowFinished, StateSnapshot
+from infer.engine import Engine, Event, GenerationOptions, QueueFullError, Request, RowFinished, RowText, StateSnapshot
 from infer.prefix_cache import CachePart, PrefixCache, whole_group
 from infer.state import SlotState
 
@@ -92,17 +92,28 @@ class EventStream:
     ``on_finish`` is awaited for each finished row before its event is passed on (a session turn
     stores its state there, so the client sees the end only once it is stored); ``on_close`` once
     when the response is over, however it ended (``close``).
+
+    ``interval``: the reader is woken for text only once about that many tokens per unfinished row
+    are waiting (every other event, and the stream's first text, wake it at once). Each wake-up costs
+    the event loop a chunk formatted and written per stream; with many streams of a small model that
+    work, not the GPU, sets the step rate (``--stream-interval``).
     """
 
     def __init__(self, engine: Engine, groups: Sequence[RowGroup], prefix_cache: PrefixCache | None = None,
                  on_finish: Callable[[RowFinished], Awaitable[None]] | None = None,
-                 on_close: Callable[[], Awaitable[None]] | None = None):
+                 on_close: Callable[[], Awaitable[None]] | None = None, interval: int = 1):
+        if interval < 1:
+            raise ValueError(f"interval must be at least 1, got {interval}")
         self._engine = engine
+        self._interval = interval
         self._cache = prefix_cache
         self._on_finish, self._on_close = on_finish, on_close
         self._loop = asyncio.get_running_loop()
         self._mailbox = _mailbox(self._loop, engine)
         self._inbox: list[tuple[int, Event]] = []   # delivered, not yet read (loop side)
+        self._ready = False       # the inbox holds what wakes the reader (loop side)
+        self._held_text = 0       # RowText events in the inbox (with interval > 1)
+        self._text_seen = False   # the reader has been woken for text before
         self._waiter: asyncio.Future | None = None  # set while batches() waits for the inbox
         self.requests: list[Request] = []
         self._parts: list[tuple[list[int], CachePart]] = []  # per request: stream row numbers, cache plan
@@ -131,6 +142,12 @@ class EventStream:
 
     def _deliver(self, request: int, event: Event) -> None:  # loop thread
         self._inbox.append((request, event))
+        if self._interval > 1 and isinstance(event, RowText) and self._text_seen:
+            self._held_text += 1
+            if self._held_text < self._interval * max(1, sum(self._open)):
+                return
+        self._ready = True
+        self._text_seen = self._text_seen or isinstance(event, RowText)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -174,13 +191,14 @@ class EventStream:
         together), with ``index`` numbered across the whole stream."""
         try:
             while any(self._open):
-                if not self._inbox:
+                if not self._ready:
                     self._waiter = self._loop.create_future()
                     try:
                         await self._waiter
                     finally:
                         self._waiter = None
                 items, self._inbox = self._inbox, []
+                self._ready, self._held_text = False, 0
                 events = []
                 for request, event in items:
                     rows, part = self._parts[request]

@@ -41,6 +41,7 @@ class ServerContext:
     cors_origins: Sequence[str] = ()        # empty: no CORS headers at all
     sessions: SessionService | None = None  # None: the stateful routes answer 503
     prefix_cache: PrefixCache | None = None
+    stream_interval: int = 1                # tokens a row per wake-up of a reader (EventStream's interval)
     created: int = field(default_factory=lambda: int(time.time()))
     namespace: str = field(init=False)      # of every session this server's credential creates
 
@@ -96,7 +97,7 @@ class ServerContext:
               on_close: Callable[[], Awaitable[None]] | None = None) -> EventStream:
         """Submit the rows to the engine (through the prefix cache); a full queue is a 429 the client
         may retry. See EventStream for the hooks."""
-        stream = EventStream(self.engine, groups, self.prefix_cache, on_finish, on_close)
+        stream = EventStream(self.engine, groups, self.prefix_cache, on_finish, on_close, self.stream_interval)
         try:
             stream.submit()
         except QueueFullError as e:
