@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt prefixes are cached at multiples of this many tokens (and at chat turn boundaries)")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="tokens a streamed row gathers before its next chunk is sent (its first token goes at once): "
-                         "each chunk costs the event loop ~25 us, so with hundreds of streams of a small model, 2-4 "
-                         "keeps the GPU, not the loop, setting the pace, for fewer, larger chunks")
+                         "fewer, larger chunks, less event-loop work per token for hundreds of streams of a small model "
+                         "(default 1: a chunk a token)")
     ap.add_argument("--gil-switch-ms", type=float, default=DEFAULT_GIL_SWITCH_MS,
                     help="how long a thread may hold Python's GIL while another waits for it (sys.setswitchinterval): "
                          "the engine thread waits up to this long for it whenever the HTTP event loop is busy "

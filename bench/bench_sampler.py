@@ -10,6 +10,8 @@ cuda/sampler.cu). Prints a table and writes JSON (bench/results/sampler_h200.jso
 
     python bench/bench_sampler.py                       # B in 1,32,256,512 x V=65536, top_p=0.9
     python bench/bench_sampler.py --configs p0.9,k40p0.9,k50,t1 --batches 1,256
+    python bench/bench_sampler.py --fp16-logits --profile --batches 1,32,256   # as the model hands them over;
+                                                      # + the kernel path's device time per call, by kernel
 """
 from __future__ import annotations
 
@@ -45,6 +47,23 @@ def time_sample(sampler: Sampler, logits: torch.Tensor, slots: torch.Tensor, war
     return start.elapsed_time(end) / iters
 
 
+PROFILE_CALLS = 10
+
+
+def device_time(sampler: Sampler, logits: torch.Tensor, slots: torch.Tensor, iters: int) -> tuple[float, list]:
+    """(device ms per sample() call summed over its kernels and copies, the 8 costliest of them as [name, ms])."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            sampler.sample(logits, slots)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    per_call = [(e.key, getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / 1000 / iters)
+                for e in kernels]
+    per_call.sort(key=lambda kv: -kv[1])
+    return sum(ms for _, ms in per_call), [[name[:80], round(ms, 4)] for name, ms in per_call[:8]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,32,256,512")
@@ -53,6 +72,9 @@ def main() -> None:
     ap.add_argument("--logit-std", type=float, default=3.0)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--fp16-logits", action="store_true", help="fp16 logits, as the model's head gives them")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the kernel path's device time per call, by kernel (torch.profiler)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/sampler_<gpu>.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -64,6 +86,9 @@ def main() -> None:
     max_b = max(batches)
 
     samplers = {impl: Sampler(V, max_b, "cuda", impl=impl) for impl in ("torch", "auto")}
+    # the kernel path as it was before its preparation kernel: the torch steps before the softmax
+    unprepared = samplers["unprepared"] = Sampler(V, max_b, "cuda", impl="auto")
+    unprepared._prepare_on = lambda kernel, logits, slots, fp: unprepared._prepare(logits, slots, fp)[1:5]
     kernel_name = samplers["auto"].name
     if kernel_name == "torch":
         from infer.ops.sampler_cuda import cuda_sampler_error
@@ -79,14 +104,28 @@ def main() -> None:
                 s.reset_slot(slot, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=slot))
         for B in batches:
             logits = torch.randn(B, V, generator=gen, device="cuda") * args.logit_std
+            if args.fp16_logits:
+                logits = logits.half()
             slots = torch.arange(B, device="cuda")
             # same step counters in both samplers before the token check
             toks = {impl: s.sample(logits, slots).tokens for impl, s in samplers.items()}
             same = int((toks["torch"] == toks["auto"]).sum())
+            assert torch.equal(toks["auto"], toks["unprepared"]), "the preparation kernel changed a token"
             ms = {impl: time_sample(s, logits, slots, args.warmup, args.iters) for impl, s in samplers.items()}
             row = dict(config=cfg, temperature=temperature, top_k=top_k, top_p=top_p, batch=B, vocab=V,
                        torch_ms=round(ms["torch"], 4), kernel_ms=round(ms["auto"], 4),
-                       speedup=round(ms["torch"] / ms["auto"], 2), tokens_equal=f"{same}/{B}")
+                       kernel_torch_prep_ms=round(ms["unprepared"], 4),
+                       speedup=round(ms["torch"] / ms["auto"], 2), tokens_equal=f"{same}/{B}",
+                       logits_dtype=str(logits.dtype).removeprefix("torch."))
+            if args.profile:
+                try:
+                    total, top = device_time(samplers["auto"], logits, slots, PROFILE_CALLS)
+                    row.update(kernel_device_ms=round(total, 4), kernel_top_ops=top)
+                except Exception as e:  # the timings above stand without the profile
+                    row["profile_error"] = repr(e)
+                for _ in range(PROFILE_CALLS):  # the others' step counters too: the next check compares draws
+                    samplers["torch"].sample(logits, slots)
+                    samplers["unprepared"].sample(logits, slots)
             rows.append(row)
             print(row, flush=True)
 
@@ -94,10 +133,12 @@ def main() -> None:
                   kernel=kernel_name, logit_std=args.logit_std, iters=args.iters, rows=rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'config':>10} {'batch':>6} {'torch ms':>10} {'kernel ms':>10} {'speedup':>8} {'tokens equal':>13}")
+    print(f"\n{'config':>10} {'batch':>6} {'torch ms':>10} {'kernel ms':>10} {'speedup':>8} {'tokens equal':>13} "
+          f"{'device ms':>10} {'unprep ms':>10}  (unprep: the kernel path with the torch steps before the softmax)")
     for r in rows:
         print(f"{r['config']:>10} {r['batch']:>6} {r['torch_ms']:>10.3f} {r['kernel_ms']:>10.3f} {r['speedup']:>7.1f}x "
-              f"{r['tokens_equal']:>13}")
+              f"{r['tokens_equal']:>13} {r.get('kernel_device_ms', float('nan')):>10.3f} "
+              f"{r['kernel_torch_prep_ms']:>10.3f}")
     print(f"wrote {out}")
 
 

@@ -95,6 +95,8 @@
 #                                                                   # host's copies waiting for the stream and not
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gil-switch  # serving 1.5B/7.2B, --gil-switch-ms 5 against 0.5
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh stream-interval  # serving 1.5B/7.2B, --stream-interval 1, 2, 4
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh sampler-cost  # sample() device time by kernel; admission A/B x2
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh sampler-prepare  # sampler prepare kernel: tests, A/B, serving
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -244,6 +246,12 @@ option_ab() {
             copy "bench/results/serving_h200_${size}_$tag${value}_$round.json"
         done
     done
+}
+
+# the sampler's torch steps before the softmax on every path (as before its preparation kernel)
+torch_preparation() {
+    sed -i "s/        if (self._kernel is not None and not wants_logprobs/        if (False and not wants_logprobs/" infer/sampler.py
+    grep -q "if (False and not wants_logprobs" infer/sampler.py || { echo "sampler preparation switch not found"; return 1; }
 }
 
 case $PART in
@@ -1263,6 +1271,26 @@ stream-interval)  # --stream-interval: a chunk a token against one every 2 and 4
     build_fused
     option_ab 1.5b 24 2048 32,256 stream-interval interval 1 2 4
     option_ab 7.2b 32 4096 256 stream-interval interval 1 2
+    ;;
+sampler-cost)  # the sampler's share of a serving step: sample() with fp16 logits at 1, 32 and 256 rows, its device time
+    # by kernel; then the admission A/B of the twenty-fifth session again (1.5B, 128 streams 4 ms apart, two rounds of
+    # the waiting copies from ab_before/ against the tree's; carry ab_before)
+    build_fused
+    step 200 "sampler cost" python bench/bench_sampler.py --fp16-logits --profile --batches 1,32,256 \
+        --out bench/results/sampler_h200_cost.json
+    copy bench/results/sampler_h200_cost.json
+    serving_ab 1.5b_admission_r2 128,128 4 1.5b 24 2048 blocking_copies blocking async "${ADMISSION_FILES[@]}"
+    serving_ab 1.5b_admission_r3 128,128 4 1.5b 24 2048 blocking_copies blocking async "${ADMISSION_FILES[@]}"
+    ;;
+sampler-prepare)  # the logits' preparation kernel of the sampler: its GPU tests, sample() with and without it at 1,
+    # 32 and 256 rows, then 1.5B serving at 32 and 256 streams without it (the torch steps) and with it, twice
+    build_fused
+    step 200 "sampler GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_sampler_cuda.py
+    step 150 "sampler cost" python bench/bench_sampler.py --fp16-logits --profile --batches 1,32,256 \
+        --out bench/results/sampler_h200_prepare.json
+    copy bench/results/sampler_h200_prepare.json
+    serving_ab 1.5b_prepare_r1 32,256 0 1.5b 24 2048 torch_preparation torch kernel infer/sampler.py
+    serving_ab 1.5b_prepare_r2 32,256 0 1.5b 24 2048 torch_preparation torch kernel infer/sampler.py
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights

@@ -15,6 +15,11 @@ extern "C" int sampler_launch(int device, int64_t stream, int64_t B, int64_t V, 
                               const int64_t* top_k, int64_t k_stride, const float* top_p, int64_t tp_stride,
                               const float* u, int64_t u_stride, const int64_t* greedy, int64_t g_stride, float* tau,
                               int64_t* drawn);
+extern "C" int sampler_prepare_launch(int device, int64_t stream, int64_t B, int64_t V, int64_t vv, int half,
+                                      const void* logits, int64_t l_stride, const float* penalty, int64_t pen_stride,
+                                      const int64_t* slots, const int64_t* bias_ids, const float* bias_vals,
+                                      int64_t n_bias, int64_t bias_stride, const float* temp, int64_t t_stride,
+                                      float* s, int64_t s_stride, int64_t* tok, bool* dead, int64_t* fallback);
 extern "C" const char* sampler_error_string(int code);
 
 namespace {
@@ -69,6 +74,67 @@ void sampler_tau_draw(torch::Tensor p, torch::Tensor top_k, torch::Tensor top_p,
     TORCH_CHECK(err == 0, "sampler: kernel launch failed: ", sampler_error_string(err), " (error ", num(err), ")");
 }
 
+void sampler_prepare(torch::Tensor logits, c10::optional<torch::Tensor> penalty, torch::Tensor slots,
+                     c10::optional<torch::Tensor> bias_ids, c10::optional<torch::Tensor> bias_vals, int64_t vv,
+                     torch::Tensor temp, torch::Tensor s, torch::Tensor tok, torch::Tensor dead, torch::Tensor fallback,
+                     int64_t stream) {
+    TORCH_CHECK(logits.is_cuda(), "sampler_prepare: logits must be on a CUDA device, got ", logits.device().str());
+    const torch::Device device = logits.device();
+    const bool half = logits.scalar_type() == torch::kFloat16;
+    TORCH_CHECK(half || logits.scalar_type() == torch::kFloat32, "sampler_prepare: logits must be float16 or float32, "
+                "got ", logits.scalar_type());
+    TORCH_CHECK(logits.dim() == 2, "sampler_prepare: logits must be 2-D [rows, vocab], got shape ", shape(logits));
+    const int64_t B = logits.size(0), V = logits.size(1);
+    TORCH_CHECK(V > 0 && V <= INT_MAX && B <= INT_MAX, "sampler_prepare: bad logits shape ", shape(logits));
+    TORCH_CHECK(logits.stride(1) == 1 || V == 1, "sampler_prepare: logits must have unit column stride");
+    TORCH_CHECK(vv >= 0, "sampler_prepare: vv must be >= 0, got ", num(vv));
+    check_row_vector(slots, device, B, torch::kInt64, "slots");
+    check_row_vector(temp, device, B, torch::kFloat32, "temp");
+    check_row_vector(tok, device, B, torch::kInt64, "tok");
+    check_row_vector(fallback, device, B, torch::kInt64, "fallback");
+    check_row_vector(dead, device, B, torch::kBool, "dead");
+    TORCH_CHECK(slots.is_contiguous() && tok.is_contiguous() && fallback.is_contiguous() && dead.is_contiguous(),
+                "sampler_prepare: slots, tok, dead and fallback must be contiguous");
+    TORCH_CHECK(s.device() == device && s.scalar_type() == torch::kFloat32 && s.dim() == 2 && s.size(0) == B &&
+                s.size(1) == V && (s.stride(1) == 1 || V == 1), "sampler_prepare: s must be float32 [", num(B), ", ",
+                num(V), "] with unit column stride on the logits' device, got ", shape(s));
+    const float* pen = nullptr;
+    int64_t pen_stride = 0;
+    if (penalty.has_value()) {
+        const torch::Tensor& p = *penalty;
+        TORCH_CHECK(p.device() == device && p.scalar_type() == torch::kFloat32 && p.dim() == 2 && p.size(1) == V &&
+                    (p.stride(1) == 1 || V == 1), "sampler_prepare: penalty must be float32 [slots, ", num(V),
+                    "] with unit column stride on the logits' device, got ", shape(p));
+        pen = p.data_ptr<float>();
+        pen_stride = p.stride(0);
+    }
+    TORCH_CHECK(bias_ids.has_value() == bias_vals.has_value(), "sampler_prepare: bias_ids and bias_vals go together");
+    const int64_t* ids = nullptr;
+    const float* vals = nullptr;
+    int64_t n_bias = 0, bias_stride = 0;
+    if (bias_ids.has_value()) {
+        const torch::Tensor &bi = *bias_ids, &bv = *bias_vals;
+        TORCH_CHECK(bi.device() == device && bv.device() == device && bi.scalar_type() == torch::kInt64 &&
+                    bv.scalar_type() == torch::kFloat32 && bi.dim() == 2 && bi.sizes() == bv.sizes() &&
+                    bi.strides() == bv.strides() && (bi.stride(1) == 1 || bi.size(1) <= 1),
+                    "sampler_prepare: bias_ids int64 and bias_vals float32 must be [slots, entries] alike, got ",
+                    shape(bi), " and ", shape(bv));
+        ids = bi.data_ptr<int64_t>();
+        vals = bv.data_ptr<float>();
+        n_bias = bi.size(1);
+        bias_stride = bi.stride(0);
+    }
+    if (B == 0) return;
+    const int err = sampler_prepare_launch(static_cast<int>(device.index()), stream, B, V, vv, half ? 1 : 0,
+                                           logits.data_ptr(), logits.stride(0), pen, pen_stride,
+                                           slots.data_ptr<int64_t>(), ids, vals, n_bias, bias_stride,
+                                           temp.data_ptr<float>(), temp.stride(0), s.data_ptr<float>(), s.stride(0),
+                                           tok.data_ptr<int64_t>(), dead.data_ptr<bool>(),
+                                           fallback.data_ptr<int64_t>());
+    TORCH_CHECK(err == 0, "sampler_prepare: kernel launch failed: ", sampler_error_string(err), " (error ", num(err),
+                ")");
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "Token sampler: top-k/top-p keep threshold and inverse-CDF draw per row, without sorting";
     m.def("sampler_tau_draw", &sampler_tau_draw,
@@ -76,4 +142,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "p >= tau) and drawn token",
           py::arg("p"), py::arg("top_k"), py::arg("top_p"), py::arg("u"), py::arg("greedy"), py::arg("tau"),
           py::arg("drawn"), py::arg("stream"));
+    m.def("sampler_prepare", &sampler_prepare,
+          "sampler_prepare(logits, penalty, slots, bias_ids, bias_vals, vv, temp, s, tok, dead, fallback, stream): "
+          "the adjusted logits over the temperature (s), their argmax, dead rows and their fallback token",
+          py::arg("logits"), py::arg("penalty"), py::arg("slots"), py::arg("bias_ids"), py::arg("bias_vals"),
+          py::arg("vv"), py::arg("temp"), py::arg("s"), py::arg("tok"), py::arg("dead"), py::arg("fallback"),
+          py::arg("stream"));
 }

@@ -10,9 +10,11 @@
 // Build: torch.utils.cpp_extension on a ROCm build of torch compiles this file with hipcc together
 // with cuda/sampler_op.cpp (which only sees the C launcher below). Compile-checked, not run.
 
+#include <hip/hip_fp16.h>
 #include <hip/hip_runtime.h>
 
 #include <climits>
+#include <cmath>
 #include <cstdint>
 
 namespace rwkv_sampler {
@@ -469,6 +471,124 @@ sampler_kernel(int64_t V, int64_t p_stride, const float* __restrict__ p, const i
     }
 }
 
+// ------------------------------------------------------------------------------------------ preparation
+// What infer/sampler.py's torch path does to a row of logits before its softmax, in two passes over the row
+// instead of ~10 (each op of the torch path reads and writes the whole [B, V] batch once):
+//   x = logits - penalty[slot] (fp32; no penalty: the logits in fp32), then x[id] += bias for each of the
+//   slot's bias entries in order; NaN -> -inf, +inf -> FLT_MAX, -inf stays; x[vv:] = -inf
+//   tok = argmax x (the first of equal values), dead = (x[tok] == -inf), fallback = argmax over [0, vv) of the
+//   logits alone with NaN -> -inf, +inf -> FLT_MAX (a dead row's token)
+//   s = min(x / T, FLT_MAX) (NaN stays NaN, as torch's clamp), or 0 everywhere in a dead row
+// The same fp32 operations in the same order as torch, so s and the tokens are bit for bit the torch path's.
+constexpr float kFloatMax = 3.40282347e38f;
+
+__device__ __forceinline__ float load_logit(const float* row, int64_t i) { return row[i]; }
+__device__ __forceinline__ float load_logit(const __half* row, int64_t i) { return __half2float(row[i]); }
+
+__device__ __forceinline__ float finite_or_inf(float v) {  // torch.nan_to_num(nan=-inf, posinf=FLT_MAX, neginf=-inf)
+    if (v != v) return -INFINITY;
+    return v == INFINITY ? kFloatMax : v;
+}
+
+// the argmax order: the larger value, the smaller index among equal ones (torch.argmax's choice)
+__device__ __forceinline__ bool before(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+struct ArgMax {
+    float v;
+    int i;
+};
+
+__device__ __forceinline__ ArgMax block_argmax(float* red_v, int* red_i, ArgMax m) {
+    for (int o = warp_size() / 2; o > 0; o >>= 1) {
+        const float ov = shfl_xor(m.v, o);
+        const int oi = shfl_xor(m.i, o);
+        if (before(ov, oi, m.v, m.i)) m = ArgMax{ov, oi};
+    }
+    if (lane_id() == 0) {
+        red_v[warp_id()] = m.v;
+        red_i[warp_id()] = m.i;
+    }
+    __syncthreads();
+    ArgMax best{red_v[0], red_i[0]};
+    for (int w = 1; w < num_warps(); ++w) {
+        if (before(red_v[w], red_i[w], best.v, best.i)) best = ArgMax{red_v[w], red_i[w]};
+    }
+    __syncthreads();
+    return best;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+prepare_kernel(int64_t V, int64_t vv, const T* __restrict__ logits, int64_t l_stride, const float* __restrict__ penalty,
+               int64_t pen_stride, const int64_t* __restrict__ slots, const int64_t* __restrict__ bias_ids,
+               const float* __restrict__ bias_vals, int64_t n_bias, int64_t bias_stride, const float* __restrict__ temp,
+               int64_t t_stride, float* __restrict__ s, int64_t s_stride, int64_t* __restrict__ tok,
+               bool* __restrict__ dead, int64_t* __restrict__ fallback) {
+    __shared__ float red_v[kMaxWarps];
+    __shared__ int red_i[kMaxWarps];
+    const int64_t rowi = blockIdx.x, slot = slots[rowi];
+    const T* lg = logits + rowi * l_stride;
+    const float* pen = penalty != nullptr ? penalty + slot * pen_stride : nullptr;
+    float* x = s + rowi * s_stride;
+    const int n = static_cast<int>(V), n_valid = static_cast<int>(vv < V ? vv : V);
+
+    // 1. x before the bias, and the fallback
+    ArgMax raw{-INFINITY, INT_MAX};
+#pragma unroll 4
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+        const float v = load_logit(lg, i);
+        if (i < n_valid) {
+            const float r = finite_or_inf(v);
+            if (before(r, i, raw.v, raw.i)) raw = ArgMax{r, i};
+        }
+        x[i] = pen != nullptr ? v - pen[i] : v;
+    }
+    raw = block_argmax(red_v, red_i, raw);  // its barrier also orders x's writes before the bias
+    if (threadIdx.x == 0) {  // in order, one thread: ids may repeat (padding entries add 0 to token 0)
+        for (int64_t j = 0; j < n_bias; ++j) {
+            const int64_t id = bias_ids[slot * bias_stride + j];
+            if (id >= 0 && id < V) x[id] = x[id] + bias_vals[slot * bias_stride + j];  // the sampler checks ids
+        }
+    }
+    __syncthreads();
+
+    // 2. cleaned x, its argmax, s
+    const float t = temp[rowi * t_stride];
+    ArgMax best{-INFINITY, INT_MAX};
+#pragma unroll 4
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+        const float v = i < n_valid ? finite_or_inf(x[i]) : -INFINITY;
+        if (before(v, i, best.v, best.i)) best = ArgMax{v, i};
+        const float q = v / t;
+        x[i] = q > kFloatMax ? kFloatMax : q;
+    }
+    best = block_argmax(red_v, red_i, best);
+    const bool is_dead = best.v == -INFINITY;
+    if (is_dead) {
+        for (int i = threadIdx.x; i < n; i += kThreads) x[i] = 0.0f;
+    }
+    if (threadIdx.x == 0) {
+        tok[rowi] = best.i;
+        dead[rowi] = is_dead;
+        fallback[rowi] = raw.i;
+    }
+}
+
+// The launchers' common frame: argument checks, the device switched to `device` and back, the launch's error.
+template <typename Launch>
+int launch_on(int device, int64_t B, int64_t V, Launch&& launch) {
+    if (B == 0) return hipSuccess;
+    if (B < 0 || B > INT_MAX || V <= 0 || V > INT_MAX) return hipErrorInvalidConfiguration;
+    int previous = -1;
+    hipError_t err = hipGetDevice(&previous);
+    if (err != hipSuccess) return err;
+    if (previous != device && (err = hipSetDevice(device)) != hipSuccess) return err;
+    launch();
+    err = hipGetLastError();
+    if (previous != device) (void)hipSetDevice(previous);
+    return err;
+}
+
 }  // namespace rwkv_sampler
 
 // Launch on `stream` (a hipStream_t passed as an integer) of HIP device `device`: one block per
@@ -481,28 +601,45 @@ extern "C" int sampler_launch(int device, int64_t stream, int64_t B, int64_t V, 
                               const float* u, int64_t u_stride, const int64_t* greedy, int64_t g_stride, float* tau,
                               int64_t* drawn) {
     using namespace rwkv_sampler;
-    if (B == 0) return hipSuccess;
-    if (B < 0 || B > INT_MAX || V <= 0 || V > INT_MAX) return hipErrorInvalidConfiguration;
+    return launch_on(device, B, V, [&] {
+        const hipStream_t s = reinterpret_cast<hipStream_t>(stream);
+        const bool vec = V % 4 == 0 && p_stride % 4 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+        const dim3 grid(static_cast<unsigned>(B)), block(kThreads);
+        if (vec) {
+            sampler_kernel<true><<<grid, block, 0, s>>>(V, p_stride, p, top_k, k_stride, top_p, tp_stride, u,
+                                                        u_stride, greedy, g_stride, tau, drawn);
+        } else {
+            sampler_kernel<false><<<grid, block, 0, s>>>(V, p_stride, p, top_k, k_stride, top_p, tp_stride, u,
+                                                         u_stride, greedy, g_stride, tau, drawn);
+        }
+    });
+}
 
-    int previous = -1;
-    hipError_t err = hipGetDevice(&previous);
-    if (err != hipSuccess) return err;
-    if (previous != device && (err = hipSetDevice(device)) != hipSuccess) return err;
-
-    const hipStream_t s = reinterpret_cast<hipStream_t>(stream);
-    const bool vec = V % 4 == 0 && p_stride % 4 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0;
-    const dim3 grid(static_cast<unsigned>(B)), block(kThreads);
-    if (vec) {
-        sampler_kernel<true><<<grid, block, 0, s>>>(V, p_stride, p, top_k, k_stride, top_p, tp_stride, u, u_stride,
-                                                    greedy, g_stride, tau, drawn);
-    } else {
-        sampler_kernel<false><<<grid, block, 0, s>>>(V, p_stride, p, top_k, k_stride, top_p, tp_stride, u, u_stride,
-                                                     greedy, g_stride, tau, drawn);
-    }
-    err = hipGetLastError();
-
-    if (previous != device) (void)hipSetDevice(previous);
-    return err;
+// Launch of prepare_kernel (see above) on `stream` of HIP device `device`: one block per row of logits [B, V] (fp16
+// when half, else fp32; row stride l_stride, unit column stride). penalty [slots, V] fp32 (row stride pen_stride) or
+// null; slots [B] int64 picks each row's penalty and bias rows; bias_ids/bias_vals [slots, n_bias] (row stride
+// bias_stride; n_bias 0: none); temp [B] fp32 (element stride t_stride). Writes s [B, V] fp32 (row stride s_stride),
+// tok and fallback [B] int64 and dead [B] bool. Returns the hipError_t of the launch.
+extern "C" int sampler_prepare_launch(int device, int64_t stream, int64_t B, int64_t V, int64_t vv, int half,
+                                      const void* logits, int64_t l_stride, const float* penalty, int64_t pen_stride,
+                                      const int64_t* slots, const int64_t* bias_ids, const float* bias_vals,
+                                      int64_t n_bias, int64_t bias_stride, const float* temp, int64_t t_stride,
+                                      float* s, int64_t s_stride, int64_t* tok, bool* dead, int64_t* fallback) {
+    using namespace rwkv_sampler;
+    return launch_on(device, B, V, [&] {
+        const hipStream_t st = reinterpret_cast<hipStream_t>(stream);
+        const dim3 grid(static_cast<unsigned>(B)), block(kThreads);
+        if (half) {
+            prepare_kernel<__half><<<grid, block, 0, st>>>(V, vv, static_cast<const __half*>(logits), l_stride,
+                                                           penalty, pen_stride, slots, bias_ids, bias_vals, n_bias,
+                                                           bias_stride, temp, t_stride, s, s_stride, tok, dead,
+                                                           fallback);
+        } else {
+            prepare_kernel<float><<<grid, block, 0, st>>>(V, vv, static_cast<const float*>(logits), l_stride, penalty,
+                                                          pen_stride, slots, bias_ids, bias_vals, n_bias, bias_stride,
+                                                          temp, t_stride, s, s_stride, tok, dead, fallback);
+        }
+    });
 }
 
 extern "C" const char* sampler_error_string(int code) { return hipGetErrorString(static_cast<hipError_t>(code)); }

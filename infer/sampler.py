@@ -53,7 +53,9 @@ Slots in one ``sample`` call must be distinct (the penalty pool is updated by in
 On CUDA the keep threshold and the draw (the top-k/top-p truncation and the inverse CDF above) run
 in one kernel without sorting (``infer/ops/sampler_cuda.py``, ``cuda/sampler.cu``) when it builds;
 ``Sampler.name`` tells which path a sampler takes (``impl``/``RWKV_SAMPLER``: auto (the default: the
-kernel where it loads), cuda (the kernel or an error), torch).
+kernel where it loads), cuda (the kernel or an error), torch). Unless a row asks for log-probabilities,
+a second kernel of the same extension prepares the logits before the softmax (penalties, biases, cleaning,
+temperature, the greedy argmax: ``_prepare``'s torch steps bit for bit, in two passes instead of ~10).
 The kernel sums probabilities exactly (fixed point) where this torch path uses an fp64 cumsum: the
 results are identical whenever those fp64 sums are exact (all kept probabilities >= 2^-29 or so),
 otherwise they differ only by the fp64 rounding (see cuda/sampler.cu).
@@ -77,6 +79,7 @@ __all__ = ["SamplingParams", "SampleOutput", "Sampler", "uniform_reference"]
 log = logging.getLogger(__name__)
 
 _FMAX = torch.finfo(torch.float32).max
+_PREPARED_DTYPES = (torch.float16, torch.float32)  # logits the CUDA kernel's preparation reads
 _NEG_INF = float("-inf")
 _M32 = 0xFFFFFFFF
 # With top_k in (0, _TOPK_MAX] for every sampled slot the candidates come from torch.topk;
@@ -390,17 +393,14 @@ class Sampler:
             tau = torch.zeros(B, dtype=torch.float32, device=p.device)
         return _draw(p, tau, u)
 
-    def sample(self, logits: Tensor, slots: Tensor, want_logprob: bool = False) -> SampleOutput:
-        B, V = logits.shape
-        if V != self.vocab_size:
-            raise ValueError(f"logits have {V} columns, sampler vocab is {self.vocab_size}")
-        dev = logits.device
-        vv = self.valid_vocab
-        slots = torch.as_tensor(slots, dtype=torch.int64).to(dev)
-        fp = self._fparams[slots]
-        ip = self._iparams[slots]
-
-        # 1. adjusted logits (fp32, fresh tensor: never mutates the caller's logits)
+    def _prepare(self, logits: Tensor, slots: Tensor, fp: Tensor) -> tuple:
+        """Step 1 of :meth:`sample` in torch: ``(x, s, tok, dead, fallback, raw, pen, any_dead)``: the adjusted
+        logits x (fp32, a fresh tensor: the caller's logits are never mutated), s = x over the temperature (None
+        when no row samples), the greedy token, the rows with nothing left (dead) and their token from the raw
+        logits (fallback, from raw), the slots' penalty rows (pen, None without penalties), and whether dead rows
+        may exist (on CUDA always True: checking would sync the host). The CUDA kernel's ``prepare`` computes
+        s, tok, dead and fallback bit for bit the same."""
+        V, vv, cpu = logits.shape[1], self.valid_vocab, logits.device.type == "cpu"
         pen = None
         if self._n_pen:
             pen = self.penalty[slots]  # (CPU index_select is ~60x slower for wide rows)
@@ -415,21 +415,51 @@ class Sampler:
             x[:, vv:] = _NEG_INF
         tok = x.argmax(dim=1)  # greedy choice; also tells whether anything is left
         dead = x.gather(1, tok[:, None]).squeeze(1) == _NEG_INF
-        # Rows with nothing left fall back to the raw logits.  On CPU checking is free, so the
-        # fallback is computed only when needed; on CUDA it is always computed (no host sync).
-        cpu = dev.type == "cpu"
+        # Rows with nothing left fall back to the raw logits: on CPU only when there are some.
         any_dead = bool(dead.any()) if cpu else True
-        raw = fallback = None
+        raw = fallback = s = None
         if any_dead:
             raw = torch.nan_to_num(logits[:, :vv].float(), nan=_NEG_INF, posinf=_FMAX, neginf=_NEG_INF)
             fallback = raw.argmax(dim=1)
-
-        # 2. choose
         if self._n_sampled:
             s = x / fp[:, _F_TEMP : _F_TEMP + 1]
             s.clamp_(max=_FMAX)
             if any_dead:
                 s.masked_fill_(dead[:, None], 0.0)
+        return x, s, tok, dead, fallback, raw, pen, any_dead
+
+    def _prepare_on(self, kernel, logits: Tensor, slots: Tensor, fp: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(s, tok, dead, fallback)`` of :meth:`_prepare` from ``kernel.prepare`` (the CUDA kernel, or its CPU
+        emulation in the tests), with this sampler's penalties, biases and temperatures."""
+        biased = bool(self._n_bias and self._bias_ids.shape[1])
+        return kernel.prepare(logits, self.penalty if self._n_pen else None, slots,
+                              self._bias_ids if biased else None, self._bias_vals if biased else None,
+                              self.valid_vocab, fp[:, _F_TEMP])
+
+    def sample(self, logits: Tensor, slots: Tensor, want_logprob: bool = False) -> SampleOutput:
+        B, V = logits.shape
+        if V != self.vocab_size:
+            raise ValueError(f"logits have {V} columns, sampler vocab is {self.vocab_size}")
+        dev = logits.device
+        vv = self.valid_vocab
+        slots = torch.as_tensor(slots, dtype=torch.int64).to(dev)
+        fp = self._fparams[slots]
+        ip = self._iparams[slots]
+
+        n_top = min(max(self._lps, default=0), vv)
+        wants_logprobs = n_top > 0 or want_logprob
+        # The kernel does step 1 and the temperature in two passes over the logits (the torch steps make ~10); the
+        # log-probabilities need x itself, which it does not keep.
+        if (self._kernel is not None and not wants_logprobs and logits.dtype in _PREPARED_DTYPES
+                and logits.stride(1) == 1):
+            s, tok, dead, fallback = self._prepare_on(self._kernel, logits, slots, fp)
+            x = raw = pen = None
+            any_dead = True
+        else:
+            x, s, tok, dead, fallback, raw, pen, any_dead = self._prepare(logits, slots, fp)
+
+        # 2. choose
+        if self._n_sampled:
             p = torch.softmax(s, dim=1)
             del s
             top_k, top_p = ip[:, _I_TOPK], fp[:, _F_TOPP]
@@ -445,8 +475,7 @@ class Sampler:
 
         # 3. logprobs (before the penalty update: they describe this step's distribution)
         out = SampleOutput(tokens=tok)
-        n_top = min(max(self._lps, default=0), vv)
-        if n_top > 0 or want_logprob:
+        if wants_logprobs:
             lp = torch.log_softmax(torch.where(dead[:, None], raw, x[:, :vv]) if any_dead else x[:, :vv], dim=1)
             lp.nan_to_num_(nan=_NEG_INF)
             out.logprobs = lp.gather(1, tok[:, None]).squeeze(1)
@@ -454,6 +483,8 @@ class Sampler:
                 out.top_logprobs, out.top_ids = lp.topk(n_top, dim=1, sorted=True)
 
         # 4. state updates: penalties, RNG step counters
+        if self._n_pen and pen is None:
+            pen = self.penalty[slots]
         if pen is not None:
             t = tok[:, None]
             before = pen.gather(1, t)

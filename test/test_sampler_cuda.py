@@ -28,7 +28,8 @@ import logging
 import pytest
 import torch
 
-from infer.ops.sampler_cuda import CudaSampler, cuda_sampler_error, load_cuda_sampler, self_test_batch
+from infer.ops.sampler_cuda import (CudaSampler, cuda_sampler_error, load_cuda_sampler, prepare_case, prepare_mismatch,
+                                    self_test_batch)
 from infer.sampler import Sampler, SamplingParams, _draw
 from sampler_model import KINDS, exact_tau_draw, probability_rows, row_params, torch_sums_exact
 
@@ -266,6 +267,41 @@ def test_sampler_end_to_end_matches_torch_path(kernel, B):
         assert torch.equal(a.logprobs, b.logprobs)
         assert torch.equal(a.top_ids, b.top_ids) and torch.equal(a.top_logprobs, b.top_logprobs)
         assert (a.tokens < 65530).all()
+    assert torch.equal(samplers[0].penalty, samplers[1].penalty)
+    assert torch.equal(samplers[0].step, samplers[1].step)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("V", [1000, 4099, 65536])
+def test_prepare_matches_the_torch_steps(kernel, dtype, V):
+    """The logits' preparation kernel: s, the greedy token, dead rows and their fallback bit for bit the torch
+    steps' (Sampler._prepare), with penalties, biases, NaN/inf, masked ids, temperatures and a dead row."""
+    assert prepare_mismatch(kernel, *prepare_case(torch.device("cuda"), V, dtype)) is None
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_sampler_without_logprobs_matches_torch_path(kernel, dtype):
+    """Without log-probabilities the kernel path prepares the logits in its own kernel: the same tokens,
+    penalty tables and step counters as the torch path, step after step (dead rows included)."""
+    B, V = 200, 65536
+    samplers = [Sampler(V, 256, "cuda", impl=impl) for impl in ("torch", "cuda")]
+    slots = (torch.arange(B) * 5 + 1) % 256
+    params = [{k: v for k, v in p.items() if k != "logprobs"} for p in ROW_PARAMS]
+    for s in samplers:
+        for i, slot in enumerate(slots.tolist()):
+            s.reset_slot(slot, SamplingParams(**params[i % len(params)], seed=500 + i))
+    gen = torch.Generator().manual_seed(9)
+    slots = slots.cuda()
+    for step in range(5):
+        x = torch.randn(B, V, generator=gen) * (3.0 if step % 2 else 1.0)
+        x[2] = float("-inf")
+        x[4, ::2] = float("nan")
+        x[6, 100] = float("inf")
+        x = x.to(dtype).cuda()
+        a, b = (s.sample(x.clone(), slots) for s in samplers)
+        assert torch.equal(a.tokens, b.tokens), f"step {step}: {(a.tokens != b.tokens).nonzero().flatten().tolist()}"
     assert torch.equal(samplers[0].penalty, samplers[1].penalty)
     assert torch.equal(samplers[0].step, samplers[1].step)
 

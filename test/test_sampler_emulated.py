@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.ops.sampler_cuda import self_test_batch
+from infer.ops.sampler_cuda import prepare_case, prepare_mismatch, self_test_batch
 from infer.sampler import Sampler, _draw
 from kernel_emu import emu_build
 from sampler_model import exact_tau_draw, probability_rows, row_params, torch_sums_exact
@@ -48,6 +48,9 @@ def emulated(variant: str, emu_dir: Path):
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         so.emu_sampler.argtypes = [i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr]
         so.emu_sampler.restype = ctypes.c_int
+        so.emu_sampler_prepare.argtypes = [i64, i64, i64, ctypes.c_int, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64,
+                                           ptr, i64, ptr, i64, ptr, ptr, ptr]
+        so.emu_sampler_prepare.restype = ctypes.c_int
         _libs[variant] = so
     so = _libs[variant]
 
@@ -63,6 +66,51 @@ def emulated(variant: str, emu_dir: Path):
         return tau, drawn
 
     return run
+
+
+class EmulatedPrepare:
+    """``prepare`` of infer.ops.sampler_cuda.CudaSampler, run by the emulated kernel of one variant."""
+
+    def __init__(self, variant: str, emu_dir: Path):
+        emulated(variant, emu_dir)
+        self._so = _libs[variant]
+
+    def prepare(self, logits, penalty, slots, bias_ids, bias_vals, valid_vocab, temperature):
+        B, V = logits.shape
+        assert logits.dtype in (torch.float16, torch.float32) and logits.stride(1) == 1
+        s = torch.full((B, V), -7.0)
+        tok, fallback = torch.full((B,), -1, dtype=torch.int64), torch.full((B,), -1, dtype=torch.int64)
+        dead = torch.zeros(B, dtype=torch.bool)
+        slots = slots.contiguous()
+        ids_ptr, vals_ptr, n_bias, bias_stride = None, None, 0, 0
+        if bias_ids is not None:
+            ids_ptr, vals_ptr, n_bias, bias_stride = (bias_ids.data_ptr(), bias_vals.data_ptr(), bias_ids.shape[1],
+                                                      bias_ids.stride(0))
+        rc = self._so.emu_sampler_prepare(
+            B, V, valid_vocab, int(logits.dtype == torch.float16), logits.data_ptr(), logits.stride(0),
+            None if penalty is None else penalty.data_ptr(), 0 if penalty is None else penalty.stride(0),
+            slots.data_ptr(), ids_ptr, vals_ptr, n_bias, bias_stride, temperature.data_ptr(), temperature.stride(0),
+            s.data_ptr(), s.stride(0), tok.data_ptr(), dead.data_ptr(), fallback.data_ptr())
+        assert rc == 0, f"row {rc - 1}: the block deadlocked"
+        return s, tok, dead, fallback
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("V", [1000, 4099])
+def test_prepare_matches_the_torch_steps(variant, dtype, V, emu_dir):
+    """The logits' preparation (penalties, biases with token 0's beside padding entries, NaN and +-inf, the
+    valid vocabulary, temperatures, a dead row) bit for bit what Sampler._prepare computes; the loader's
+    self-test case."""
+    assert prepare_mismatch(EmulatedPrepare(variant, emu_dir), *prepare_case(torch.device("cpu"), V, dtype)) is None
+
+
+def test_prepare_mismatch_sees_a_wrong_kernel(emu_dir):
+    """The comparison the loader and the tests rely on fails for a preparation that skips the bias."""
+    class NoBias(EmulatedPrepare):
+        def prepare(self, logits, penalty, slots, bias_ids, bias_vals, valid_vocab, temperature):
+            return super().prepare(logits, penalty, slots, None, None, valid_vocab, temperature)
+    assert "tok" in prepare_mismatch(NoBias("cuda", emu_dir), *prepare_case(torch.device("cpu"), 1000, torch.float32))
 
 
 def torch_path(p, top_k, top_p, u):

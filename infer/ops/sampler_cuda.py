@@ -41,6 +41,7 @@ class CudaSampler:
 
     def __init__(self, module) -> None:
         self._op = module.sampler_tau_draw
+        self._prepare = module.sampler_prepare
 
     def __call__(self, p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
                  greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +51,24 @@ class CudaSampler:
         stream = torch.cuda.current_stream(p.device).cuda_stream
         self._op(p, top_k, top_p, u, greedy, tau, drawn, stream)
         return tau, drawn
+
+    def prepare(self, logits: torch.Tensor, penalty: torch.Tensor | None, slots: torch.Tensor,
+                bias_ids: torch.Tensor | None, bias_vals: torch.Tensor | None, valid_vocab: int,
+                temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(s, tok, dead, fallback)`` of the rows of ``logits`` [B, V] (fp16 or fp32), in two passes: what
+        :meth:`infer.sampler.Sampler.sample`'s torch steps compute before the softmax, bit for bit (see
+        ``prepare_kernel`` in cuda/sampler.cu). ``penalty`` [slots, V] and the bias rows [slots, n] are indexed
+        by ``slots`` [B] int64 (None: none); ``temperature`` [B] fp32."""
+        B, V = logits.shape
+        dev = logits.device
+        s = torch.empty(B, V, dtype=torch.float32, device=dev)
+        tok = torch.empty(B, dtype=torch.int64, device=dev)
+        fallback = torch.empty(B, dtype=torch.int64, device=dev)
+        dead = torch.empty(B, dtype=torch.bool, device=dev)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        self._prepare(logits, penalty, slots.contiguous(), bias_ids, bias_vals, valid_vocab, temperature, s, tok,
+                      dead, fallback, stream)
+        return s, tok, dead, fallback
 
 
 # --------------------------------------------------------------------------- loading
@@ -82,11 +101,57 @@ def self_test_batch(device: torch.device, V: int, seed: int = 0):
     return tuple(t.to(device) for t in (p, top_k, top_p, u, greedy))
 
 
+def prepare_case(device: torch.device, V: int, dtype: torch.dtype, seed: int = 0):
+    """``(sampler, logits, slots)``: a torch-path Sampler whose slots mix penalties, logit biases (token 0's among
+    them), greedy and sampled rows at several temperatures, and logits of ``dtype`` with NaN, +-inf, ties, ids
+    past the valid vocabulary and a row with nothing finite (dead), for checking the kernel's ``prepare``."""
+    from infer.sampler import Sampler, SamplingParams
+
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=1, logit_bias={0: -100.0, 7: 3.5}),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.3, alpha_presence=0.5, alpha_frequency=0.2, seed=2),
+              SamplingParams(temperature=1.0, logit_bias={V - 6: 50.0}),
+              SamplingParams(temperature=0.5, top_k=5, alpha_presence=1.0, logit_bias={3: -2.0}),
+              SamplingParams(temperature=2.0, seed=3)]
+    slots = [7, 0, 3, 1, 5, 2]
+    sampler = Sampler(V, 8, device, valid_vocab=V - 5, impl="torch")
+    for slot, p in zip(slots, params):
+        sampler.reset_slot(slot, p)
+    gen = torch.Generator().manual_seed(seed)
+    sampler.penalty.copy_(torch.rand(8, V, generator=gen) * 2)
+    logits = torch.randn(len(slots), V, generator=gen) * 4
+    logits[0, 10:20] = float("nan")
+    logits[0, 20] = float("inf")
+    logits[1, 30:40] = float("-inf")
+    logits[1, [41, 42]] = float("inf")  # tied +inf: the first wins
+    logits[3] = (logits[3] * 2).round() / 2  # many exact ties
+    logits[4, V - 5:] = 1e4  # past the valid vocabulary: never chosen
+    logits[5] = float("nan")  # nothing finite: dead
+    return sampler, logits.to(dtype).to(device), torch.tensor(slots, dtype=torch.int64, device=device)
+
+
+def prepare_mismatch(kernel, sampler, logits: torch.Tensor, slots: torch.Tensor) -> str | None:
+    """Where ``kernel.prepare`` differs from the sampler's torch steps (None: bit for bit the same)."""
+    fp = sampler._fparams[slots]
+    _, s_ref, tok_ref, dead_ref, fallback_ref, *_ = sampler._prepare(logits, slots, fp)
+    s, tok, dead, fallback = sampler._prepare_on(kernel, logits, slots, fp)
+    same_s = bool(((s == s_ref) | (s.isnan() & s_ref.isnan())).all()) and torch.equal(s.signbit(), s_ref.signbit())
+    for name, a, b in (("tok", tok, tok_ref), ("dead", dead, dead_ref), ("fallback", fallback, fallback_ref)):
+        if not torch.equal(a, b):
+            return f"prepare against the torch steps ({logits.dtype}): {name} {a.tolist()} vs {b.tolist()}"
+    return None if same_s else f"prepare against the torch steps ({logits.dtype}): s differs"
+
+
 def _self_test(kernel: CudaSampler) -> str | None:
-    """Compare small batches (both the vectorized and the scalar path) with the torch path."""
+    """Compare small batches (both the vectorized and the scalar path) with the torch path, and the logits'
+    preparation in fp16 and fp32."""
     from infer.sampler import Sampler, _draw
 
     device = torch.device("cuda", torch.cuda.current_device())
+    for dtype in (torch.float16, torch.float32):
+        error = prepare_mismatch(kernel, *prepare_case(device, 1000, dtype))
+        if error is not None:
+            return error
     for V in (1000, 4099):
         p, top_k, top_p, u, greedy = self_test_batch(device, V)
         ref = Sampler(V, 1, device, valid_vocab=V, impl="torch")
