@@ -88,7 +88,7 @@ def main() -> None:
     samplers = {impl: Sampler(V, max_b, "cuda", impl=impl) for impl in ("torch", "auto")}
     # the kernel path as it was before its preparation kernel: the torch steps before the softmax
     unprepared = samplers["unprepared"] = Sampler(V, max_b, "cuda", impl="auto")
-    unprepared._prepare_on = lambda kernel, logits, slots, fp: unprepared._prepare(logits, slots, fp)[1:5]
+    unprepared._prepare_on = lambda kernel, logits, slots, fp, ip: (*unprepared._prepare(logits, slots, fp)[1:5], None)
     kernel_name = samplers["auto"].name
     if kernel_name == "torch":
         from infer.ops.sampler_cuda import cuda_sampler_error

@@ -10,6 +10,7 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <tuple>
 
 extern "C" int sampler_launch(int device, int64_t stream, int64_t B, int64_t V, int64_t p_stride, const float* p,
                               const int64_t* top_k, int64_t k_stride, const float* top_p, int64_t tp_stride,
@@ -19,7 +20,9 @@ extern "C" int sampler_prepare_launch(int device, int64_t stream, int64_t B, int
                                       const void* logits, int64_t l_stride, const float* penalty, int64_t pen_stride,
                                       const int64_t* slots, const int64_t* bias_ids, const float* bias_vals,
                                       int64_t n_bias, int64_t bias_stride, const float* temp, int64_t t_stride,
-                                      float* s, int64_t s_stride, int64_t* tok, bool* dead, int64_t* fallback);
+                                      const int64_t* k1, const int64_t* k2, int64_t k_stride, const int64_t* steps,
+                                      float* s, int64_t s_stride, int64_t* tok, bool* dead, int64_t* fallback,
+                                      float* u);
 extern "C" const char* sampler_error_string(int code);
 
 namespace {
@@ -76,8 +79,8 @@ void sampler_tau_draw(torch::Tensor p, torch::Tensor top_k, torch::Tensor top_p,
 
 void sampler_prepare(torch::Tensor logits, c10::optional<torch::Tensor> penalty, torch::Tensor slots,
                      c10::optional<torch::Tensor> bias_ids, c10::optional<torch::Tensor> bias_vals, int64_t vv,
-                     torch::Tensor temp, torch::Tensor s, torch::Tensor tok, torch::Tensor dead, torch::Tensor fallback,
-                     int64_t stream) {
+                     torch::Tensor temp, torch::Tensor k1, torch::Tensor k2, torch::Tensor steps, torch::Tensor s,
+                     torch::Tensor tok, torch::Tensor dead, torch::Tensor fallback, torch::Tensor u, int64_t stream) {
     TORCH_CHECK(logits.is_cuda(), "sampler_prepare: logits must be on a CUDA device, got ", logits.device().str());
     const torch::Device device = logits.device();
     const bool half = logits.scalar_type() == torch::kFloat16;
@@ -88,13 +91,19 @@ void sampler_prepare(torch::Tensor logits, c10::optional<torch::Tensor> penalty,
     TORCH_CHECK(V > 0 && V <= INT_MAX && B <= INT_MAX, "sampler_prepare: bad logits shape ", shape(logits));
     TORCH_CHECK(logits.stride(1) == 1 || V == 1, "sampler_prepare: logits must have unit column stride");
     TORCH_CHECK(vv >= 0, "sampler_prepare: vv must be >= 0, got ", num(vv));
-    check_row_vector(slots, device, B, torch::kInt64, "slots");
-    check_row_vector(temp, device, B, torch::kFloat32, "temp");
-    check_row_vector(tok, device, B, torch::kInt64, "tok");
-    check_row_vector(fallback, device, B, torch::kInt64, "fallback");
-    check_row_vector(dead, device, B, torch::kBool, "dead");
-    TORCH_CHECK(slots.is_contiguous() && tok.is_contiguous() && fallback.is_contiguous() && dead.is_contiguous(),
-                "sampler_prepare: slots, tok, dead and fallback must be contiguous");
+    using RowVector = std::tuple<const torch::Tensor*, torch::ScalarType, const char*>;
+    for (const auto& [t, dtype, name] :
+         {RowVector{&slots, torch::kInt64, "slots"}, RowVector{&temp, torch::kFloat32, "temp"},
+          RowVector{&k1, torch::kInt64, "k1"}, RowVector{&k2, torch::kInt64, "k2"},
+          RowVector{&tok, torch::kInt64, "tok"}, RowVector{&fallback, torch::kInt64, "fallback"},
+          RowVector{&dead, torch::kBool, "dead"}, RowVector{&u, torch::kFloat32, "u"}}) {
+        check_row_vector(*t, device, B, dtype, name);
+    }
+    TORCH_CHECK(k1.stride(0) == k2.stride(0), "sampler_prepare: k1 and k2 must have the same stride");
+    TORCH_CHECK(steps.device() == device && steps.scalar_type() == torch::kInt64 && steps.dim() == 1 &&
+                steps.is_contiguous(), "sampler_prepare: steps must be a contiguous int64 vector on the logits' device");
+    TORCH_CHECK(slots.is_contiguous() && tok.is_contiguous() && fallback.is_contiguous() && dead.is_contiguous() &&
+                u.is_contiguous(), "sampler_prepare: slots, tok, dead, fallback and u must be contiguous");
     TORCH_CHECK(s.device() == device && s.scalar_type() == torch::kFloat32 && s.dim() == 2 && s.size(0) == B &&
                 s.size(1) == V && (s.stride(1) == 1 || V == 1), "sampler_prepare: s must be float32 [", num(B), ", ",
                 num(V), "] with unit column stride on the logits' device, got ", shape(s));
@@ -128,9 +137,10 @@ void sampler_prepare(torch::Tensor logits, c10::optional<torch::Tensor> penalty,
     const int err = sampler_prepare_launch(static_cast<int>(device.index()), stream, B, V, vv, half ? 1 : 0,
                                            logits.data_ptr(), logits.stride(0), pen, pen_stride,
                                            slots.data_ptr<int64_t>(), ids, vals, n_bias, bias_stride,
-                                           temp.data_ptr<float>(), temp.stride(0), s.data_ptr<float>(), s.stride(0),
-                                           tok.data_ptr<int64_t>(), dead.data_ptr<bool>(),
-                                           fallback.data_ptr<int64_t>());
+                                           temp.data_ptr<float>(), temp.stride(0), k1.data_ptr<int64_t>(),
+                                           k2.data_ptr<int64_t>(), k1.stride(0), steps.data_ptr<int64_t>(),
+                                           s.data_ptr<float>(), s.stride(0), tok.data_ptr<int64_t>(),
+                                           dead.data_ptr<bool>(), fallback.data_ptr<int64_t>(), u.data_ptr<float>());
     TORCH_CHECK(err == 0, "sampler_prepare: kernel launch failed: ", sampler_error_string(err), " (error ", num(err),
                 ")");
 }
@@ -143,9 +153,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("p"), py::arg("top_k"), py::arg("top_p"), py::arg("u"), py::arg("greedy"), py::arg("tau"),
           py::arg("drawn"), py::arg("stream"));
     m.def("sampler_prepare", &sampler_prepare,
-          "sampler_prepare(logits, penalty, slots, bias_ids, bias_vals, vv, temp, s, tok, dead, fallback, stream): "
-          "the adjusted logits over the temperature (s), their argmax, dead rows and their fallback token",
+          "sampler_prepare(logits, penalty, slots, bias_ids, bias_vals, vv, temp, k1, k2, steps, s, tok, dead, "
+          "fallback, u, stream): the adjusted logits over the temperature (s), their argmax, dead rows and their "
+          "fallback token, and each row's uniform for this step",
           py::arg("logits"), py::arg("penalty"), py::arg("slots"), py::arg("bias_ids"), py::arg("bias_vals"),
-          py::arg("vv"), py::arg("temp"), py::arg("s"), py::arg("tok"), py::arg("dead"), py::arg("fallback"),
-          py::arg("stream"));
+          py::arg("vv"), py::arg("temp"), py::arg("k1"), py::arg("k2"), py::arg("steps"), py::arg("s"),
+          py::arg("tok"), py::arg("dead"), py::arg("fallback"), py::arg("u"), py::arg("stream"));
 }

@@ -479,7 +479,9 @@ sampler_kernel(int64_t V, int64_t p_stride, const float* __restrict__ p, const i
 //   tok = argmax x (the first of equal values), dead = (x[tok] == -inf), fallback = argmax over [0, vv) of the
 //   logits alone with NaN -> -inf, +inf -> FLT_MAX (a dead row's token)
 //   s = min(x / T, FLT_MAX) (NaN stays NaN, as torch's clamp), or 0 everywhere in a dead row
-// The same fp32 operations in the same order as torch, so s and the tokens are bit for bit the torch path's.
+//   u = the row's uniform for this step from its keys k1, k2 and the slot's step counter (infer/sampler.py's
+//       _uniform: three lowbias32 mixes; its split multiplications are exact 32-bit wrapping products)
+// The same fp32 operations in the same order as torch, so s, u and the tokens are bit for bit the torch path's.
 constexpr float kFloatMax = 3.40282347e38f;
 
 __device__ __forceinline__ float load_logit(const float* row, int64_t i) { return row[i]; }
@@ -492,6 +494,23 @@ __device__ __forceinline__ float finite_or_inf(float v) {  // torch.nan_to_num(n
 
 // the argmax order: the larger value, the smaller index among equal ones (torch.argmax's choice)
 __device__ __forceinline__ bool before(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
+// _uniform of infer/sampler.py: 24 random bits of the hash of (k1, k2, step) as a float in [0, 1)
+__device__ __forceinline__ float step_uniform(int64_t k1, int64_t k2, int64_t step) {
+    const uint32_t lo = static_cast<uint32_t>(step), hi = static_cast<uint32_t>(static_cast<uint64_t>(step) >> 32);
+    uint32_t h = mix32(lo ^ static_cast<uint32_t>(k1));
+    h = mix32(h ^ hi ^ static_cast<uint32_t>(k2));
+    h = mix32(h ^ 0x9E3779B9u);
+    return static_cast<float>(h >> 8) * (1.0f / 16777216.0f);
+}
 
 struct ArgMax {
     float v;
@@ -522,8 +541,9 @@ __global__ void __launch_bounds__(kThreads)
 prepare_kernel(int64_t V, int64_t vv, const T* __restrict__ logits, int64_t l_stride, const float* __restrict__ penalty,
                int64_t pen_stride, const int64_t* __restrict__ slots, const int64_t* __restrict__ bias_ids,
                const float* __restrict__ bias_vals, int64_t n_bias, int64_t bias_stride, const float* __restrict__ temp,
-               int64_t t_stride, float* __restrict__ s, int64_t s_stride, int64_t* __restrict__ tok,
-               bool* __restrict__ dead, int64_t* __restrict__ fallback) {
+               int64_t t_stride, const int64_t* __restrict__ k1, const int64_t* __restrict__ k2, int64_t k_stride,
+               const int64_t* __restrict__ steps, float* __restrict__ s, int64_t s_stride, int64_t* __restrict__ tok,
+               bool* __restrict__ dead, int64_t* __restrict__ fallback, float* __restrict__ u) {
     __shared__ float red_v[kMaxWarps];
     __shared__ int red_i[kMaxWarps];
     const int64_t rowi = blockIdx.x, slot = slots[rowi];
@@ -571,6 +591,7 @@ prepare_kernel(int64_t V, int64_t vv, const T* __restrict__ logits, int64_t l_st
         tok[rowi] = best.i;
         dead[rowi] = is_dead;
         fallback[rowi] = raw.i;
+        u[rowi] = step_uniform(k1[rowi * k_stride], k2[rowi * k_stride], steps[slot]);
     }
 }
 
@@ -618,13 +639,16 @@ extern "C" int sampler_launch(int device, int64_t stream, int64_t B, int64_t V, 
 // Launch of prepare_kernel (see above) on `stream` of HIP device `device`: one block per row of logits [B, V] (fp16
 // when half, else fp32; row stride l_stride, unit column stride). penalty [slots, V] fp32 (row stride pen_stride) or
 // null; slots [B] int64 picks each row's penalty and bias rows; bias_ids/bias_vals [slots, n_bias] (row stride
-// bias_stride; n_bias 0: none); temp [B] fp32 (element stride t_stride). Writes s [B, V] fp32 (row stride s_stride),
-// tok and fallback [B] int64 and dead [B] bool. Returns the hipError_t of the launch.
+// bias_stride; n_bias 0: none); temp [B] fp32 (element stride t_stride); k1, k2 [B] int64 (element stride k_stride)
+// and steps [slots] int64 (each slot's step counter). Writes s [B, V] fp32 (row stride s_stride), tok and fallback
+// [B] int64, dead [B] bool and u [B] fp32. Returns the launch's error code.
 extern "C" int sampler_prepare_launch(int device, int64_t stream, int64_t B, int64_t V, int64_t vv, int half,
                                       const void* logits, int64_t l_stride, const float* penalty, int64_t pen_stride,
                                       const int64_t* slots, const int64_t* bias_ids, const float* bias_vals,
                                       int64_t n_bias, int64_t bias_stride, const float* temp, int64_t t_stride,
-                                      float* s, int64_t s_stride, int64_t* tok, bool* dead, int64_t* fallback) {
+                                      const int64_t* k1, const int64_t* k2, int64_t k_stride, const int64_t* steps,
+                                      float* s, int64_t s_stride, int64_t* tok, bool* dead, int64_t* fallback,
+                                      float* u) {
     using namespace rwkv_sampler;
     return launch_on(device, B, V, [&] {
         const hipStream_t st = reinterpret_cast<hipStream_t>(stream);
@@ -632,12 +656,13 @@ extern "C" int sampler_prepare_launch(int device, int64_t stream, int64_t B, int
         if (half) {
             prepare_kernel<__half><<<grid, block, 0, st>>>(V, vv, static_cast<const __half*>(logits), l_stride,
                                                            penalty, pen_stride, slots, bias_ids, bias_vals, n_bias,
-                                                           bias_stride, temp, t_stride, s, s_stride, tok, dead,
-                                                           fallback);
+                                                           bias_stride, temp, t_stride, k1, k2, k_stride, steps, s,
+                                                           s_stride, tok, dead, fallback, u);
         } else {
             prepare_kernel<float><<<grid, block, 0, st>>>(V, vv, static_cast<const float*>(logits), l_stride, penalty,
                                                           pen_stride, slots, bias_ids, bias_vals, n_bias, bias_stride,
-                                                          temp, t_stride, s, s_stride, tok, dead, fallback);
+                                                          temp, t_stride, k1, k2, k_stride, steps, s, s_stride, tok,
+                                                          dead, fallback, u);
         }
     });
 }

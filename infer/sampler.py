@@ -55,7 +55,8 @@ in one kernel without sorting (``infer/ops/sampler_cuda.py``, ``cuda/sampler.cu`
 ``Sampler.name`` tells which path a sampler takes (``impl``/``RWKV_SAMPLER``: auto (the default: the
 kernel where it loads), cuda (the kernel or an error), torch). Unless a row asks for log-probabilities,
 a second kernel of the same extension prepares the logits before the softmax (penalties, biases, cleaning,
-temperature, the greedy argmax: ``_prepare``'s torch steps bit for bit, in two passes instead of ~10).
+temperature, the greedy argmax: ``_prepare``'s torch steps bit for bit, in two passes instead of ~10) and
+computes the rows' uniforms (``_uniform``, ~40 small torch ops) in the same launch.
 The kernel sums probabilities exactly (fixed point) where this torch path uses an fp64 cumsum: the
 results are identical whenever those fp64 sums are exact (all kept probabilities >= 2^-29 or so),
 otherwise they differ only by the fp64 rounding (see cuda/sampler.cu).
@@ -428,13 +429,15 @@ class Sampler:
                 s.masked_fill_(dead[:, None], 0.0)
         return x, s, tok, dead, fallback, raw, pen, any_dead
 
-    def _prepare_on(self, kernel, logits: Tensor, slots: Tensor, fp: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(s, tok, dead, fallback)`` of :meth:`_prepare` from ``kernel.prepare`` (the CUDA kernel, or its CPU
-        emulation in the tests), with this sampler's penalties, biases and temperatures."""
+    def _prepare_on(self, kernel, logits: Tensor, slots: Tensor, fp: Tensor,
+                    ip: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``(s, tok, dead, fallback, u)``: :meth:`_prepare`'s s, tok, dead and fallback and the rows' uniforms
+        (``_uniform``) from ``kernel.prepare`` (the CUDA kernel, or its CPU emulation in the tests), with this
+        sampler's penalties, biases, temperatures, keys and step counters (``fp``/``ip``: the slots' rows)."""
         biased = bool(self._n_bias and self._bias_ids.shape[1])
         return kernel.prepare(logits, self.penalty if self._n_pen else None, slots,
                               self._bias_ids if biased else None, self._bias_vals if biased else None,
-                              self.valid_vocab, fp[:, _F_TEMP])
+                              self.valid_vocab, fp[:, _F_TEMP], ip[:, _I_K1], ip[:, _I_K2], self.step)
 
     def sample(self, logits: Tensor, slots: Tensor, want_logprob: bool = False) -> SampleOutput:
         B, V = logits.shape
@@ -452,18 +455,20 @@ class Sampler:
         # log-probabilities need x itself, which it does not keep.
         if (self._kernel is not None and not wants_logprobs and logits.dtype in _PREPARED_DTYPES
                 and logits.stride(1) == 1):
-            s, tok, dead, fallback = self._prepare_on(self._kernel, logits, slots, fp)
+            s, tok, dead, fallback, u = self._prepare_on(self._kernel, logits, slots, fp, ip)
             x = raw = pen = None
             any_dead = True
         else:
             x, s, tok, dead, fallback, raw, pen, any_dead = self._prepare(logits, slots, fp)
+            u = None
 
         # 2. choose
         if self._n_sampled:
             p = torch.softmax(s, dim=1)
             del s
             top_k, top_p = ip[:, _I_TOPK], fp[:, _F_TOPP]
-            u = _uniform(ip[:, _I_K1], ip[:, _I_K2], self.step[slots])
+            if u is None:
+                u = _uniform(ip[:, _I_K1], ip[:, _I_K2], self.step[slots])
             if self._kernel is not None:  # threshold and draw in one kernel, no sort
                 drawn = self._kernel(p, top_k, top_p, u, ip[:, _I_GREEDY])[1]
             else:

@@ -49,7 +49,7 @@ def emulated(variant: str, emu_dir: Path):
         so.emu_sampler.argtypes = [i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr]
         so.emu_sampler.restype = ctypes.c_int
         so.emu_sampler_prepare.argtypes = [i64, i64, i64, ctypes.c_int, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64,
-                                           ptr, i64, ptr, i64, ptr, ptr, ptr]
+                                           ptr, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr]
         so.emu_sampler_prepare.restype = ctypes.c_int
         _libs[variant] = so
     so = _libs[variant]
@@ -75,13 +75,15 @@ class EmulatedPrepare:
         emulated(variant, emu_dir)
         self._so = _libs[variant]
 
-    def prepare(self, logits, penalty, slots, bias_ids, bias_vals, valid_vocab, temperature):
+    def prepare(self, logits, penalty, slots, bias_ids, bias_vals, valid_vocab, temperature, k1, k2, steps):
         B, V = logits.shape
         assert logits.dtype in (torch.float16, torch.float32) and logits.stride(1) == 1
         s = torch.full((B, V), -7.0)
         tok, fallback = torch.full((B,), -1, dtype=torch.int64), torch.full((B,), -1, dtype=torch.int64)
         dead = torch.zeros(B, dtype=torch.bool)
-        slots = slots.contiguous()
+        u = torch.full((B,), -1.0)
+        slots, steps = slots.contiguous(), steps.contiguous()
+        assert k1.stride(0) == k2.stride(0)
         ids_ptr, vals_ptr, n_bias, bias_stride = None, None, 0, 0
         if bias_ids is not None:
             ids_ptr, vals_ptr, n_bias, bias_stride = (bias_ids.data_ptr(), bias_vals.data_ptr(), bias_ids.shape[1],
@@ -90,9 +92,10 @@ class EmulatedPrepare:
             B, V, valid_vocab, int(logits.dtype == torch.float16), logits.data_ptr(), logits.stride(0),
             None if penalty is None else penalty.data_ptr(), 0 if penalty is None else penalty.stride(0),
             slots.data_ptr(), ids_ptr, vals_ptr, n_bias, bias_stride, temperature.data_ptr(), temperature.stride(0),
-            s.data_ptr(), s.stride(0), tok.data_ptr(), dead.data_ptr(), fallback.data_ptr())
+            k1.data_ptr(), k2.data_ptr(), k1.stride(0), steps.data_ptr(), s.data_ptr(), s.stride(0), tok.data_ptr(),
+            dead.data_ptr(), fallback.data_ptr(), u.data_ptr())
         assert rc == 0, f"row {rc - 1}: the block deadlocked"
-        return s, tok, dead, fallback
+        return s, tok, dead, fallback, u
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -108,8 +111,8 @@ def test_prepare_matches_the_torch_steps(variant, dtype, V, emu_dir):
 def test_prepare_mismatch_sees_a_wrong_kernel(emu_dir):
     """The comparison the loader and the tests rely on fails for a preparation that skips the bias."""
     class NoBias(EmulatedPrepare):
-        def prepare(self, logits, penalty, slots, bias_ids, bias_vals, valid_vocab, temperature):
-            return super().prepare(logits, penalty, slots, None, None, valid_vocab, temperature)
+        def prepare(self, logits, penalty, slots, bias_ids, bias_vals, valid_vocab, temperature, k1, k2, steps):
+            return super().prepare(logits, penalty, slots, None, None, valid_vocab, temperature, k1, k2, steps)
     assert "tok" in prepare_mismatch(NoBias("cuda", emu_dir), *prepare_case(torch.device("cpu"), 1000, torch.float32))
 
 

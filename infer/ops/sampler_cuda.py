@@ -54,21 +54,24 @@ class CudaSampler:
 
     def prepare(self, logits: torch.Tensor, penalty: torch.Tensor | None, slots: torch.Tensor,
                 bias_ids: torch.Tensor | None, bias_vals: torch.Tensor | None, valid_vocab: int,
-                temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(s, tok, dead, fallback)`` of the rows of ``logits`` [B, V] (fp16 or fp32), in two passes: what
-        :meth:`infer.sampler.Sampler.sample`'s torch steps compute before the softmax, bit for bit (see
-        ``prepare_kernel`` in cuda/sampler.cu). ``penalty`` [slots, V] and the bias rows [slots, n] are indexed
-        by ``slots`` [B] int64 (None: none); ``temperature`` [B] fp32."""
+                temperature: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor,
+                steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(s, tok, dead, fallback, u)`` of the rows of ``logits`` [B, V] (fp16 or fp32), in two passes: what
+        :meth:`infer.sampler.Sampler.sample`'s torch steps compute before the softmax and its uniforms, bit for
+        bit (see ``prepare_kernel`` in cuda/sampler.cu). ``penalty`` [slots, V], the bias rows [slots, n] and the
+        step counters ``steps`` [slots] are indexed by ``slots`` [B] int64 (None: none); ``temperature`` [B] fp32,
+        ``k1``/``k2`` [B] int64 the rows' RNG keys."""
         B, V = logits.shape
         dev = logits.device
         s = torch.empty(B, V, dtype=torch.float32, device=dev)
         tok = torch.empty(B, dtype=torch.int64, device=dev)
         fallback = torch.empty(B, dtype=torch.int64, device=dev)
         dead = torch.empty(B, dtype=torch.bool, device=dev)
+        u = torch.empty(B, dtype=torch.float32, device=dev)
         stream = torch.cuda.current_stream(dev).cuda_stream
-        self._prepare(logits, penalty, slots.contiguous(), bias_ids, bias_vals, valid_vocab, temperature, s, tok,
-                      dead, fallback, stream)
-        return s, tok, dead, fallback
+        self._prepare(logits, penalty, slots.contiguous(), bias_ids, bias_vals, valid_vocab, temperature, k1, k2,
+                      steps, s, tok, dead, fallback, u, stream)
+        return s, tok, dead, fallback, u
 
 
 # --------------------------------------------------------------------------- loading
@@ -119,6 +122,7 @@ def prepare_case(device: torch.device, V: int, dtype: torch.dtype, seed: int = 0
         sampler.reset_slot(slot, p)
     gen = torch.Generator().manual_seed(seed)
     sampler.penalty.copy_(torch.rand(8, V, generator=gen) * 2)
+    sampler.step.copy_(torch.tensor([0, 1, 7, 2**32 - 1, 2**32 + 5, 2**40 + 3, 12345, 99]))  # both halves count
     logits = torch.randn(len(slots), V, generator=gen) * 4
     logits[0, 10:20] = float("nan")
     logits[0, 20] = float("inf")
@@ -132,11 +136,15 @@ def prepare_case(device: torch.device, V: int, dtype: torch.dtype, seed: int = 0
 
 def prepare_mismatch(kernel, sampler, logits: torch.Tensor, slots: torch.Tensor) -> str | None:
     """Where ``kernel.prepare`` differs from the sampler's torch steps (None: bit for bit the same)."""
-    fp = sampler._fparams[slots]
+    from infer.sampler import _I_K1, _I_K2, _uniform
+
+    fp, ip = sampler._fparams[slots], sampler._iparams[slots]
     _, s_ref, tok_ref, dead_ref, fallback_ref, *_ = sampler._prepare(logits, slots, fp)
-    s, tok, dead, fallback = sampler._prepare_on(kernel, logits, slots, fp)
+    u_ref = _uniform(ip[:, _I_K1], ip[:, _I_K2], sampler.step[slots])
+    s, tok, dead, fallback, u = sampler._prepare_on(kernel, logits, slots, fp, ip)
     same_s = bool(((s == s_ref) | (s.isnan() & s_ref.isnan())).all()) and torch.equal(s.signbit(), s_ref.signbit())
-    for name, a, b in (("tok", tok, tok_ref), ("dead", dead, dead_ref), ("fallback", fallback, fallback_ref)):
+    for name, a, b in (("tok", tok, tok_ref), ("dead", dead, dead_ref), ("fallback", fallback, fallback_ref),
+                       ("u", u, u_ref)):
         if not torch.equal(a, b):
             return f"prepare against the torch steps ({logits.dtype}): {name} {a.tolist()} vs {b.tolist()}"
     return None if same_s else f"prepare against the torch steps ({logits.dtype}): s differs"

@@ -28,7 +28,8 @@ EMU_EXPORT int emu_sampler(int64_t B, int64_t V, int64_t p_stride, const float* 
 EMU_EXPORT int emu_sampler_prepare(int64_t B, int64_t V, int64_t vv, int half, const void* logits, int64_t ls,
                                    const float* pen, int64_t ps, const int64_t* slots, const int64_t* bias_ids,
                                    const float* bias_vals, int64_t nb, int64_t bs, const float* temp, int64_t ts,
-                                   float* s, int64_t ss, int64_t* tok, bool* dead, int64_t* fallback) {
+                                   const int64_t* k1, const int64_t* k2, int64_t ks, const int64_t* steps, float* s,
+                                   int64_t ss, int64_t* tok, bool* dead, int64_t* fallback, float* u) {
     using namespace rwkv_sampler;
     for (int64_t row = 0; row < B; ++row) {
         blockIdx = dim3(static_cast<unsigned>(row));
@@ -36,10 +37,12 @@ EMU_EXPORT int emu_sampler_prepare(int64_t B, int64_t V, int64_t vv, int half, c
             [&] {
                 if (half)
                     prepare_kernel<__half>(V, vv, static_cast<const __half*>(logits), ls, pen, ps, slots, bias_ids,
-                                           bias_vals, nb, bs, temp, ts, s, ss, tok, dead, fallback);
+                                           bias_vals, nb, bs, temp, ts, k1, k2, ks, steps, s, ss, tok, dead,
+                                           fallback, u);
                 else
                     prepare_kernel<float>(V, vv, static_cast<const float*>(logits), ls, pen, ps, slots, bias_ids,
-                                          bias_vals, nb, bs, temp, ts, s, ss, tok, dead, fallback);
+                                          bias_vals, nb, bs, temp, ts, k1, k2, ks, steps, s, ss, tok, dead, fallback,
+                                          u);
             },
             kThreads);
         if (!ok) return 1 + static_cast<int>(row);
