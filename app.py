@@ -198,9 +198,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("--cuda-graphs on needs a CUDA device")
     runner = ModelRunner(model, slots, wkv_dtype, cuda_graphs=graphs)
     if runner.graphs is not None:
-        log.info("capturing CUDA graphs: decode steps of %s rows, one-row prompt steps of 2-%d tokens",
-                 runner.graphs.buckets, runner.graphs.prompt_lengths[-1])
-        runner.graphs.warmup()
+        log.info("capturing CUDA graphs: decode steps of %s rows (their sampler too), one-row prompt steps of 2-%d "
+                 "tokens", runner.graphs.buckets, runner.graphs.prompt_lengths[-1])
+        runner.warm_up_graphs()
     if model.device.type == "cuda":  # what a first forward of a shape loads lazily, before the first request
         lengths = sorted({16, args.prefill_chunk_size, step_tokens})
         log.info("warming up prompt steps of %s tokens", lengths)

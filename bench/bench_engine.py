@@ -7,7 +7,7 @@
 
     python bench/bench_engine.py [--n-layer 4 --n-embd 256] [--out bench/results/engine_cpu.json]
     python bench/bench_engine.py --device cuda --n-layer 32 --n-embd 4096 --requests 1,64,256 --slots 256 \
-        --max-tokens 64 --out bench/results/engine_h200_7.2b.json
+        --max-tokens 64 --graphs --decode-ahead --out bench/results/engine_h200_7.2b.json
 """
 from __future__ import annotations
 
@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--graphs", action="store_true", help="decode through CUDA graphs (GPU)")
+    ap.add_argument("--decode-ahead", action="store_true",
+                    help="queue the next decode step before reading the last one's tokens (the server's GPU default)")
     ap.add_argument("--out", default="bench/results/engine_cpu.json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -104,10 +106,9 @@ def main() -> None:
         from infer.ops.wkv_cuda import select_wkv
         model.wkv = select_wkv(model.device)
     runner = ModelRunner(model, args.slots, cuda_graphs=args.graphs)
-    if runner.graphs is not None:
-        runner.graphs.warmup()
+    runner.warm_up_graphs()
     tokenizer = load_world_tokenizer()
-    engine = Engine(runner, tokenizer, prefill_chunk_size=args.chunk)
+    engine = Engine(runner, tokenizer, prefill_chunk_size=args.chunk, decode_ahead=args.decode_ahead)
     engine.start()
     prompt = tokenizer.encode("User: write a short story about a lighthouse keeper.\n\nAssistant:")
     throughput(engine, [prompt] * 2, 4, concurrent=True)  # warm-up
@@ -150,7 +151,8 @@ def main() -> None:
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if on_gpu else None},
         "implementations": runner.implementations(),
-        "model": config.describe(), "max_tokens": args.max_tokens, "throughput": rows, "latency": latency,
+        "model": config.describe(), "max_tokens": args.max_tokens, "decode_ahead": args.decode_ahead,
+        "throughput": rows, "latency": latency,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -97,6 +97,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh stream-interval  # serving 1.5B/7.2B, --stream-interval 1, 2, 4
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sampler-cost  # sample() device time by kernel; admission A/B x2
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sampler-prepare  # sampler prepare kernel: tests, A/B, serving
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh sampler-graphs  # sampler in graphs: tests, engine A/B (1.5B)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh sampler-graphs-serving  # 1.5B serving, sampler eager vs graphs
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -232,17 +234,18 @@ ADMISSION_FILES=(infer/batch.py infer/runner.py infer/sampler.py infer/state.py)
 # option_ab SIZE LAYERS EMBD LEVELS OPTION TAG VALUE...: the SIZE model's decode forward at 32 and 256 rows (CUDA graphs,
 # fp32 state), then HTTP serving at the LEVELS (streams arriving at once) with the server's --OPTION at each VALUE in
 # turn, two rounds; into serving_h200_SIZE_TAG{VALUE}_{1,2}.json
-option_ab() {
-    local size=$1 layers=$2 embd=$3 levels=$4 option=$5 tag=$6
+option_ab() {  # option_ab SIZE LAYERS EMBD LEVELS OPTION TAG VALUE...: OPTION a server option, or env:VAR a variable
+    local size=$1 layers=$2 embd=$3 levels=$4 option=$5 tag=$6 setting
     shift 6
     step 150 "$size decode, batch 32 and 256" python bench/bench_decode.py --sizes "$size" --batches 32,256 --wkv cuda \
         --no-checks --out "bench/results/decode_h200_${size}_b256_$tag.json"
     copy "bench/results/decode_h200_${size}_b256_$tag.json"
     for round in 1 2; do
         for value in "$@"; do
-            step 100 "HTTP $size, --$option $value, round $round" env NAME="h200_${size}_$tag${value}_$round" \
+            if [[ $option == env:* ]]; then setting=("${option#env:}=$value"); else setting=(EXTRA_SERVER_ARGS="--$option $value"); fi
+            step 100 "HTTP $size, $option $value, round $round" env NAME="h200_${size}_$tag${value}_$round" \
                 LEVELS="$levels" MAX_TOKENS=256 MODEL="/tmp/rwkv7-$size-random-fp16.pth" N_LAYER="$layers" \
-                N_EMBD="$embd" EXTRA_SERVER_ARGS="--$option $value" bash bench/h200_serving.sh
+                N_EMBD="$embd" "${setting[@]}" bash bench/h200_serving.sh
             copy "bench/results/serving_h200_${size}_$tag${value}_$round.json"
         done
     done
@@ -1291,6 +1294,23 @@ sampler-prepare)  # the logits' preparation kernel of the sampler: its GPU tests
     copy bench/results/sampler_h200_prepare.json
     serving_ab 1.5b_prepare_r1 32,256 0 1.5b 24 2048 torch_preparation torch kernel infer/sampler.py
     serving_ab 1.5b_prepare_r2 32,256 0 1.5b 24 2048 torch_preparation torch kernel infer/sampler.py
+    ;;
+sampler-graphs)  # decode steps' sampler replayed from CUDA graphs: graph and sampler GPU tests, then the engine (1.5B,
+    # decode ahead) at 1 and 256 requests with RWKV_SAMPLER_GRAPHS=0 (eager sampling) and 1
+    build_fused
+    step 240 "graph and sampler GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_graphs_cuda.py \
+        test/test_sampler_cuda.py
+    for value in 0 1 0 1; do
+        step 120 "engine 1.5B, sampler graphs $value" env RWKV_SAMPLER_GRAPHS=$value python bench/bench_engine.py \
+            --device cuda --n-layer 24 --n-embd 2048 --requests 1,256 --slots 256 --max-tokens 128 --graphs \
+            --decode-ahead --long-prompt 1024 --out "bench/results/engine_h200_1.5b_sgraphs$value.json"
+        copy "bench/results/engine_h200_1.5b_sgraphs$value.json"
+    done
+    ;;
+sampler-graphs-serving)  # 1.5B serving at 1, 32 and 256 streams with the sampler eager (RWKV_SAMPLER_GRAPHS=0) and
+    # from graphs, twice, beside the forward at 32 and 256 rows
+    build_fused
+    option_ab 1.5b 24 2048 1,32,256 env:RWKV_SAMPLER_GRAPHS sgraphs 0 1
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights

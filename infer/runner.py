@@ -1,6 +1,7 @@
 """The model runner: one forward + sample over a batch of state slots. Knows tensors, not requests."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -69,6 +70,9 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # (a request arriving while nothing decodes) is bound by the host's launches, a 7.2B forward of 19 tokens issuing
 # ~10 ms of them for ~5 ms of GPU work; longer prompts keep the GPU busier than the host.
 PROMPT_GRAPH_MAX_TOKENS = 64
+# Graphs captured while serving (a bucket or a sampler configuration first met) must not fail because another thread
+# touches the device meanwhile (the session store's copies between VRAM and RAM run in worker threads).
+CAPTURE_MODE = "thread_local"
 
 
 class StepGraphs:
@@ -80,7 +84,10 @@ class StepGraphs:
     This removes the per-kernel launch cost that dominates small-batch decode. A prompt step
     replays the graph of exactly its length (padding would change the recurrence). A step of
     decoding rows and one short prompt (a request arriving while others stream) replays both:
-    the weights are read twice, but the host launches nothing per layer. On an H200
+    the weights are read twice, but the host launches nothing per layer. A decode step in which every row samples
+    replays the sampler from a graph too (its ~20 launches cost the host ~0.5-1.3 ms a step, more than the GPU's
+    0.2-0.4 ms), one per bucket and per configuration of the live slots (``Sampler.graph_key``); its padding rows
+    sample the scratch slot (the sampler has a row for it). On an H200
     (bench/bench_mixed_steps.py) that is 1.4-2.6x faster than the eager step at 1.5B whatever the
     decoding rows, and at 7.2B 0.88-1.23x of it alone but faster in the server, whose other
     threads slow the eager step's launches (7.2B, 32 streams arriving 20 ms apart: the server's
@@ -89,8 +96,11 @@ class StepGraphs:
     """
 
     def __init__(self, model: RWKV7, state: StatePool, scratch_slot: int, max_rows: int,
-                 prompt_tokens: int = PROMPT_GRAPH_MAX_TOKENS, mixed_steps: bool = True):
+                 prompt_tokens: int = PROMPT_GRAPH_MAX_TOKENS, mixed_steps: bool = True,
+                 sampler: Sampler | None = None):
         self.model, self.state, self.scratch = model, state, scratch_slot
+        # None: decode steps sample eagerly (the sampler needs a row for the scratch slot: padding rows sample it)
+        self.sampler = sampler if sampler is not None and sampler.max_slots > scratch_slot else None
         self.buckets = sorted({b for b in GRAPH_BUCKETS if b < max_rows} | {max_rows})
         self.prompt_lengths = range(2, prompt_tokens + 1)
         self.mixed_steps = mixed_steps  # whether decoding rows beside a short prompt replay graphs too
@@ -100,7 +110,11 @@ class StepGraphs:
         self._rows = torch.arange(max_rows, dtype=torch.long, device=device)
         # (kind, size) -> (graph, its logits, its batch: kept alive, the graph reads the batch's buffers)
         self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, PackedBatch]] = {}
+        # (bucket, Sampler.graph_key) -> (graph, its outputs over the bucket's rows)
+        self._sampler_graphs: dict[tuple[int, tuple], tuple[torch.cuda.CUDAGraph, SampleOutput]] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self._capture_stream = torch.cuda.Stream(device)
+        self._decoded: int | None = None  # the bucket of the decode graph replayed last (None: a prompt's was)
 
     def warmup(self) -> None:
         for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
@@ -122,7 +136,7 @@ class StepGraphs:
                 self.model.forward(batch, self.state)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE):
             logits = self.model.forward(batch, self.state)
         self._graphs[kind, size] = (graph, logits, batch)
         return self._graphs[kind, size]
@@ -163,7 +177,55 @@ class StepGraphs:
                                  non_blocking=True)
         self.slots[count:batch.num_rows].fill_(self.scratch)
         graph.replay()
+        self._decoded = size if kind == "decode" else None
         return logits[:count], self.slots[:count]
+
+    def capture_sampling(self) -> None:
+        """Capture the sampler's graph of every decode bucket for the sampler's current configuration (see
+        ``Sampler.graph_key``) where it is not captured yet."""
+        if self.sampler is None:
+            return
+        for size in self.buckets:
+            logits = (self._graphs.get(("decode", size)) or self._capture("decode", size))[1]
+            key = self.sampler.graph_key(logits)
+            if key is not None and (size, key) not in self._sampler_graphs:
+                self._capture_sampler(size, key)
+
+    def sample_decoded(self, count: int, want_logprob: bool = False) -> SampleOutput | None:
+        """Sample the ``count`` rows of the decode graph replayed last (the last step ``run`` replayed was a decode
+        step) from a graph of the sampler's launches; None where the sampler cannot run from one (no sampler, a
+        step that was not a decode step alone, ``Sampler.graph_key``): then sample eagerly. Its tensors are the
+        graph's: the next replay of that graph overwrites them, so they are read (copied) before it, in stream
+        order."""
+        if self.sampler is None or self._decoded is None:
+            return None
+        size = self._decoded
+        key = self.sampler.graph_key(self._graphs["decode", size][1], want_logprob)
+        if key is None:
+            return None
+        graph, out = self._sampler_graphs.get((size, key)) or self._capture_sampler(size, key)
+        graph.replay()
+        return SampleOutput(**{name: None if t is None else t[:count] for name, t in vars(out).items()})
+
+    def _capture_sampler(self, size: int, key: tuple) -> tuple[torch.cuda.CUDAGraph, SampleOutput]:
+        logits = self._graphs["decode", size][1]
+        # Bias tables of another width were reallocated: graphs reading them are dead.
+        for old in [k for k in self._sampler_graphs if k[1][2] not in (0, self.sampler.bias_width)]:
+            del self._sampler_graphs[old]
+        # The warm-up (kernels' first launches outside the capture) samples the scratch slot only: the static slot
+        # ids may hold a step's rows now, whose penalties and RNG steps only the replays advance.
+        self.sampler.sample(logits, torch.full((size,), self.scratch, dtype=torch.long, device=logits.device))
+        graph = torch.cuda.CUDAGraph()
+        # Not torch.cuda.graph, which waits for the device first: a capture launches nothing, so the steps queued
+        # before it (decode ahead) keep running. It needs a stream other than the default one.
+        with torch.cuda.stream(self._capture_stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode=CAPTURE_MODE)
+            try:
+                out = self.sampler.sample(logits, self.slots[:size])
+            finally:
+                graph.capture_end()
+        self._sampler_graphs[size, key] = graph, out
+        return graph, out
 
 
 class ModelRunner:
@@ -171,10 +233,26 @@ class ModelRunner:
                  cuda_graphs: bool = False):
         self.model = model
         self.num_slots = num_slots
-        # one extra slot pads graph batches; rows never own it
+        # one extra slot pads graph batches (their padding rows also sample it); rows never own it
         self.state = model.new_state_pool(num_slots + 1, wkv_dtype)
-        self.sampler = Sampler(model.config.vocab_size, num_slots, model.device)
-        self.graphs = StepGraphs(model, self.state, num_slots, num_slots) if cuda_graphs else None
+        self.sampler = Sampler(model.config.vocab_size, num_slots + 1, model.device)
+        sampler_graphs = os.environ.get("RWKV_SAMPLER_GRAPHS", "1") != "0"  # 0: decode steps sample eagerly
+        self.graphs = StepGraphs(model, self.state, num_slots, num_slots,
+                                 sampler=self.sampler if sampler_graphs else None) if cuda_graphs else None
+
+    def warm_up_graphs(self) -> None:
+        """Capture the decode and prompt graphs, and the sampler's decode graphs for what requests usually ask
+        (greedy or sampled, with or without penalties; other configurations are captured when first met), through
+        slot 0, which is left empty again. Call before any row is started."""
+        if self.graphs is None:
+            return
+        self.graphs.warmup()
+        for temperature in (0.0, 1.0):
+            for presence in (0.0, 0.5):
+                self.start_row(0, SamplingParams(temperature=temperature, alpha_presence=presence))
+                self.graphs.capture_sampling()
+                self.end_row(0)
+        self.state.reset([0])
 
     def warm_up_prompts(self, lengths: Sequence[int]) -> None:
         """Run a prompt step of each length in ``lengths`` (one row, sampled), then one mixed step (a decoding row
@@ -197,7 +275,8 @@ class ModelRunner:
     def implementations(self) -> dict[str, str]:
         return {**self.model.implementations(), "sampler": getattr(self.sampler, "name", "torch"),
                 "state": f"{self.num_slots} slots, wkv {str(self.state.wkv.dtype).removeprefix('torch.')}",
-                "decode": f"CUDA graphs, buckets {self.graphs.buckets}; one-row prompts of 2-"
+                "decode": f"CUDA graphs{' with the sampler' if self.graphs.sampler else ''}, buckets "
+                          f"{self.graphs.buckets}; one-row prompts of 2-"
                           f"{self.graphs.prompt_lengths[-1]} tokens too, alone or beside decoding rows"
                           if self.graphs else "eager"}
 
@@ -253,7 +332,9 @@ class ModelRunner:
                 scores[i] = self._score(all_logits[starts[i]:starts[i] + len(targets)], targets, top_n)
         picked = [i for i, s in enumerate(sample) if s]
         sampled = None
-        if picked:
+        if graphed and len(picked) == len(rows):
+            sampled = self.graphs.sample_decoded(len(rows), want_logprobs)
+        if picked and sampled is None:
             if len(picked) < len(rows):
                 index = to_device(picked, logits.device)
                 logits, slot_ids = logits[index], slot_ids[index]
@@ -272,6 +353,9 @@ class ModelRunner:
         tokens = step.sampled.tokens
         if self.graphs is not None:
             logits, slot_ids = self.graphs.run(tokens, step.slots)
+            sampled = self.graphs.sample_decoded(len(step.slots), step.want_logprobs)
+            if sampled is not None:
+                return LaunchedStep(list(step.slots), sampled, step.want_logprobs)
         else:
             device = self.model.device
             batch = PackedBatch.decode(tokens, to_device(step.slots, device),

@@ -439,6 +439,21 @@ class Sampler:
                               self._bias_ids if biased else None, self._bias_vals if biased else None,
                               self.valid_vocab, fp[:, _F_TEMP], ip[:, _I_K1], ip[:, _I_K2], self.step)
 
+    @property
+    def bias_width(self) -> int:
+        """Columns of the logit-bias tables (they grow, reallocated, when a row brings more biases)."""
+        return self._bias_ids.shape[1]
+
+    def graph_key(self, logits: Tensor, want_logprob: bool = False) -> tuple | None:
+        """What a CUDA graph of :meth:`sample` on ``logits`` (a static buffer) fixes besides the contents of its
+        inputs: the host-side branches the live slots choose, and the bias tables' width (they are reallocated
+        wider when a row brings more biases). None: sample these eagerly (no kernel, or log-probabilities
+        wanted: their top-n width comes from the live slots, and the torch path may read results on the host)."""
+        if (self._kernel is None or want_logprob or self._lps or logits.dtype not in _PREPARED_DTYPES
+                or logits.stride(1) != 1):
+            return None
+        return self._n_sampled > 0, self._n_pen > 0, self._bias_ids.shape[1] if self._n_bias else 0
+
     def sample(self, logits: Tensor, slots: Tensor, want_logprob: bool = False) -> SampleOutput:
         B, V = logits.shape
         if V != self.vocab_size:

@@ -117,9 +117,9 @@ def test_mixed_step_graphs_match_eager(request, forward, decoding):
 
 
 def generate(runner: ModelRunner, prompts: list[list[int]], decode_ahead: bool = False,
-             staggered: bool = False) -> list[list[int]]:
-    """Greedy tokens of each prompt: one request of them all, or (``staggered``) a request each, submitted one step
-    apart, so each after the first arrives while the earlier ones decode."""
+             staggered: bool = False, sampling: SamplingParams = SamplingParams(temperature=0)) -> list[list[int]]:
+    """The tokens of each prompt (greedy unless ``sampling``): one request of them all, or (``staggered``) a request
+    each, submitted one step apart, so each after the first arrives while the earlier ones decode."""
     engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=64, decode_ahead=decode_ahead)
     out: list[list[int]] = [[] for _ in prompts]
     done = []
@@ -132,7 +132,7 @@ def generate(runner: ModelRunner, prompts: list[list[int]], decode_ahead: bool =
                 done.append(event)
         return sink
 
-    options = GenerationOptions(max_tokens=16, sampling=SamplingParams(temperature=0))
+    options = GenerationOptions(max_tokens=16, sampling=sampling)
     groups = [[p] for p in prompts] if staggered else [prompts]
     for i, group in enumerate(groups):
         engine.submit(Request(group, options, sink_for(i if staggered else 0)))
@@ -229,3 +229,109 @@ def test_queuing_steps_does_not_wait_for_the_device(request, forward, graphs):
     syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
     assert still_busy and not syncs, f"queuing a step waited for the work queued before it (synchronizing: {syncs})"
     assert [len(t) for t in results] == [1, 1, 2, 2, 2, 1]
+
+
+SAMPLING = [SamplingParams(temperature=0),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=11),
+            SamplingParams(temperature=1.2, top_k=20, alpha_presence=0.4, alpha_frequency=0.1, seed=12),
+            SamplingParams(temperature=1.0, logit_bias={5: 2.0, 77: -1.0}, seed=13),
+            SamplingParams(temperature=0.6, top_k=3, top_p=0.5, alpha_presence=0.2, alpha_decay=0.9, seed=14)]
+
+
+def counting_sample_calls(runner: ModelRunner) -> list[int]:
+    """Count the runner's eager ``Sampler.sample`` calls (a capture makes two: its warm-up and the captured one)."""
+    calls, sample = [0], runner.sampler.sample
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return sample(*args, **kwargs)
+    runner.sampler.sample = counted
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 3, 13])
+def test_sampler_graphs_sample_like_eager_sampling(model, rows):
+    """Decode steps whose sampler replays from graphs give the tokens, log-probabilities, penalty tables and RNG step
+    counters of the same forward graphs sampled eagerly: rows mixing greedy, top-p, top-k, penalties and biases, the
+    bucket's padding rows sampling the scratch slot, a step that wants log-probabilities (eager), and a row restarted
+    with more biases (the bias tables grow, the graphs reading the old ones are dropped)."""
+    graphed, eager = ModelRunner(model, 16, cuda_graphs=True), ModelRunner(model, 16, cuda_graphs=True)
+    eager.graphs.sampler = None
+    calls = counting_sample_calls(graphed)
+    captures, capture = [], graphed.graphs._capture_sampler
+    graphed.graphs._capture_sampler = lambda size, key: (captures.append(key), capture(size, key))[1]
+    slots = list(range(15, 15 - rows, -1))
+    for runner in (graphed, eager):
+        for i, s in enumerate(slots):
+            runner.start_row(s, SAMPLING[i % len(SAMPLING)])
+    tokens = [[7 + i] for i in range(rows)]
+    outs: list[list] = [[], []]
+    for step in range(8):
+        if step == 5:
+            for runner in (graphed, eager):  # more biases than any row had: the tables are reallocated wider
+                runner.start_row(slots[0], SamplingParams(temperature=0.9, logit_bias={i: 0.5 for i in range(1, 6)},
+                                                          seed=21))
+        for out, runner in zip(outs, (graphed, eager)):
+            result = runner.step(tokens, slots, [True] * rows, want_logprobs=step == 3)
+            out.append((result.tokens, result.logprobs))
+        assert outs[0][-1] == outs[1][-1], f"step {step}"
+        tokens = [[t] for t in outs[0][-1][0]]
+    for table in ("penalty", "step"):
+        a, b = getattr(graphed.sampler, table), getattr(eager.sampler, table)
+        assert torch.equal(a[slots], b[slots]), table
+    assert len(captures) == 2 and captures[1][2] == graphed.sampler.bias_width == 5  # the first steps', the restart's
+    assert all(width in (0, 5) for _, (_, _, width) in graphed.graphs._sampler_graphs)  # width 2's dropped
+    assert calls[0] == 2 * len(captures) + 1, "a decode step sampled eagerly"  # + the step with log-probabilities
+
+
+def test_sampler_capture_does_not_wait_for_the_device(model):
+    """A sampler configuration first met while steps are queued (decode ahead) is captured without waiting for them."""
+    runner = ModelRunner(model, 8, cuda_graphs=True)
+    runner.graphs.warmup()  # the forward graphs (torch.cuda.graph waits for the device)
+    runner.start_row(1, SamplingParams(temperature=0))
+    runner.step([[5]], [1], [True])  # the greedy sampler's graph captured
+    runner.start_row(2, SamplingParams(temperature=1.0, top_p=0.9, seed=3))
+    before = len(runner.graphs._sampler_graphs)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    launched = runner.launch([[5], [6]], [1, 2], [True, True])
+    still_busy = not torch.cuda.current_stream().query()
+    launched.result()
+    assert len(runner.graphs._sampler_graphs) == before + 1
+    assert still_busy, "capturing the sampler's graph waited for the device"
+
+
+def test_warm_up_graphs_captures_the_usual_sampler_configurations(model):
+    """After warm_up_graphs, greedy and sampled rows, with and without penalties, replay captured sampler graphs at
+    every bucket: no capture while serving them; slot 0 is free again."""
+    runner = ModelRunner(model, 8, cuda_graphs=True)
+    runner.warm_up_graphs()
+    captured = dict(runner.graphs._sampler_graphs)
+    assert len(captured) == 4 * len(runner.graphs.buckets)
+    assert runner.sampler.graph_key(runner.graphs._graphs["decode", 1][1]) == (False, False, 0)  # nothing live
+    calls = counting_sample_calls(runner)
+    for params in (SamplingParams(temperature=0.7, top_p=0.8, alpha_frequency=0.3), SamplingParams(temperature=0)):
+        for n in (1, 3, 8):
+            slots = list(range(n))
+            for s in slots:
+                runner.start_row(s, params)
+            runner.step([[9]] * n, slots, [True] * n)
+            for s in slots:
+                runner.end_row(s)
+    assert calls[0] == 0 and runner.graphs._sampler_graphs.keys() == captured.keys()
+
+
+def test_engine_samples_like_eager_sampling_with_decode_ahead(model):
+    """Seeded sampled requests with penalties through the engine (decode ahead: the next step's sampler replayed
+    before the host reads the last tokens) give the tokens of eager sampling."""
+    tok = load_world_tokenizer()
+    prompts = [tok.encode(p) for p in ("Hello there", "The capital of France", "1 2 3 4", "def f(x):")]
+    params = SamplingParams(temperature=1.0, top_p=0.95, alpha_presence=0.3, seed=5)
+    eager = ModelRunner(model, 8, cuda_graphs=True)
+    eager.graphs.sampler = None
+    graphed = ModelRunner(model, 8, cuda_graphs=True)
+    calls = counting_sample_calls(graphed)
+    want = generate(eager, prompts, decode_ahead=True, sampling=params)
+    assert generate(graphed, prompts, decode_ahead=True, sampling=params) == want
+    # eager calls: the prompt step's, and two per capture
+    assert graphed.graphs._sampler_graphs and calls[0] == 1 + 2 * len(graphed.graphs._sampler_graphs)

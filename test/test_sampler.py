@@ -452,3 +452,26 @@ def test_cpu_cuda_parity():
         same += int((a.tokens == b.tokens.cpu()).sum())
     # identical up to rare float-rounding differences at a CDF boundary (softmax ulps)
     assert same >= B * steps - 2
+
+
+def test_graph_key_follows_the_live_slots_branches():
+    """What a captured sampler graph fixes: whether any live row samples, any has penalties, and the bias tables'
+    width while a row has biases; nothing can be captured without the kernel, with log-probabilities wanted or
+    asked for by a live row, or on logits the kernel does not prepare (bf16, strided)."""
+    V = 64
+    logits = torch.zeros(4, V)
+    s = Sampler(V, 4, "cpu", valid_vocab=V, impl="torch")
+    assert s.graph_key(logits) is None  # no kernel (the torch path runs eagerly)
+    s._kernel = object()  # stands in for the CUDA kernel: graph_key only asks whether there is one
+    assert s.graph_key(logits) == (False, False, 0)
+    s.reset_slot(0, SamplingParams(temperature=0, alpha_presence=0.5))
+    assert s.graph_key(logits) == (False, True, 0)
+    s.reset_slot(1, SamplingParams(temperature=0.7, logit_bias={3: 1.0, 4: -1.0, 5: 2.0}))
+    assert s.graph_key(logits) == (True, True, s.bias_width) and s.bias_width == 3
+    assert s.graph_key(logits, want_logprob=True) is None
+    assert s.graph_key(logits.to(torch.bfloat16)) is None and s.graph_key(torch.zeros(V, 4).t()) is None
+    s.reset_slot(2, SamplingParams(temperature=0.7, logprobs=2))
+    assert s.graph_key(logits) is None
+    s.release_slot(2)
+    s.release_slot(1)  # no biased row left: the width no longer matters
+    assert s.graph_key(logits) == (False, True, 0)
