@@ -102,9 +102,11 @@ def main() -> None:
     on_gpu = args.device != "cpu"
     sd = random_state_dict(config, seed=1, dtype=torch.float16 if on_gpu else torch.float32, device=args.device)
     model = RWKV7.from_state_dict(sd, device=args.device)
-    if on_gpu:
+    if on_gpu:  # the server's kernels
+        from infer.ops.fused import select_fused
         from infer.ops.wkv_cuda import select_wkv
         model.wkv = select_wkv(model.device)
+        select_fused(model, "auto")
     runner = ModelRunner(model, args.slots, cuda_graphs=args.graphs)
     runner.warm_up_graphs()
     tokenizer = load_world_tokenizer()

@@ -251,6 +251,20 @@ option_ab() {  # option_ab SIZE LAYERS EMBD LEVELS OPTION TAG VALUE...: OPTION a
     done
 }
 
+sampler_graphs_engine() {  # sampler_graphs_engine ROUND...: the engine (1.5B, fused kernels, graphs, decode ahead) at
+    # 1 and 256 requests with the decode steps' sampler eager (RWKV_SAMPLER_GRAPHS=0) and from graphs (1)
+    local round value
+    for round in "$@"; do
+        for value in 0 1; do
+            step 120 "engine 1.5B, sampler graphs $value, round $round" env RWKV_SAMPLER_GRAPHS=$value \
+                python bench/bench_engine.py --device cuda --n-layer 24 --n-embd 2048 --requests 1,256 --slots 256 \
+                --max-tokens 128 --graphs --decode-ahead --long-prompt 1024 \
+                --out "bench/results/engine_h200_1.5b_sgraphs${value}_$round.json"
+            copy "bench/results/engine_h200_1.5b_sgraphs${value}_$round.json"
+        done
+    done
+}
+
 # the sampler's torch steps before the softmax on every path (as before its preparation kernel)
 torch_preparation() {
     sed -i "s/        if (self._kernel is not None and not wants_logprobs/        if (False and not wants_logprobs/" infer/sampler.py
@@ -1300,16 +1314,12 @@ sampler-graphs)  # decode steps' sampler replayed from CUDA graphs: graph and sa
     build_fused
     step 240 "graph and sampler GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_graphs_cuda.py \
         test/test_sampler_cuda.py
-    for value in 0 1 0 1; do
-        step 120 "engine 1.5B, sampler graphs $value" env RWKV_SAMPLER_GRAPHS=$value python bench/bench_engine.py \
-            --device cuda --n-layer 24 --n-embd 2048 --requests 1,256 --slots 256 --max-tokens 128 --graphs \
-            --decode-ahead --long-prompt 1024 --out "bench/results/engine_h200_1.5b_sgraphs$value.json"
-        copy "bench/results/engine_h200_1.5b_sgraphs$value.json"
-    done
+    sampler_graphs_engine 1 2
     ;;
-sampler-graphs-serving)  # 1.5B serving at 1, 32 and 256 streams with the sampler eager (RWKV_SAMPLER_GRAPHS=0) and
-    # from graphs, twice, beside the forward at 32 and 256 rows
+sampler-graphs-serving)  # the engine A/B above once, then 1.5B serving at 1, 32 and 256 streams with the sampler eager
+    # (RWKV_SAMPLER_GRAPHS=0) and from graphs, twice, beside the forward at 32 and 256 rows
     build_fused
+    sampler_graphs_engine 3
     option_ab 1.5b 24 2048 1,32,256 env:RWKV_SAMPLER_GRAPHS sgraphs 0 1
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
