@@ -44,9 +44,7 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections import Counter, defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
@@ -57,6 +55,7 @@ sys.path.insert(0, str(REPO))
 # The client role imports nothing of the server (no torch): it starts fast and stays lean. app.py imports torch
 # only when it starts a server.
 from app import DEFAULT_GIL_SWITCH_MS  # noqa: E402
+from bench.pyspy import print_profile, recorded  # noqa: E402
 
 DEFAULT_GPU_MS = "1:5.1,8:6.9,64:8.7,256:16,512:28"  # 7.2B fused graphed forward, H200 (decode_h200_fused.json)
 PROMPT = "User: Write a long story about a lighthouse keeper and the sea.\n\nAssistant:"
@@ -471,33 +470,6 @@ def run_clients(args, port: int, n: int, max_tokens: int) -> dict:
     return json.loads(out.stdout)
 
 
-def profile_summary(raw: Path, top: int = 30) -> dict:
-    """py-spy --format raw (collapsed stacks with counts) -> per thread: self and inclusive sample shares."""
-    per_thread: dict[str, Counter] = defaultdict(Counter)
-    incl: dict[str, Counter] = defaultdict(Counter)
-    totals: Counter = Counter()
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack:
-            continue
-        frames = stack.split(";")
-        name = frames[0].partition(": ")[2]
-        thread = "event loop" if name == "MainThread" else "engine" if name == "rwkv-engine" else "other"
-        c = int(count)
-        totals[thread] += c
-        names = [f.split(" (")[0] + " (" + f.split(" (")[-1].split(":")[0].split("/")[-1] + ")" for f in frames[1:]]
-        if names:
-            per_thread[thread][names[-1]] += c
-        for name in set(names):
-            incl[thread][name] += c
-    out = {}
-    for thread, total in totals.items():
-        out[thread] = {"samples": total,
-                       "self": [(name, round(100 * c / total, 1)) for name, c in per_thread[thread].most_common(top)],
-                       "inclusive": [(name, round(100 * c / total, 1)) for name, c in incl[thread].most_common(top)]}
-    return out
-
-
 def http_levels(args, levels: list[int]) -> tuple[list[dict], dict | None]:
     port = free_port()
     slots = max(levels)
@@ -550,16 +522,7 @@ def http_levels(args, levels: list[int]) -> tuple[list[dict], dict | None]:
                 **({"loop_profile": stats["loop_profile"]} if "loop_profile" in stats else {})})
             print(json.dumps(rows[-1]), flush=True)
         if args.profile:  # a separate, unmeasured run of the top level under py-spy (it slows the server)
-            n = max(levels)
-            raw = Path(tempfile.gettempdir()) / f"host_profile_{args.label}_{n}_{os.getpid()}.txt"
-            spy = subprocess.Popen(["py-spy", "record", "--pid", str(server.pid), "--rate", "250", "--format", "raw",
-                                    "--threads", "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            time.sleep(1.0)
-            run_clients(args, port, n, args.max_tokens)
-            spy.send_signal(signal.SIGINT)
-            spy.wait(60)
-            if raw.exists():
-                profile = profile_summary(raw)
+            profile = recorded(server.pid, lambda: run_clients(args, port, max(levels), args.max_tokens), args.label)
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -676,10 +639,7 @@ def main() -> None:
             for name, calls, own, incl, caller in r["loop_profile"]["top_self"][:20]:
                 print(f"  {own:5.1f} {incl:5.1f} {calls:>8}  {name}  <- {caller}")
     if run.get("profile_top_level"):
-        for thread, p in run["profile_top_level"].items():
-            print(f"\npy-spy, {thread} thread ({p['samples']} samples), top self %:")
-            for name, pct in p["self"][:15]:
-                print(f"  {pct:5.1f}  {name}")
+        print_profile(run["profile_top_level"])
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench.pyspy import print_profile, recorded  # noqa: E402
 LONG_PROMPT_DELAY_S = 1.0  # after a level's streams start: they are decoding by then
 STORY_PROMPT = "User: Write a long story about a lighthouse keeper and the sea.\n\nAssistant:"  # 19 tokens
 
@@ -199,6 +201,9 @@ def main() -> None:
     ap.add_argument("--stagger-ms", default="0",
                     help="start a level's streams this far apart instead of all at once (each arrives while the "
                          "earlier ones decode); one value, or one per level (comma-separated)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the levels, the largest once more (unmeasured) under py-spy --gil: how long each "
+                         "server thread holds the GIL a step, and where")
     ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     port = free_port()
@@ -236,6 +241,18 @@ def main() -> None:
             print(result["levels"][-1], flush=True)
             for path in [out] + ([copy] if copy else []):  # after every level: a later timeout keeps these
                 path.write_text(json.dumps(result, indent=2) + "\n")
+        if args.profile:
+            n = max(int(x) for x in levels)
+            steps_before = server_histograms(base)
+            profile = recorded(server.pid, lambda: level(base, n, args.max_tokens, args.client_procs), args.name,
+                               gil=True)
+            if profile is not None:
+                steps = server_means(steps_before, server_histograms(base))["server_steps"]
+                for thread in profile.values():
+                    thread["busy_ms_per_step"] = round(1000 * thread["busy_s"] / max(steps, 1), 3)
+                result["profile"] = {"clients": n, "server_steps": steps, "threads": profile}
+                for path in [out] + ([copy] if copy else []):
+                    path.write_text(json.dumps(result, indent=2) + "\n")
     finally:
         server.terminate()
         try:
@@ -251,6 +268,11 @@ def main() -> None:
         print(f"{r['clients']:>7} {r['stagger_ms']:>6} {r['tok_s']:>9} {r['ttft_ms_p50']:>9} {r['ttft_ms_p99']:>9} "
               f"{r['server_ttft_ms_mean']:>9} {r['itl_ms_p50']:>8} {r['itl_ms_p99']:>8} {r['itl_ms_max']:>8} "
               f"{r['server_itl_ms_mean']:>8} {r['server_step_ms_mean']:>8}{long}")
+    if "profile" in result:
+        p = result["profile"]
+        print(f"\nprofile of {p['clients']} streams, {p['server_steps']} steps: ms a step holding the GIL " +
+              ", ".join(f"{name} {t['busy_ms_per_step']}" for name, t in p["threads"].items()))
+        print_profile(p["threads"])
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,7 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$_gpu_env_repo"/.whl/*.whl || { echo "gpu_env.sh: wheel install failed" >&2; return 1 2>/dev/null || exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export PATH=/tmp/site/bin:$PATH  # py-spy
 export RWKV_SERVER_HOME=/tmp/h
 export PYTHONUNBUFFERED=1
 mkdir -p "$RWKV_SERVER_HOME"

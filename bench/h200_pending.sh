@@ -99,6 +99,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sampler-prepare  # sampler prepare kernel: tests, A/B, serving
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sampler-graphs  # sampler in graphs: tests, engine A/B (1.5B)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sampler-graphs-serving  # 1.5B serving, sampler eager vs graphs
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-profile  # py-spy of 1.5B serving; 7.2B sampler A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh serving-gil  # 1.5B serving's GIL time a step; sampler device time
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-ncu  # Nsight Compute on one 7.2B layer's batch-1 GEMV
 #                                                               # launches: 4-bit, W8A16
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh b1-ab FILE  # builds, GEMV/W8A16 GPU tests, batch-1 fp16 and W8A16
@@ -1321,6 +1323,27 @@ sampler-graphs-serving)  # the engine A/B above once, then 1.5B serving at 1, 32
     build_fused
     sampler_graphs_engine 3
     option_ab 1.5b 24 2048 1,32,256 env:RWKV_SAMPLER_GRAPHS sgraphs 0 1
+    ;;
+serving-profile)  # where the server's threads spend a step at 1.5B and 256 streams (py-spy), then 7.2B serving at 256
+    # streams with the sampler eager and from graphs, twice, beside the 7.2B forward at 32 and 256 rows
+    build_fused
+    step 150 "HTTP 1.5b, py-spy" env NAME=h200_1.5b_profile LEVELS=256 MAX_TOKENS=256 \
+        MODEL=/tmp/rwkv7-1.5b-random-fp16.pth N_LAYER=24 N_EMBD=2048 PROFILE=1 bash bench/h200_serving.sh
+    copy bench/results/serving_h200_1.5b_profile.json
+    option_ab 7.2b 32 4096 256 env:RWKV_SAMPLER_GRAPHS sgraphs 0 1
+    ;;
+serving-gil)  # 1.5B, 256 streams: how long the event loop and the engine hold the GIL a step (py-spy --gil), with a
+    # chunk a token and with --stream-interval 2; the sampler's device time at 1, 32 and 256 rows (in-kernel uniforms)
+    build_fused
+    for interval in 1 2; do
+        step 150 "HTTP 1.5b, py-spy --gil, interval $interval" env NAME="h200_1.5b_gil_interval$interval" LEVELS=256 \
+            MAX_TOKENS=256 MODEL=/tmp/rwkv7-1.5b-random-fp16.pth N_LAYER=24 N_EMBD=2048 PROFILE=1 \
+            EXTRA_SERVER_ARGS="--stream-interval $interval" bash bench/h200_serving.sh
+        copy "bench/results/serving_h200_1.5b_gil_interval$interval.json"
+    done
+    step 150 "sampler cost" python bench/bench_sampler.py --fp16-logits --profile --batches 1,32,256 \
+        --out bench/results/sampler_h200_uniforms.json
+    copy bench/results/sampler_h200_uniforms.json
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights

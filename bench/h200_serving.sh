@@ -27,6 +27,7 @@ GRAPHS=${GRAPHS:-on}
 NAME=${NAME:-h200_7.2b}
 RESULTS=${RESULTS:-bench/results}
 EXTRA_SERVER_ARGS=${EXTRA_SERVER_ARGS:-}
+PROFILE=${PROFILE:-0}                              # 1: the largest level once more under py-spy (bench_serving --profile)
 PY=${PYTHON:-python3}
 
 start=$(date +%s)
@@ -50,7 +51,7 @@ fi
 stamp "bench_serving: levels $LEVELS, $MAX_TOKENS tokens, $MAX_BATCH slots, cuda graphs $GRAPHS"
 # shellcheck disable=SC2086  # EXTRA_SERVER_ARGS is a word list on purpose
 $PY bench/bench_serving.py --levels "$LEVELS" --max-tokens "$MAX_TOKENS" --long-prompt "$LONG_PROMPT" \
-    --prompt-tokens "$PROMPT_TOKENS" --stagger-ms "$STAGGER_MS" --name "$NAME" \
+    --prompt-tokens "$PROMPT_TOKENS" --stagger-ms "$STAGGER_MS" --name "$NAME" $([ "$PROFILE" = 1 ] && echo --profile) \
     --out-dir "$RESULTS" -- \
     "${model_args[@]}" --max-batch-size "$MAX_BATCH" --cuda-graphs "$GRAPHS" $EXTRA_SERVER_ARGS 2>&1 | tee -a "$LOG"
 stamp "done: $RESULTS/serving_$NAME.json"

@@ -1,6 +1,7 @@
 """The model runner: one forward + sample over a batch of state slots. Knows tensors, not requests."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -11,6 +12,8 @@ from infer.batch import PackedBatch, to_device, to_device_parts
 from infer.model import RWKV7
 from infer.sampler import SampleOutput, Sampler, SamplingParams
 from infer.state import SlotState, StatePool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -203,7 +206,16 @@ class StepGraphs:
         key = self.sampler.graph_key(self._graphs["decode", size][1], want_logprob)
         if key is None:
             return None
-        graph, out = self._sampler_graphs.get((size, key)) or self._capture_sampler(size, key)
+        captured = self._sampler_graphs.get((size, key))
+        if captured is None:
+            try:
+                captured = self._capture_sampler(size, key)
+            except RuntimeError:  # a capture that fails leaves nothing queued: sample eagerly from now on
+                log.exception("capturing the sampler's graph (bucket %d, %s) failed; decode steps sample eagerly",
+                              size, key)
+                self.sampler = None
+                return None
+        graph, out = captured
         graph.replay()
         return SampleOutput(**{name: None if t is None else t[:count] for name, t in vars(out).items()})
 

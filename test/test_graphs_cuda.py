@@ -335,3 +335,24 @@ def test_engine_samples_like_eager_sampling_with_decode_ahead(model):
     assert generate(graphed, prompts, decode_ahead=True, sampling=params) == want
     # eager calls: the prompt step's, and two per capture
     assert graphed.graphs._sampler_graphs and calls[0] == 1 + 2 * len(graphed.graphs._sampler_graphs)
+
+
+def test_a_failed_sampler_capture_falls_back_to_eager_sampling(model, caplog):
+    """A sampler graph that cannot be captured is logged and leaves the decode steps sampling eagerly, with the
+    tokens eager sampling gives."""
+    graphed, eager = ModelRunner(model, 8, cuda_graphs=True), ModelRunner(model, 8, cuda_graphs=True)
+    eager.graphs.sampler = None
+
+    def failing_capture(size, key):
+        raise RuntimeError("capture failed (test)")
+    graphed.graphs._capture_sampler = failing_capture
+    slots = [1, 2, 3]
+    for runner in (graphed, eager):
+        for s, params in zip(slots, SAMPLING):
+            runner.start_row(s, params)
+    tokens = [[4], [5], [6]]
+    for _ in range(3):
+        a = graphed.step(tokens, slots, [True] * 3).tokens
+        assert a == eager.step(tokens, slots, [True] * 3).tokens
+        tokens = [[t] for t in a]
+    assert graphed.graphs.sampler is None and "decode steps sample eagerly" in caplog.text
