@@ -48,7 +48,9 @@ logprobs on or off) come from host-side counters over *live* slots (reset and no
 a step does O(1) Python work and no device->host sync on CUDA.  A finished slot that is never
 released or reset only makes steps take a wider (still correct) path: call ``release_slot``.
 
-Slots in one ``sample`` call must be distinct (the penalty pool is updated by index_put).
+Slots in one ``sample`` call must be distinct (the penalty pool is updated by index_put), except that a CUDA graph's
+padding rows all sample one scratch slot, whose tables nothing reads. On CUDA the runner replays ``sample`` from CUDA
+graphs for decode steps (``infer.runner.StepGraphs``); :meth:`Sampler.graph_key` says what such a graph fixes.
 
 On CUDA the keep threshold and the draw (the top-k/top-p truncation and the inverse CDF above) run
 in one kernel without sorting (``infer/ops/sampler_cuda.py``, ``cuda/sampler.cu``) when it builds;
