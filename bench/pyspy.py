@@ -61,7 +61,8 @@ def recorded(pid: int, work: Callable[[], object], label: str = "server", gil: b
         return None
     raw = Path(tempfile.gettempdir()) / f"pyspy_{label}_{os.getpid()}.txt"
     spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", str(RATE_HZ), "--format", "raw",
-                            "--threads", *(["--gil"] if gil else []), "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            "--threads", *(["--gil"] if gil else []), "-o", str(raw)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(1.0)
     try:
         work()

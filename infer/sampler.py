@@ -454,7 +454,7 @@ class Sampler:
         if (self._kernel is None or want_logprob or self._lps or logits.dtype not in _PREPARED_DTYPES
                 or logits.stride(1) != 1):
             return None
-        return self._n_sampled > 0, self._n_pen > 0, self._bias_ids.shape[1] if self._n_bias else 0
+        return self._n_sampled > 0, self._n_pen > 0, self.bias_width if self._n_bias else 0
 
     def sample(self, logits: Tensor, slots: Tensor, want_logprob: bool = False) -> SampleOutput:
         B, V = logits.shape
