@@ -267,6 +267,16 @@ sampler_graphs_engine() {  # sampler_graphs_engine ROUND...: the engine (1.5B, f
     done
 }
 
+gemv_stream_ab() {  # gemv_stream_ab ROUND: fp16 decode at batch 1, 2, 4, 8 with the streamed GEMV and without
+    local streamed out
+    for streamed in 1 0; do
+        out=bench/results/experiment_gemv_stream${streamed}_$1_h200.json
+        step 100 "decode, RWKV_GEMV_STREAM=$streamed, round $1" env RWKV_GEMV_STREAM=$streamed python \
+            bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,2,4,8 --steps 40 --wkv cuda --no-checks --out $out
+        copy $out
+    done
+}
+
 # the sampler's torch steps before the softmax on every path (as before its preparation kernel)
 torch_preparation() {
     sed -i "s/        if (self._kernel is not None and not wants_logprobs/        if (False and not wants_logprobs/" infer/sampler.py
@@ -1344,6 +1354,30 @@ serving-gil)  # 1.5B, 256 streams: how long the event loop and the engine hold t
     step 150 "sampler cost" python bench/bench_sampler.py --fp16-logits --profile --batches 1,32,256 \
         --out bench/results/sampler_h200_uniforms.json
     copy bench/results/sampler_h200_uniforms.json
+    ;;
+gemv-stream)  # fp16 GEMV launches of 2,048/4,096-wide rows streamed through shared memory by bulk copies
+    # (gemv_stream_kernel; RWKV_GEMV_STREAM=0: gemv_kernel): builds, the GEMV/decode/graph GPU tests, decode at batch
+    # 1, 2 (the fp16 GEMV's rows), 4 and 8 (cuBLAS) with and without, then 4 and 8 rows on the streamed GEMV
+    # (RWKV_GEMV_ROWS=8). gemv-stream-more: a second round and the batch-1 steps per kernel. Flip the default if it
+    # loses.
+    build_fused
+    step 200 "GEMV GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
+        -k "(stream or gemv or decode or wide or greedy or invariance or cpu_fp32) and not uint4 and not gemlite"
+    gemv_stream_ab 1
+    out=bench/results/experiment_gemv_stream_rows8_h200.json
+    step 100 "decode, 4 and 8 rows on the streamed GEMV" env RWKV_GEMV_ROWS=8 python bench/bench_decode.py \
+        --sizes 1.5b,7.2b --batches 4,8 --steps 40 --wkv cuda --no-checks --out $out
+    copy $out
+    ;;
+gemv-stream-more)
+    build_fused
+    gemv_stream_ab 2
+    for streamed in 1 0; do
+        out=bench/results/profile_nopdl_stream${streamed}_h200.json
+        step 120 "per kernel without PDL, RWKV_GEMV_STREAM=$streamed" env RWKV_PDL=0 RWKV_GEMV_STREAM=$streamed \
+            python bench/profile_decode.py --sizes 1.5b,7.2b --batches 1 --out $out
+        copy $out
+    done
     ;;
 gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off): Nsight Compute on the r/k/v launch,
     # the LoRA second halves, the output projection, FFN key and FFN value, for 4-bit GemLite and W8A16 weights

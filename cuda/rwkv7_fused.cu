@@ -25,7 +25,8 @@
 //    GemLite's packed 4-bit weights read in place; int8 and 4-bit tasks run on the tensor cores, a block per
 //    band of output channels (gemv_int8_band, gemv_uint4_block), and a launch of few bands on 16 warps a
 //    block (gemv_wide_band_kernel); relu^2, tanh or sigmoid on the output, residual add. A launch may run in two
-//    stages, tasks reading other tasks' outputs waiting on a device counter (task_dependency_wait).
+//    stages, tasks reading other tasks' outputs waiting on a device counter (task_dependency_wait). On Hopper a
+//    launch of fp16 rows 2,048 or 4,096 wide streams them through shared memory instead (gemv_stream_kernel).
 //
 // 4. sparse_gemv: y = x Wt (* scale) + residual for the FFN value matrix stored K-major (fp16, or int8 with its
 //    per-channel scale), reading only the weight rows whose input relu(k)^2 is nonzero in some row of x (see
@@ -1800,6 +1801,7 @@ struct GemvTask {
     int producer;            // 1: a producer task
     int wait_for;            // > 0: a consumer task (the launch's producer blocks)
     int consumers;           // the launch's consumer blocks
+    int block_rows;          // gemv_stream_kernel: output channels per block (plan_stream_gemv)
 };
 
 struct GemvArgs {
@@ -2461,6 +2463,162 @@ __global__ void __launch_bounds__(kWideBandWarps * 32, 32 / kWideBandWarps)
     }
 }
 
+// ------------------------------------------------------------------------------------ gemv, streamed
+// fp16 rows of one width (K = 2,048 or 4,096), every task fp16, on Hopper. gemv_kernel's warps each load a
+// batch of a row into registers, wait a round trip, then sum; at 1.5B's sizes a launch is two or three such waves
+// per multiprocessor and each costs a round trip: the r/k/v launch took 12.6 us for 26 MB and the output
+// projection 5.9 us for 8.4 MB, 48 % and 33 % of the bandwidth (bench/results/profile_nopdl_sparse_h200.json).
+// Here a block streams a run of whole output channels through a ring of kStreamStages stages in shared memory,
+// filled by bulk asynchronous copies (cp.async.bulk, completion counted on an mbarrier) that one thread issues:
+// the first stages before the PDL wait (weights: no kernel writes them), each later one as soon as every warp
+// is done with the stage it replaces. Two blocks a multiprocessor keep 80 KB in flight, and a block (40 KB of
+// ring) fits beside the next launch's, which fills its own ring while this one runs.
+// Thread i takes the 16-byte vectors i, i + 256, ... of every channel, its x there held in registers (read again
+// through L1 for each channel when more than kStreamHeldX rows times vectors); a stage's channel sums are added
+// over the warp by shuffles, then over the warps in warp order by the thread that stores the output
+// (rounded_output): deterministic, and a row's sum does not depend on the other rows. Whether a launch streams
+// depends on its tasks' shapes only (stream_gemv_blocks), never on the rows of x, so a row's output is the same
+// alone or in a batch.
+constexpr int kStreamWarps = 8;
+constexpr int kStreamThreads = kStreamWarps * 32;
+constexpr int kStreamStageBytes = 8192;
+constexpr int kStreamStages = 5;
+constexpr int kStreamMaxResiduals = 256;  // a block's residual values (channels x rows), read at its start
+constexpr int kStreamHeldX = 4;           // rows of x times vectors per thread and channel held in registers
+#define FUSED_GEMV_STREAM 1  // (asked by the CPU emulator's harness: the HIP port has no streamed launches)
+
+// The shared-memory address of p (PTX operands of the bulk copies and mbarriers).
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+#else
+    return 0u;
+#endif
+}
+
+__device__ __forceinline__ void stream_barrier_init(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// dst <- bytes of src (global), counted on bar, whose phase completes when they have all landed. The CPU
+// emulation copies at once (its blocks' threads take turns only at barriers).
+__device__ __forceinline__ void stream_copy(void* dst, const void* src, int bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar))
+                 : "memory");
+#elif defined(EMU_WARP)
+    memcpy(dst, src, static_cast<size_t>(bytes));
+#endif
+}
+
+// Returns once bar's phase of parity `parity` has completed.
+__device__ __forceinline__ void stream_wait(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t done = 0;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(shared_address(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+#endif
+}
+
+// VPL: 16-byte vectors per thread and channel (K = 2,048 * VPL); a stage holds 2 / VPL channels.
+template <int M, int VPL>
+__global__ void __launch_bounds__(kStreamThreads, 2) gemv_stream_kernel(GemvArgs args) {
+    constexpr int kRowVecs = kStreamThreads * VPL, kStageRows = kStreamStageBytes / (16 * kRowVecs);
+    constexpr bool kHeld = M * VPL <= kStreamHeldX;
+    static_assert(kStageRows >= 1, "a stage holds whole channels");
+    __shared__ __align__(128) uint4 ring[kStreamStages][kStreamStageBytes / 16];
+    __shared__ __align__(8) uint64_t full[kStreamStages];
+    __shared__ float partial[2][kStreamWarps][kStageRows][M];  // two stages' warp sums: one barrier a stage
+    __shared__ float residual[kStreamMaxResiduals];
+    const GemvTask& task = task_of_block(args);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first = (int(blockIdx.x) - task.first_block) * task.block_rows;
+    const int rows = min(task.block_rows, task.n - first);
+    const int stages = (rows + kStageRows - 1) / kStageRows;
+    const __half* w = static_cast<const __half*>(task.w) + int64_t(first) * task.k;
+    auto fill = [&](int s) {  // thread 0: stage s into its slot
+        const int slot = s % kStreamStages, channels = min(kStageRows, rows - s * kStageRows);
+        stream_copy(ring[slot], w + int64_t(s) * kStageRows * task.k, channels * task.k * 2, &full[slot]);
+    };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStreamStages; ++s) stream_barrier_init(&full[s]);
+        for (int s = 0; s < min(stages, kStreamStages); ++s) fill(s);  // weights: before the wait
+    }
+    dependency_wait();
+    auto x_at = [&](int m, int i) { return task.x + int64_t(m) * task.k + (i * kStreamThreads + threadIdx.x) * 8; };
+    float held[kHeld ? M : 1][VPL][8];
+    if constexpr (kHeld) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) load8(x_at(m, i), held[m][i]);
+        }
+    }
+    if (task.residual != nullptr) {  // before any store: y may be the residual
+        for (int i = threadIdx.x; i < rows * M; i += kStreamThreads)
+            residual[i] = __half2float(task.residual[int64_t(i % M) * task.n + first + i / M]);
+    }
+    __syncthreads();  // the barriers' initialization and the residuals
+#pragma unroll 1
+    for (int s = 0; s < stages; ++s) {
+        const int slot = s % kStreamStages, channels = min(kStageRows, rows - s * kStageRows);
+        stream_wait(&full[slot], uint32_t(s / kStreamStages) & 1u);
+        float acc[kStageRows][M];
+#pragma unroll
+        for (int j = 0; j < kStageRows; ++j) {
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[j][m] = 0.0f;
+            if (j >= channels) continue;  // block-uniform
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) {
+                float wf[8];
+                unpack8(ring[slot][j * kRowVecs + i * kStreamThreads + threadIdx.x], wf);
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    float xf[8];
+                    if constexpr (kHeld) {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) xf[e] = held[m][i][e];
+                    } else {
+                        load8(x_at(m, i), xf);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[j][m] = fmaf(wf[e], xf[e], acc[j][m]);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < kStageRows; ++j) {
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float sum = warp_sum(acc[j][m]);
+                if (lane == 0) partial[s & 1][warp][j][m] = sum;
+            }
+        }
+        __syncthreads();  // every warp is done with the slot and has its sums in `partial`
+        if (threadIdx.x == 0 && s + kStreamStages < stages) fill(s + kStreamStages);
+        if (threadIdx.x < channels * M) {
+            const int j = threadIdx.x / M, m = threadIdx.x % M, c = s * kStageRows + j;
+            float sum = partial[s & 1][0][j][m];
+#pragma unroll
+            for (int v = 1; v < kStreamWarps; ++v) sum += partial[s & 1][v][j][m];
+            task.y[int64_t(m) * task.n + first + c] =
+                rounded_output(sum, task.epilogue, task.residual != nullptr, task.residual ? residual[c * M + m] : 0.0f);
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------------ sparse-input gemv
 // y = x Wt (+ residual) for the FFN value product at decode, whose input relu(k)^2 is zero wherever the key
 // projection was negative (about half the channels of a random model, 86-90 % of a trained one: see
@@ -2655,17 +2813,29 @@ inline bool ln_span_for(int64_t T, int64_t B, int64_t C) {
     return enabled && T >= kLnSpan * B && ln_vecs(C) >= 2;
 }
 
-// Programmatic dependent launch is used on compute capability >= 9.0 unless RWKV_PDL=0.
-inline bool use_pdl(int device) {
-    static int cached[64] = {0};  // 0 unknown, 1 off, 2 on
-    if (device < 0 || device >= 64) return false;
+// The device's compute capability major (0 when it cannot be read).
+inline int compute_major(int device) {
+    static int cached[64] = {0};  // 0 unknown, else major + 1
+    if (device < 0 || device >= 64) return 0;
     if (cached[device] == 0) {
         int major = 0;
-        const bool disabled = !env_flag("RWKV_PDL", true);
-        const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess;
-        cached[device] = (!disabled && ok && major >= 9) ? 2 : 1;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) major = 0;
+        cached[device] = major + 1;
     }
-    return cached[device] == 2;
+    return cached[device] - 1;
+}
+
+// Programmatic dependent launch is used on compute capability >= 9.0 unless RWKV_PDL=0.
+inline bool use_pdl(int device) {
+    static const bool enabled = env_flag("RWKV_PDL", true);
+    return enabled && compute_major(device) >= 9;
+}
+
+// fp16 launches of a streamed width take gemv_stream_kernel (bulk copies: compute capability >= 9.0) unless
+// RWKV_GEMV_STREAM=0 (A/B).
+inline bool use_stream_gemv(int device) {
+    static const bool enabled = env_flag("RWKV_GEMV_STREAM", true);
+    return enabled && compute_major(device) >= 9;
 }
 
 // The device's multiprocessor count (0 when it cannot be read).
@@ -2701,6 +2871,13 @@ template <int M>
 cudaError_t launch_gemv(const GemvArgs& args, int blocks, bool wide, cudaStream_t stream) {
     if (wide) return launch(gemv_wide_band_kernel<M>, static_cast<unsigned>(blocks), kWideBandWarps * 32, stream, args);
     return launch(gemv_kernel<M>, static_cast<unsigned>(blocks), kGemvWarps * 32, stream, args);
+}
+
+template <int M>
+cudaError_t launch_stream_gemv(const GemvArgs& args, int blocks, cudaStream_t stream) {
+    if (args.task[0].k == 2048)  // stream_vectors 1, else 2 (plan_stream_gemv)
+        return launch(gemv_stream_kernel<M, 1>, static_cast<unsigned>(blocks), kStreamThreads, stream, args);
+    return launch(gemv_stream_kernel<M, 2>, static_cast<unsigned>(blocks), kStreamThreads, stream, args);
 }
 
 template <typename F>
@@ -2995,6 +3172,40 @@ inline bool gemv_wide_bands(const GemvArgs& args, int blocks) {
     return blocks <= kWideBandMaxBlocks && gemv_all_bands(args) && !gemv_staged(args);
 }
 
+// 16-byte vectors per thread and channel of gemv_stream_kernel for rows of k weights (0: not a streamed width).
+inline int stream_vectors(int64_t k) { return k == 2048 ? 1 : k == 4096 ? 2 : 0; }
+
+// Plans a packed launch on gemv_stream_kernel: each task's channels in blocks of block_rows (first_block
+// renumbered), two blocks a multiprocessor in all (fewer channels a block where residuals would not fit its
+// buffer at kGemvMaxRows rows). Returns the grid, or 0 when the launch does not stream: a task not fp16, widths
+// not all one streamed width, stages. It reads the tasks' shapes only, never the rows of x.
+inline int plan_stream_gemv(GemvArgs& args, int multiprocessors) {
+    if (args.count < 1 || multiprocessors <= 0 || gemv_staged(args)) return 0;
+    const int k = args.task[0].k;
+    int64_t rows = 0;
+    bool residuals = false;
+    for (int i = 0; i < args.count; ++i) {
+        const GemvTask& t = args.task[i];
+        if (t.weight_type != kWeightHalf || t.k != k) return 0;
+        rows += t.n;
+        residuals = residuals || t.residual != nullptr;
+    }
+    const int vectors = stream_vectors(k), grid = 2 * multiprocessors;
+    if (vectors == 0 || grid <= args.count) return 0;
+    const int64_t stage_rows = kStreamStageBytes / (16 * kStreamThreads * vectors);
+    int64_t per_block = (rows + grid - args.count - 1) / (grid - args.count);  // the tasks' blocks fit the grid
+    per_block = (per_block + stage_rows - 1) / stage_rows * stage_rows;
+    if (residuals) per_block = std::min<int64_t>(per_block, kStreamMaxResiduals / kGemvMaxRows);
+    int blocks = 0;
+    for (int i = 0; i < args.count; ++i) {
+        GemvTask& t = args.task[i];
+        t.block_rows = static_cast<int>(per_block);
+        t.first_block = blocks;
+        blocks += static_cast<int>((t.n + per_block - 1) / per_block);
+    }
+    return blocks;
+}
+
 // The grid of a sparse-input GEMV of a K-major [k, n] weight: strips of kSparseStrip channels times slices
 // of input rows, a warp taking 64 rows (two ballots) if that still makes min_blocks blocks, else 32.
 // RWKV_SPARSE_MIN_BLOCKS overrides kSparseMinBlocks (for A/B timing; read once, by the workspace sizing and
@@ -3237,6 +3448,22 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
     static const bool wide_bands = env_flag("RWKV_GEMV_WIDE_BANDS", true);
     const bool wide = wide_bands && gemv_wide_bands(args, blocks);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    GemvArgs streamed = args;
+    const int stream_blocks = use_stream_gemv(device) ? plan_stream_gemv(streamed, multiprocessors(device)) : 0;
+    if (stream_blocks > 0) {
+        return on_device(device, [&] {
+            switch (M) {
+                case 1: return launch_stream_gemv<1>(streamed, stream_blocks, s);
+                case 2: return launch_stream_gemv<2>(streamed, stream_blocks, s);
+                case 3: return launch_stream_gemv<3>(streamed, stream_blocks, s);
+                case 4: return launch_stream_gemv<4>(streamed, stream_blocks, s);
+                case 5: return launch_stream_gemv<5>(streamed, stream_blocks, s);
+                case 6: return launch_stream_gemv<6>(streamed, stream_blocks, s);
+                case 7: return launch_stream_gemv<7>(streamed, stream_blocks, s);
+                default: return launch_stream_gemv<8>(streamed, stream_blocks, s);
+            }
+        });
+    }
     return on_device(device, [&] {
         switch (M) {
             case 1: return launch_gemv<1>(args, blocks, wide, s);

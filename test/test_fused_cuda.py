@@ -295,14 +295,18 @@ def test_gemv_tasks_match_matmul(kernels):
 def test_gemv_staged_launch_equals_two_launches(kernels, rows):
     """LoRA first halves, r/k/v-shaped matrices and the second halves in one staged launch (the second halves' blocks
     wait on the GPU for the first halves' to be done) give the bits of two launches, 7.2B's shapes, 50 times in a
-    row (the counters reset by each launch), in a CUDA graph too."""
+    row (the counters reset by each launch), in a CUDA graph too. r/k/v are int8 (W8A16), as in the models that
+    stage by default: with fp16 ones the first of the two launches would stream (gemv_stream_kernel), whose sums
+    are added in another order."""
+    from infer.ops.linear_w8a16 import W8A16Linear
     torch.manual_seed(rows)
     dev, C = "cuda", 4096
     lin = lambda n, k: DenseLinear(torch.randn(n, k, device=dev).half() * k ** -0.5)  # noqa: E731
     ranks, epis = (128, 128, 96, 480), (EPI_TANH, EPI_NONE, EPI_NONE, EPI_SIGMOID)
     x = torch.randn(rows, C, device=dev).half()
     firsts = [lin(r, C) for r in ranks]
-    rkv = [lin(C, C) for _ in range(3)]
+    rkv = [W8A16Linear(torch.randint(-127, 128, (C, C), device=dev, dtype=torch.int8),
+                       (torch.rand(C, device=dev) * 0.001 + 0.0001).half()) for _ in range(3)]
     seconds = [lin(C, r) for r in ranks]
     hidden = [torch.empty(rows, r, device=dev, dtype=torch.float16) for r in ranks]
     outs = [torch.empty(rows, C, device=dev, dtype=torch.float16) for _ in range(7)]
@@ -375,6 +379,90 @@ def test_gemv_split_rows_match_matmul(kernels, rows):
     torch.testing.assert_close(y_short, x_short @ short_w.T, atol=2e-3, rtol=2e-3)
     expect_q = torch.relu(x_q.float() @ (q.float() * scale.float()[:, None]).T) ** 2
     torch.testing.assert_close(y_q.float(), expect_q, atol=5e-2, rtol=2e-2)
+
+
+def gemv_kernels_run(launch) -> set[str]:
+    """The names of the GEMV kernels ``launch()`` ran (torch's profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        launch()
+        torch.cuda.synchronize()
+    return {e.name.split("<")[0].split("::")[-1] for e in prof.events() if "gemv" in e.name}
+
+
+@pytest.mark.parametrize("k", [2048, 4096])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_gemv_stream_matches_matmul(kernels, k, rows):
+    """fp16 launches of 2,048- and 4,096-wide rows take gemv_stream_kernel on Hopper (bulk copies into a ring of
+    stages; gemv_kernel elsewhere): an r/k/v-like launch with the LoRA first halves' epilogues, an output projection
+    adding its residual in place and a relu^2 FFN key, against float64 products; the last row alone gives the same
+    bits; 20 replays of the three launches captured in a CUDA graph give the eager launches' bits."""
+    gen = torch.Generator(device="cuda").manual_seed(k + rows)
+
+    def weight(n):
+        return DenseLinear((torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).half())
+    lora_w, lora_g, square, value = weight(64), weight(128), weight(2048), weight(2048)
+    ffn = weight(4 * k)
+    x = torch.randn(rows, k, generator=gen, device="cuda").half()
+    res = torch.randn(rows, 2048, generator=gen, device="cuda").half()
+
+    def launches(x):
+        m = x.shape[0]
+        outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for n in (64, 128, 2048, 4 * k)]
+        outs.append(res[-m:].clone())
+        kernels.gemv([(lora_w, x, outs[0], EPI_TANH, None), (lora_g, x, outs[1], EPI_SIGMOID, None),
+                      (square, x, outs[2], EPI_NONE, None)])
+        kernels.gemv([(value, x, outs[4], EPI_NONE, outs[4])])
+        kernels.gemv([(ffn, x, outs[3], EPI_RELU_SQUARE, None)])
+        return outs
+
+    ran = gemv_kernels_run(lambda: launches(x))
+    streams = torch.cuda.get_device_capability()[0] >= 9
+    assert ran == ({"gemv_stream_kernel"} if streams else {"gemv_kernel"}), ran
+    outs = launches(x)
+    exact = {n: x.double() @ lin.weight.double().T for n, lin in ((64, lora_w), (128, lora_g), (2048, square),
+                                                                    (4 * k, ffn))}
+    value_exact = x.double() @ value.weight.double().T
+    torch.testing.assert_close(outs[0].double(), torch.tanh(exact[64].half().double()), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(outs[1].double(), torch.sigmoid(exact[128].half().double()), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(outs[2].double(), exact[2048], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(outs[3].double(), exact[4 * k].half().double().clamp_min(0) ** 2, atol=2e-2, rtol=4e-3)
+    torch.testing.assert_close(outs[4].double(), res.double() + value_exact, atol=4e-3, rtol=2e-3)
+    for i, (a, b) in enumerate(zip(outs, launches(x[-1:].clone()))):
+        assert torch.equal(a[-1:], b), f"output {i}: the last row alone differs from the same row in a batch of {rows}"
+    graph = torch.cuda.CUDAGraph()
+    launches(x)  # warm
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        replayed = launches(x)
+    for _ in range(20):
+        for r in replayed:
+            r.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(outs, replayed)):
+        assert torch.equal(a, b), f"output {i}: graph replay differs from the eager launch"
+
+
+@pytest.fixture(scope="module")
+def pair_2048(kernels):
+    """A one-layer model 2,048 channels wide (1.5B's), twice: its decode GEMVs stream on Hopper."""
+    readable, fused = build(1, 2048, 1024, seed=6), build(1, 2048, 1024, seed=6)
+    assert select_fused(fused, "on") is kernels
+    return readable, fused
+
+
+@pytest.mark.parametrize("width", [2048, 4096])
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_decode_of_1_5b_and_7b_widths_matches_readable(pair_2048, wide_pair, width, batch):
+    """The decode forward at 1.5B's and 7.2B's widths (their r/k/v, output, FFN key and head launches stream on
+    Hopper) against the readable forward, three steps from a nonzero state."""
+    pair = pair_2048 if width == 2048 else wide_pair
+    slots = list(range(15, 15 - batch, -1))
+    rows = [[(7 * i + 3) % 1024] for i in range(batch)]
+    outs, pools = run_both(pair, rows, slots, torch.float32, steps=3)
+    for ref, got in outs:
+        assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
+    assert_close_pools(*pools, wkv_tol=0.05)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])

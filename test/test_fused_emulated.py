@@ -93,6 +93,9 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
             so.emu_fused_gemv_splits.argtypes = [i32, p, p, p, p, p]
             if hasattr(so, "emu_fused_gemv_staged"):
                 so.emu_fused_gemv_staged.argtypes = [i64, i32, p, p, p, p, p, p, p, p, p, p, p, p, p]
+            if hasattr(so, "emu_fused_gemv_stream"):
+                so.emu_fused_gemv_stream.argtypes = [i64, i32, p, p, p, p, p, p, p, i32]
+                so.emu_plan_stream_gemv.argtypes = [i32, p, p, i32, i32, p]
             so.emu_fused_sparse_gemv.argtypes = [i64, p, p, p, p, p, p, p, i64, i64, i64, ctypes.c_uint]
             so.emu_fused_sparse_gemv_plan.argtypes = [i64, i64, i64, p]
             so.emu_f32_to_f16.argtypes = [p, p, i64]
@@ -985,6 +988,81 @@ def test_gemv_staged_launch_rejects_bad_orders(libs):
     assert run_gemv_staged(so, [a, b], 1, [1, 0], sync) == -1
     assert run_gemv_staged(so, [a, b], 1, [1, 3], sync) == -1
     assert sync.tolist() == [0, 0]
+
+
+def run_gemv_stream(so, tasks, M, multiprocessors):
+    """One launch on gemv_stream_kernel as the launcher plans it for `multiprocessors` (fp16 tasks of one width);
+    the outputs, or None where the launch would not stream."""
+    ys = [t["residual"].clone() if t["residual"] is not None else torch.full((M, t["n"]), 777.0).half()
+          for t in tasks]
+    residual = [y if t["residual"] is not None else None for t, y in zip(tasks, ys)]
+    rc = so.emu_fused_gemv_stream(M, len(tasks), _ptrs([t["w"] for t in tasks]), _ptrs([t["x"] for t in tasks]),
+                                  _ptrs(ys), _ptrs(residual), _ints([t["n"] for t in tasks], ctypes.c_int64),
+                                  _ints([t["k"] for t in tasks], ctypes.c_int64),
+                                  _ints([t["epi"] for t in tasks], ctypes.c_int), multiprocessors)
+    if rc == -1:
+        return None
+    _check_rc(rc)
+    return ys
+
+
+# Streamed launches (gemv_stream_kernel, CUDA): M, multiprocessors, tasks (n, k, epi, residual). Few
+# multiprocessors make blocks of many channels: more stages than the ring's 5 slots, each slot refilled.
+GEMV_STREAM_CASES = {
+    # 1.5B-like r/k/v launch: the LoRA first halves' epilogues, blocks straddling no task; 30 channels a block
+    "rkv-one-row": (1, 4, [(24, 2048, EPI_TANH, False), (16, 2048, EPI_NONE, False), (40, 2048, EPI_SIGMOID, False),
+                           (96, 2048, EPI_NONE, False)]),
+    # residual in place (the output projection), a last block of one channel (the stage half full)
+    "output-two-rows": (2, 3, [(33, 2048, EPI_NONE, True)]),
+    # 7.2B width: a channel a stage; relu^2 (the FFN key); four rows: x held in registers up to 2 x 2 vectors
+    "ffn-key-7b": (2, 2, [(29, 4096, EPI_RELU_SQUARE, False)]),
+    "four-rows": (4, 2, [(21, 2048, EPI_RELU_SQUARE, False), (18, 2048, EPI_NONE, True)]),
+    # more rows than registers hold: x read again through L1 (8 x 1 and 3 x 2 vectors)
+    "eight-rows": (8, 2, [(19, 2048, EPI_NONE, True), (10, 2048, EPI_TANH, False)]),
+    "three-rows-7b": (3, 3, [(13, 4096, EPI_NONE, True), (8, 4096, EPI_SIGMOID, False)]),
+}
+
+
+@pytest.mark.parametrize("case", GEMV_STREAM_CASES)
+def test_gemv_stream(case, libs):
+    """gemv_stream_kernel: every output within check_gemv's bound of the exact product (epilogues, residual in place),
+    the last row alone giving the same bits as in the batch, and no output left unwritten."""
+    M, multiprocessors, specs = GEMV_STREAM_CASES[case]
+    so = libs["fused-cuda"]
+    gen = torch.Generator().manual_seed(len(case) * 29 + M)
+    tasks = [gemv_task(gen, M, n, k, F16, epi, residual) for n, k, epi, residual in specs]
+    ys = run_gemv_stream(so, tasks, M, multiprocessors)
+    assert ys is not None, "the launch does not stream"
+    for i, (t, y) in enumerate(zip(tasks, ys)):
+        check_gemv(t, y, f"task {i}")
+    alone = run_gemv_stream(so, [dict(t, x=t["x"][-1:].clone(), residual=None if t["residual"] is None else
+                                      t["residual"][-1:].clone()) for t in tasks], 1, multiprocessors)
+    for i, (y, y1) in enumerate(zip(ys, alone)):
+        assert torch.equal(y[-1:], y1), f"task {i}: the last row alone differs from the same row in a batch of {M}"
+
+
+def test_gemv_stream_plan(libs):
+    """plan_stream_gemv: fp16 tasks of one streamed width (2,048 or 4,096) on about two blocks a multiprocessor,
+    whole stages a block, every channel in exactly one block; what it refuses."""
+    so = libs["fused-cuda"]
+
+    def plan(shapes, residual=False, multiprocessors=132):
+        rows = (ctypes.c_int * len(shapes))()
+        blocks = so.emu_plan_stream_gemv(len(shapes), _ints([n for n, _ in shapes], ctypes.c_int64),
+                                         _ints([k for _, k in shapes], ctypes.c_int64), int(residual),
+                                         multiprocessors, rows)
+        return blocks, list(rows)
+
+    rkv = [(64, 2048), (64, 2048), (128, 2048), (32, 2048), (2048, 2048), (2048, 2048), (2048, 2048)]  # 1.5B
+    blocks, rows = plan(rkv)
+    assert rows == [26] * 7 and blocks == sum(-(-n // 26) for n, _ in rkv) <= 264
+    assert plan([(8192, 2048)]) == (256, [32])                    # 1.5B FFN key
+    assert plan([(2048, 2048)], residual=True) == (256, [8])      # 1.5B output projection
+    assert plan([(16384, 4096)]) == (261, [63])                   # 7.2B FFN key: a channel a stage
+    assert plan([(65536, 2048)], residual=True)[1] == [32]        # residuals fit 256 values at 8 rows
+    assert plan([(2048, 2048), (64, 4096)])[0] == 0               # two widths
+    assert plan([(2048, 768)])[0] == 0 and plan([(2048, 8192)])[0] == 0  # not a streamed width
+    assert plan([(2048, 2048)] * 3, multiprocessors=1)[0] == 0    # no more blocks than tasks
 
 
 def test_gemv_wide_band_routing(libs):

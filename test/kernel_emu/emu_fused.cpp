@@ -178,6 +178,61 @@ EMU_EXPORT int emu_fused_gemv_staged(int64_t M, int count, const void* const* w,
     return gemv_emulated(M, count, w, scale, zero, x, y, residual, n, k, group, weight_type, epilogue, 0, stage, sync);
 }
 
+#ifdef FUSED_GEMV_STREAM
+template <int M>
+int run_stream_gemv(const fused::GemvArgs& args, int blocks) {
+    auto kernel = args.task[0].k == 2048 ? fused::gemv_stream_kernel<M, 1> : fused::gemv_stream_kernel<M, 2>;
+    return emu::run_grid(static_cast<unsigned>(blocks), fused::kStreamThreads, [&] { kernel(args); });
+}
+
+// The launcher's streamed launch (gemv_stream_kernel as plan_stream_gemv plans it for `multiprocessors`); -1 where
+// the launch would not stream.
+EMU_EXPORT int emu_fused_gemv_stream(int64_t M, int count, const void* const* w, const void* const* x,
+                                     void* const* y, const void* const* residual, const int64_t* n, const int64_t* k,
+                                     const int* epilogue, int multiprocessors) {
+    using namespace fused;
+    if (count < 1 || count > kMaxTasks || M < 1 || M > kGemvMaxRows) return -1;
+    std::vector<const void*> none(count, nullptr);
+    std::vector<int64_t> group(count, 0);
+    std::vector<int> half(count, kWeightHalf);
+    for (int i = 0; i < count; ++i)
+        if (!gemv_takes(n[i], k[i], kWeightHalf, 0)) return -1;
+    GemvArgs args{};
+    pack_gemv(args, count, w, none.data(), none.data(), x, y, residual, n, k, group.data(), half.data(), epilogue);
+    const int blocks = plan_stream_gemv(args, multiprocessors);
+    if (blocks == 0) return -1;
+    switch (M) {
+        case 1: return run_stream_gemv<1>(args, blocks);
+        case 2: return run_stream_gemv<2>(args, blocks);
+        case 3: return run_stream_gemv<3>(args, blocks);
+        case 4: return run_stream_gemv<4>(args, blocks);
+        case 5: return run_stream_gemv<5>(args, blocks);
+        case 6: return run_stream_gemv<6>(args, blocks);
+        case 7: return run_stream_gemv<7>(args, blocks);
+        default: return run_stream_gemv<8>(args, blocks);
+    }
+}
+
+// plan_stream_gemv's grid and channels per block for tasks of these shapes (fp16; residual: any task adds one).
+EMU_EXPORT int emu_plan_stream_gemv(int count, const int64_t* n, const int64_t* k, int residual, int multiprocessors,
+                                    int* block_rows) {
+    using namespace fused;
+    if (count < 1 || count > kMaxTasks) return -1;
+    GemvArgs args{};
+    static const __half some = __half{};
+    for (int i = 0; i < count; ++i) {
+        args.task[i].n = static_cast<int>(n[i]);
+        args.task[i].k = static_cast<int>(k[i]);
+        args.task[i].weight_type = kWeightHalf;
+        args.task[i].residual = residual ? &some : nullptr;
+    }
+    args.count = count;
+    const int blocks = plan_stream_gemv(args, multiprocessors);
+    for (int i = 0; i < count; ++i) block_rows[i] = args.task[i].block_rows;
+    return blocks;
+}
+#endif
+
 // min_blocks: the planner's threshold for two ballots per warp (the launcher's: kSparseMinBlocks); seed: the
 // order of the blocks.
 // scale: int8 weights' (sources with FUSED_SPARSE_INT8), else null.
