@@ -874,15 +874,20 @@ GEMV_INT8_BAND_CASES = {
 }
 
 
-def check_bands(so, tasks, M, wide):
-    """check_gemv for every task of a launch, and its last row run alone giving the same outputs (batch invariance)."""
-    ys = run_gemv(so, tasks, M, wide)
+def check_launch(launch, tasks, M):
+    """check_gemv for every task of a launch (``launch(tasks, M)`` gives the outputs), and its last row run alone
+    giving the same outputs (batch invariance)."""
+    ys = launch(tasks, M)
     for i, (t, y) in enumerate(zip(tasks, ys)):
         check_gemv(t, y, f"task {i}")
-    alone = run_gemv(so, [dict(t, x=t["x"][-1:].clone(), residual=None if t["residual"] is None else
-                               t["residual"][-1:].clone()) for t in tasks], 1, wide)
+    alone = launch([dict(t, x=t["x"][-1:].clone(), residual=None if t["residual"] is None else
+                         t["residual"][-1:].clone()) for t in tasks], 1)
     for i, (y, y1) in enumerate(zip(ys, alone)):
         assert torch.equal(y[-1:], y1), f"task {i}: the last row alone differs from the same row in a batch of {M}"
+
+
+def check_bands(so, tasks, M, wide):
+    check_launch(lambda ts, m: run_gemv(so, ts, m, wide), tasks, M)
 
 
 @pytest.mark.parametrize("case", GEMV_INT8_BAND_CASES)
@@ -1030,15 +1035,12 @@ def test_gemv_stream(case, libs):
     M, multiprocessors, specs = GEMV_STREAM_CASES[case]
     so = libs["fused-cuda"]
     gen = torch.Generator().manual_seed(len(case) * 29 + M)
-    tasks = [gemv_task(gen, M, n, k, F16, epi, residual) for n, k, epi, residual in specs]
-    ys = run_gemv_stream(so, tasks, M, multiprocessors)
-    assert ys is not None, "the launch does not stream"
-    for i, (t, y) in enumerate(zip(tasks, ys)):
-        check_gemv(t, y, f"task {i}")
-    alone = run_gemv_stream(so, [dict(t, x=t["x"][-1:].clone(), residual=None if t["residual"] is None else
-                                      t["residual"][-1:].clone()) for t in tasks], 1, multiprocessors)
-    for i, (y, y1) in enumerate(zip(ys, alone)):
-        assert torch.equal(y[-1:], y1), f"task {i}: the last row alone differs from the same row in a batch of {M}"
+
+    def streamed(tasks, rows):
+        ys = run_gemv_stream(so, tasks, rows, multiprocessors)
+        assert ys is not None, "the launch does not stream"
+        return ys
+    check_launch(streamed, [gemv_task(gen, M, n, k, F16, epi, residual) for n, k, epi, residual in specs], M)
 
 
 def test_gemv_stream_plan(libs):
