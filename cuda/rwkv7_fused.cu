@@ -2477,8 +2477,11 @@ __global__ void __launch_bounds__(kWideBandWarps * 32, 32 / kWideBandWarps)
 // through L1 for each channel when more than kStreamHeldX rows times vectors); a stage's channel sums are added
 // over the warp by shuffles, then over the warps in warp order by the thread that stores the output
 // (rounded_output): deterministic, and a row's sum does not depend on the other rows. Whether a launch streams
-// depends on its tasks' shapes only (stream_gemv_blocks), never on the rows of x, so a row's output is the same
-// alone or in a batch.
+// depends on its tasks' shapes only (plan_stream_gemv), never on the rows of x, so a row's output is the same
+// alone or in a batch. H200, decode tok/s against gemv_kernel in the same call: 1.5B batch 1 868.1 / 825.5,
+// batch 2 1,475 / 1,454; 7.2B batch 1 274.3 / 269.0, batch 2 488.4 / 430.8
+// (bench/results/experiment_gemv_stream{1,0}_2_h200.json). Above 2 rows fp16 models take cuBLAS: 4 and 8 rows
+// streamed lost to it (experiment_gemv_stream_rows8_h200.json).
 constexpr int kStreamWarps = 8;
 constexpr int kStreamThreads = kStreamWarps * 32;
 constexpr int kStreamStageBytes = 8192;
@@ -2613,8 +2616,9 @@ __global__ void __launch_bounds__(kStreamThreads, 2) gemv_stream_kernel(GemvArgs
             float sum = partial[s & 1][0][j][m];
 #pragma unroll
             for (int v = 1; v < kStreamWarps; ++v) sum += partial[s & 1][v][j][m];
+            const float added = task.residual ? residual[c * M + m] : 0.0f;
             task.y[int64_t(m) * task.n + first + c] =
-                rounded_output(sum, task.epilogue, task.residual != nullptr, task.residual ? residual[c * M + m] : 0.0f);
+                rounded_output(sum, task.epilogue, task.residual != nullptr, added);
         }
     }
 }
