@@ -107,6 +107,8 @@
 #                                                                   # decode A/B of the tree against FILE (a kernel file)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify    # after a kernel change: builds, fused, graph, W8A16 GPU tests
 #                                                               # (the quick part skips bench_decode's own checks)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-stream  # streamed fp16 GEMV: GPU tests, decode A/B round 1
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-stream-more  # its round 2, per-kernel steps without PDL
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
