@@ -2499,9 +2499,12 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
 #endif
 }
 
-__device__ __forceinline__ void stream_barrier_init(uint64_t* bar) {
+// Each stage's mbarrier, expecting one arrival (the thread that asks for its bytes), then one fence making the
+// initializations visible to the bulk copies.
+__device__ __forceinline__ void stream_barriers_init(uint64_t (&bars)[kStreamStages]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
+    for (int s = 0; s < kStreamStages; ++s)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&bars[s])) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
 }
@@ -2555,7 +2558,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2) gemv_stream_kernel(GemvArgs
         stream_copy(ring[slot], w + int64_t(s) * kStageRows * task.k, channels * task.k * 2, &full[slot]);
     };
     if (threadIdx.x == 0) {
-        for (int s = 0; s < kStreamStages; ++s) stream_barrier_init(&full[s]);
+        stream_barriers_init(full);
         for (int s = 0; s < min(stages, kStreamStages); ++s) fill(s);  // weights: before the wait
     }
     dependency_wait();
@@ -2871,17 +2874,20 @@ cudaError_t launch(void (*kernel)(KernelArgs...), unsigned grid, unsigned block,
     return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-template <int M>
-cudaError_t launch_gemv(const GemvArgs& args, int blocks, bool wide, cudaStream_t stream) {
-    if (wide) return launch(gemv_wide_band_kernel<M>, static_cast<unsigned>(blocks), kWideBandWarps * 32, stream, args);
-    return launch(gemv_kernel<M>, static_cast<unsigned>(blocks), kGemvWarps * 32, stream, args);
-}
+// The kernel a packed GEMV launch runs on (fused_gemv_launch chooses).
+enum class GemvKernel { kGrouped, kWideBands, kStreamed };
 
 template <int M>
-cudaError_t launch_stream_gemv(const GemvArgs& args, int blocks, cudaStream_t stream) {
-    if (args.task[0].k == 2048)  // stream_vectors 1, else 2 (plan_stream_gemv)
-        return launch(gemv_stream_kernel<M, 1>, static_cast<unsigned>(blocks), kStreamThreads, stream, args);
-    return launch(gemv_stream_kernel<M, 2>, static_cast<unsigned>(blocks), kStreamThreads, stream, args);
+cudaError_t launch_gemv(const GemvArgs& args, int blocks, GemvKernel kernel, cudaStream_t stream) {
+    const unsigned grid = static_cast<unsigned>(blocks);
+    if (kernel == GemvKernel::kWideBands)
+        return launch(gemv_wide_band_kernel<M>, grid, kWideBandWarps * 32, stream, args);
+    if (kernel == GemvKernel::kStreamed) {
+        if (args.task[0].k == 2048)  // stream_vectors 1, else 2 (plan_stream_gemv)
+            return launch(gemv_stream_kernel<M, 1>, grid, kStreamThreads, stream, args);
+        return launch(gemv_stream_kernel<M, 2>, grid, kStreamThreads, stream, args);
+    }
+    return launch(gemv_kernel<M>, grid, kGemvWarps * 32, stream, args);
 }
 
 template <typename F>
@@ -3450,34 +3456,23 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
         for (int i = 0; i < count; ++i) args.task[i].promote = 0;
     // RWKV_GEMV_WIDE_BANDS=0: every launch on gemv_kernel (A/B)
     static const bool wide_bands = env_flag("RWKV_GEMV_WIDE_BANDS", true);
-    const bool wide = wide_bands && gemv_wide_bands(args, blocks);
-    const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-    GemvArgs streamed = args;
+    GemvKernel kernel = wide_bands && gemv_wide_bands(args, blocks) ? GemvKernel::kWideBands : GemvKernel::kGrouped;
+    GemvArgs streamed = args;  // the same tasks planned for gemv_stream_kernel, where it takes the launch
     const int stream_blocks = use_stream_gemv(device) ? plan_stream_gemv(streamed, multiprocessors(device)) : 0;
-    if (stream_blocks > 0) {
-        return on_device(device, [&] {
-            switch (M) {
-                case 1: return launch_stream_gemv<1>(streamed, stream_blocks, s);
-                case 2: return launch_stream_gemv<2>(streamed, stream_blocks, s);
-                case 3: return launch_stream_gemv<3>(streamed, stream_blocks, s);
-                case 4: return launch_stream_gemv<4>(streamed, stream_blocks, s);
-                case 5: return launch_stream_gemv<5>(streamed, stream_blocks, s);
-                case 6: return launch_stream_gemv<6>(streamed, stream_blocks, s);
-                case 7: return launch_stream_gemv<7>(streamed, stream_blocks, s);
-                default: return launch_stream_gemv<8>(streamed, stream_blocks, s);
-            }
-        });
-    }
+    if (stream_blocks > 0) kernel = GemvKernel::kStreamed;
+    const GemvArgs& launched = stream_blocks > 0 ? streamed : args;
+    const int grid = stream_blocks > 0 ? stream_blocks : blocks;
+    const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {
         switch (M) {
-            case 1: return launch_gemv<1>(args, blocks, wide, s);
-            case 2: return launch_gemv<2>(args, blocks, wide, s);
-            case 3: return launch_gemv<3>(args, blocks, wide, s);
-            case 4: return launch_gemv<4>(args, blocks, wide, s);
-            case 5: return launch_gemv<5>(args, blocks, wide, s);
-            case 6: return launch_gemv<6>(args, blocks, wide, s);
-            case 7: return launch_gemv<7>(args, blocks, wide, s);
-            default: return launch_gemv<8>(args, blocks, wide, s);
+            case 1: return launch_gemv<1>(launched, grid, kernel, s);
+            case 2: return launch_gemv<2>(launched, grid, kernel, s);
+            case 3: return launch_gemv<3>(launched, grid, kernel, s);
+            case 4: return launch_gemv<4>(launched, grid, kernel, s);
+            case 5: return launch_gemv<5>(launched, grid, kernel, s);
+            case 6: return launch_gemv<6>(launched, grid, kernel, s);
+            case 7: return launch_gemv<7>(launched, grid, kernel, s);
+            default: return launch_gemv<8>(launched, grid, kernel, s);
         }
     });
 }
