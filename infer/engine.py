@@ -574,10 +574,12 @@ class Engine:
 
     def _release(self, row: _Row, finished: RowFinished) -> None:
         row.done = True
-        self._running.remove(row)
         self.runner.end_row(row.slot)
         self._free_slots.append(row.slot)
         self.metrics.finished_rows.labels(finished.finish_reason).inc()
+        # Last: another thread that sees the row gone from running_rows also sees its slot free and its finish
+        # counted (a test read the counter between the two and found the cancelled row uncounted).
+        self._running.remove(row)
         self.metrics.running_rows.set(len(self._running))
         self.metrics.free_slots.set(len(self._free_slots))
         self._emit(row.request, finished)
