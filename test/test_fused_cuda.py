@@ -522,11 +522,11 @@ def test_gemv_int8_matches_the_exact_product_at_7b_shapes(kernels, rows):
     assert shrunk / outputs < 0.0012, shrunk / outputs
 
 
-def w8a16_models(count: int) -> list[RWKV7]:
-    """``count`` copies of one random W8A16 model (L2 x C128, vocabulary 1,024) on the GPU."""
+def w8a16_models(count: int, layers: int = 2, width: int = 128) -> list[RWKV7]:
+    """``count`` copies of one random W8A16 model (L2 x C128 unless given, vocabulary 1,024) on the GPU."""
     from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
     from infer.quant.export_quant import quantize_matrix
-    config = make_config(2, 128, 1024)
+    config = make_config(layers, width, 1024)
     sd = random_state_dict(config, seed=4, dtype=torch.float16)
     for key in config.linear_keys():
         sd.update(quantize_matrix(key, sd.pop(key)))
@@ -544,6 +544,28 @@ def test_w8a16_model_fused_matches_readable(kernels):
         ref, got = (m.forward(PackedBatch.from_rows(rows, list(range(len(rows))), "cuda"), p)
                     for m, p in zip(models, pools))
         assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
+
+
+@pytest.fixture(scope="module")
+def w8_pair_2048(kernels):
+    """A one-layer W8A16 model 2,048 channels wide (1.5B's), twice."""
+    readable, fused = w8a16_models(2, layers=1, width=2048)
+    assert select_fused(fused, "on") is kernels
+    return readable, fused
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_w8a16_decode_at_1_5b_width_matches_readable(w8_pair_2048, batch, monkeypatch):
+    """The W8A16 decode forward at 1.5B's width (int8 bands of r/k/v beside the fp16 LoRA first halves, output, FFN
+    key and value, head; up to 8 rows on the GEMV) against the readable forward, three steps from a nonzero state;
+    its LoRAs staged and not: the same bits. (The 128-wide model of w8a16_models has rows of one band slice.)"""
+    assert_staging_changes_no_output(w8_pair_2048[1], batch, monkeypatch)
+    slots = list(range(15, 15 - batch, -1))
+    rows = [[(5 * i + 2) % 1024] for i in range(batch)]
+    outs, pools = run_both(w8_pair_2048, rows, slots, torch.float32, steps=3)
+    for ref, got in outs:
+        assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 0.02
+    assert_close_pools(*pools, wkv_tol=0.05)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8])
@@ -836,10 +858,11 @@ def test_w4_hopper_gemm_splits_k_of_long_matrices(kernels):
     if importlib.util.find_spec("gemlite") is None:
         pytest.skip("needs gemlite 0.6.x")
     from infer.ops.linear_w8a16 import SPLIT_MAX_ROWS, uint4_weights, gemm_splits
+    from infer.quant.gemlite_linear import W4_SPLIT_MIN_K
     lin = gemlite_uint4(1024, 8192, 64, seed=3)
     op, words = w4_hopper_gemm(lin)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert lin._w4_splits == gemm_splits(1024, 8192, 64, sms) > 1 and "slices" in lin.kind
+    assert lin._w4_splits == gemm_splits(1024, 8192, 64, sms, W4_SPLIT_MIN_K) > 1 and "slices" in lin.kind
     _, scale, zero, group = lin.uint4_groups
     dense = uint4_weights(words, scale, zero)
     x = torch.randn(200, 8192, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda").half()
