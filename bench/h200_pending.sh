@@ -361,6 +361,15 @@ verify-fused)  # after a change to the fused kernels or their tests: both builds
     step 420 "fused and graph GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
         test/test_graphs_cuda.py
     ;;
+graphs-recheck)  # the graph GPU tests alone, then the sampler-capture test (it failed once after the fused tests
+    # in one process, verify-fused) three times alone: order or chance?
+    build_fused
+    step 200 "graph GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_graphs_cuda.py
+    for i in 1 2 3; do
+        step 60 "sampler capture test alone ($i)" python -m pytest -q -rf --tb=short -p no:cacheprovider \
+            test/test_graphs_cuda.py -k sampler_capture_does_not_wait
+    done
+    ;;
 check-serve)
     step 150 "fused GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py
     step 280 "HTTP serving" env LEVELS=1,32,256 MAX_TOKENS=256 OUT= bash bench/h200_serving.sh
