@@ -2481,7 +2481,9 @@ __global__ void __launch_bounds__(kWideBandWarps * 32, 32 / kWideBandWarps)
 // alone or in a batch. H200, decode tok/s against gemv_kernel in the same call: 1.5B batch 1 868.1 / 825.5,
 // batch 2 1,475 / 1,454; 7.2B batch 1 274.3 / 269.0, batch 2 488.4 / 430.8
 // (bench/results/experiment_gemv_stream{1,0}_2_h200.json). Above 2 rows fp16 models take cuBLAS: 4 and 8 rows
-// streamed lost to it (experiment_gemv_stream_rows8_h200.json).
+// streamed lost to it (experiment_gemv_stream_rows8_h200.json). int8 tasks keep their bands: streamed (stages of
+// 1 KB from each of 8 channels, mma products) they ran at 1.5 TB/s against the bands' 2.8-3.4
+// (bench/variants/gemv_stream_int8.patch; docs/BENCHMARKS.md, twenty-ninth session).
 constexpr int kStreamWarps = 8;
 constexpr int kStreamThreads = kStreamWarps * 32;
 constexpr int kStreamStageBytes = 8192;
