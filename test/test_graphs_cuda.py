@@ -286,11 +286,17 @@ def test_sampler_graphs_sample_like_eager_sampling(model, rows):
 
 
 def test_sampler_capture_does_not_wait_for_the_device(model):
-    """A sampler configuration first met while steps are queued (decode ahead) is captured without waiting for them."""
+    """A sampler configuration first met at a bucket while steps are queued (decode ahead) is captured without
+    waiting for them."""
     runner = ModelRunner(model, 8, cuda_graphs=True)
     runner.graphs.warmup()  # the forward graphs (torch.cuda.graph waits for the device)
     runner.start_row(1, SamplingParams(temperature=0))
     runner.step([[5]], [1], [True])  # the greedy sampler's graph captured
+    # The sampled configuration's kernels first run here, at bucket 1: CUDA loads a kernel at its first launch
+    # (lazy loading), which may wait for the device; the capture below is of bucket 2, its kernels loaded.
+    runner.start_row(3, SamplingParams(temperature=1.0, top_p=0.9, seed=3))
+    runner.step([[7]], [3], [True])
+    runner.end_row(3)
     runner.start_row(2, SamplingParams(temperature=1.0, top_p=0.9, seed=3))
     before = len(runner.graphs._sampler_graphs)
     torch.cuda.synchronize()
