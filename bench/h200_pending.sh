@@ -295,10 +295,13 @@ torch_preparation() {
 }
 
 case $PART in
-tests)
-    step 300 "GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_fused_cuda.py test/test_graphs_cuda.py \
+tests)  # one 300 s step for all of them was cut in the twenty-eighth session (fused and graph tests alone: 163 s)
+    build_parallel
+    step 300 "fused and graph GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider \
+        test/test_fused_cuda.py test/test_graphs_cuda.py
+    step 240 "sampler, WKV and quantized GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider \
         test/test_sampler_cuda.py test/test_wkv_cuda.py test/test_quant_cuda.py
-    step 200 "fla tests" python -m pytest -q -rs -p no:cacheprovider test/test_wkv_fla.py
+    step 200 "fla tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_wkv_fla.py
     ;;
 profile)
     step 200 "per-kernel profile" python bench/profile_decode.py --sizes 1.5b,7.2b --batches 1,8,256 \
