@@ -109,7 +109,7 @@
 #                                                               # (the quick part skips bench_decode's own checks)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-stream  # streamed fp16 GEMV: GPU tests, decode A/B round 1
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-stream-more  # its round 2, per-kernel steps without PDL
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh verify-fused  # builds side by side, every fused/graph GPU test
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh verify-fused  # builds, every fused/graph GPU test
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -128,17 +128,11 @@ step() {  # step SECONDS NAME CMD...: run with a timeout, keep going on failure
     echo "=== $name: exit ${PIPESTATUS[0]} $(date +%T)" | log
 }
 copy() { [ -n "$OUT" ] && cp "$@" "$OUT/" 2>/dev/null; true; }
-# JIT builds of a fresh machine (fused kernels ~70 s, the Hopper W8A16 GEMM's four tiles over 3 min), outside
-# the time limits of the test steps that follow: a test step that built them ran out of time before.
+# JIT builds of a fresh machine, outside the time limits of the test steps that follow (a test step that built them
+# ran out of time before), side by side: the fused kernels are one long compile, the W8A16 kernels (the Hopper GEMM's
+# tiles) many short ones: ~100 s on a fresh H200 machine against ~230 one after the other.
 build() {
-    step 420 "build the extensions" python -c "from infer.ops.fused import load_fused_kernels; \
-from infer.ops.linear_w8a16 import load_w8a16_kernels; assert load_fused_kernels() and load_w8a16_kernels()"
-}
-
-# The same two builds side by side (the fused kernels are one long compile, the W8A16 kernels many short ones): 100 s
-# on a fresh H200 machine against ~230 one after the other.
-build_parallel() {
-    step 420 "build the extensions (two processes)" bash -c 'python -c "from infer.ops.fused import load_fused_kernels; \
+    step 420 "build the extensions" bash -c 'python -c "from infer.ops.fused import load_fused_kernels; \
 assert load_fused_kernels()" & f=$!; python -c "from infer.ops.linear_w8a16 import load_w8a16_kernels; \
 assert load_w8a16_kernels()"; w=$?; wait $f && exit $w'
 }
@@ -296,7 +290,7 @@ torch_preparation() {
 
 case $PART in
 tests)  # one 300 s step for all of them was cut in the twenty-eighth session (fused and graph tests alone: 163 s)
-    build_parallel
+    build
     step 300 "fused and graph GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider \
         test/test_fused_cuda.py test/test_graphs_cuda.py
     step 240 "sampler, WKV and quantized GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider \
@@ -358,9 +352,9 @@ verify)  # the GemLite-backed tests (which tune Triton kernels on first use) hav
         test/test_graphs_cuda.py -k "not uint4 and not gemlite"
     step 200 "W8A16 GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_quant_cuda.py -k "not gemlite"
     ;;
-verify-fused)  # after a change to the fused kernels or their tests: both builds side by side, then every fused and
+verify-fused)  # after a change to the fused kernels or their tests: both builds, then every fused and
     # graph GPU test (the 4-bit GemLite ones too, which tune their Triton kernels first)
-    build_parallel
+    build
     step 420 "fused and graph GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
         test/test_graphs_cuda.py
     ;;
