@@ -110,6 +110,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-stream  # streamed fp16 GEMV: GPU tests, decode A/B round 1
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-stream-more  # its round 2, per-kernel steps without PDL
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify-fused  # builds, every fused/graph GPU test
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh time-mix-loras  # LoRA second halves in the time mix: tests, A/B
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -168,6 +169,22 @@ w8_decode() {
     step "$limit" "$name" env "$@" python bench/bench_decode.py --engine cutlass --sizes "$sizes" --batches "$batches" \
         --steps 30 --wkv cuda --no-checks --out "bench/results/$out"
     copy "bench/results/$out"
+}
+
+# switch_ab VAR TAG W8_BATCHES: decode with VAR=1 and VAR=0, two rounds: fp16 1.5B and 7.2B at batch 1 and 2, W8A16
+# 7.2B at W8_BATCHES, into bench/results/experiment_TAG{1,0}_{round}[_w8]_h200.json
+switch_ab() {
+    local var=$1 tag=$2 w8_batches=$3 round value out
+    for round in 1 2; do
+        for value in 1 0; do
+            out=bench/results/experiment_${tag}${value}_${round}_h200.json
+            step 90 "decode, $var=$value, round $round" env "$var=$value" python bench/bench_decode.py \
+                --sizes 1.5b,7.2b --batches 1,2 --steps 40 --wkv cuda --no-checks --out "$out"
+            copy "$out"
+            w8_decode 90 "W8A16 decode, $var=$value, round $round" 7.2b "$w8_batches" \
+                "experiment_${tag}${value}_${round}_w8_h200.json" "$var=$value"
+        done
+    done
 }
 
 # ttft LIMIT NAME OUT: one forward over a 7.2B prompt of 1,024 tokens, into bench/results/OUT
@@ -357,6 +374,15 @@ verify-fused)  # after a change to the fused kernels or their tests: both builds
     build
     step 420 "fused and graph GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
         test/test_graphs_cuda.py
+    ;;
+time-mix-loras)  # the decode time mix computing the LoRA second halves (RWKV_TIME_MIX_LORAS=1; off by default until
+    # it wins here) against their own launch (fp16) or stage (quantized): builds, the GPU tests that run it, then decode
+    # at batch 1 and 2 (fp16 1.5B and 7.2B) and 1, 2, 8 (W8A16 7.2B) with it and without, two rounds. Flip the default
+    # if it wins (its first form, weights read through L1 after the wait, lost: experiment_time_mix_loras_l1prefetch*)
+    build
+    step 240 "time-mix LoRA GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
+        test/test_graphs_cuda.py -k "time_mix_loras or staged or decode_matches or greedy or invariance or graph"
+    switch_ab RWKV_TIME_MIX_LORAS time_mix_loras 1,2,8
     ;;
 graphs-recheck)  # the graph GPU tests alone, then the sampler-capture test (it failed once after the fused tests
     # in one process, verify-fused) three times alone: order or chance?
@@ -1054,16 +1080,7 @@ staged-loras)  # each layer's LoRA second halves as a second stage of their firs
     build
     step 200 "staged GEMV GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
         -k "staged or gemv or decode_matches or greedy or invariance"
-    for round in 1 2; do
-        for staged in 1 0; do
-            out=bench/results/experiment_gemv_staged${staged}_${round}_h200.json
-            step 90 "decode, RWKV_GEMV_STAGED=$staged, round $round" env RWKV_GEMV_STAGED=$staged python \
-                bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,2 --steps 40 --wkv cuda --no-checks --out $out
-            copy $out
-            w8_decode 90 "W8A16 decode, RWKV_GEMV_STAGED=$staged, round $round" 7.2b 1,2 \
-                experiment_gemv_staged${staged}_${round}_w8_h200.json RWKV_GEMV_STAGED=$staged
-        done
-    done
+    switch_ab RWKV_GEMV_STAGED gemv_staged 1,2
     ;;
 staged-quant)  # staged LoRAs for quantized models: fp16 7.2B lost 2 % with them, W8A16 gained 1.3 % (staged-loras)
     build
