@@ -1,6 +1,7 @@
 """The model runner: one forward + sample over a batch of state slots. Knows tensors, not requests."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -229,13 +230,22 @@ class StepGraphs:
         self.sampler.sample(logits, torch.full((size,), self.scratch, dtype=torch.long, device=logits.device))
         graph = torch.cuda.CUDAGraph()
         # Not torch.cuda.graph, which waits for the device first: a capture launches nothing, so the steps queued
-        # before it (decode ahead) keep running. It needs a stream other than the default one.
-        with torch.cuda.stream(self._capture_stream):
-            graph.capture_begin(pool=self._pool, capture_error_mode=CAPTURE_MODE)
-            try:
-                out = self.sampler.sample(logits, self.slots[:size])
-            finally:
-                graph.capture_end()
+        # before it (decode ahead) keep running. It needs a stream other than the default one. Python's collector
+        # stays off meanwhile (torch.cuda.graph collects before instead, which can wait): a CUDA graph it destroyed
+        # during the capture (an old runner's, in a cycle) would make CUDA calls not allowed in one, ending it with
+        # an error (cudaErrorStreamCaptureInvalidated, seen once in the GPU tests).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(self._capture_stream):
+                graph.capture_begin(pool=self._pool, capture_error_mode=CAPTURE_MODE)
+                try:
+                    out = self.sampler.sample(logits, self.slots[:size])
+                finally:
+                    graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
         self._sampler_graphs[size, key] = graph, out
         return graph, out
 
