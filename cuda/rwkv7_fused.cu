@@ -430,7 +430,6 @@ struct TimeMixArgs {
     TimeMixLoras lora;  // time_mix_kernel<S, true> only
 };
 
-
 // The per-token inputs in the order of the kernels that copy them as 16-byte vectors (r, k, v, dw, da, g, dv,
 // v_first; layer 0 reads the first six): chunk_input(p, j) is input j, chunk_inputs(p) how many the layer reads.
 // Those kernels' loads and the launcher's alignment check (inputs_aligned) go through these.

@@ -148,15 +148,15 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
     TORCH_CHECK(B == 0 || (max_len >= 1 && max_len <= T), op, ": max_len must be in [1, T = ", T, "], got ", max_len);
     TORCH_CHECK(loras.empty() || loras.size() == 8, op, ": loras must be empty or 8 tensors, got ", loras.size());
     TORCH_CHECK(loras.empty() || max_len == 1, op, ": the LoRAs go with rows of one token, got max_len ", max_len);
+    const char* lora_names[] = {"h_w", "h_a", "h_v", "h_g", "W_w", "W_a", "W_v", "W_g"};
     std::vector<const void*> lora_ptr;
     std::vector<int64_t> lora_ranks;
     for (size_t j = 0; j < loras.size() / 2; ++j) {
-        const char* names[] = {"h_w", "h_a", "h_v", "h_g", "W_w", "W_a", "W_v", "W_g"};
         const bool unused = first_layer && j == 2;
         const int64_t rank = unused ? 0 : loras[j].dim() == 2 ? loras[j].size(1) : -1;
         if (!unused) {
-            check(loras[j], device, torch::kFloat16, {T, rank}, op, names[j]);
-            check(loras[4 + j], device, torch::kFloat16, {C, rank}, op, names[4 + j]);
+            check(loras[j], device, torch::kFloat16, {T, rank}, op, lora_names[j]);
+            check(loras[4 + j], device, torch::kFloat16, {C, rank}, op, lora_names[4 + j]);
         }
         lora_ranks.push_back(rank);
     }

@@ -497,7 +497,8 @@ ln_shift_mix_span_kernel(int64_t T, int C, int64_t num_slots, const __half* __re
 
 // ------------------------------------------------------------------------------------ time_mix
 // The LoRA second halves of a decode step, computed by its time mix (time_mix_kernel<S, true>; see the CUDA source:
-// there the weights are asked into L1 before the PDL wait, which this port does not have).
+// there each block copies its weight rows into shared memory before the PDL wait, which this port does not have, so
+// here they are read from global memory after it).
 constexpr int kLoras = 4;
 constexpr int kLoraMaxRanks = 1024;
 struct TimeMixLoras {
@@ -519,7 +520,8 @@ struct TimeMixArgs {
     TimeMixLoras lora;  // time_mix_kernel<S, true> only
 };
 
-// Token t's LoRA outputs at channel col, rounded to fp16, into out[j] and l.y[j][t, col] (as the CUDA source).
+// Token t's LoRA outputs at channel col, rounded to fp16, into out[j] and l.y[j][t, col] (as the CUDA source, but
+// each row summed straight in one chain: same rounding point, another summation order).
 __device__ __forceinline__ void lora_outputs(const TimeMixLoras& l, int64_t t, int64_t C, int64_t col,
                                              float (&out)[kLoras], float* hs) {
     int base = 0;
