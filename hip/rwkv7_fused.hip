@@ -2303,7 +2303,9 @@ inline unsigned dequantize_blocks(int64_t K, int64_t width) {
 extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, int64_t B, int64_t C,
                                          int64_t num_slots, const void* x, const void* ln_w, const void* ln_b,
                                          void* shift, const int32_t* prev, const int64_t* slots, const int64_t* lasts,
-                                         const void* const* mix, void* const* out, int count) {
+                                         const void* const* mix, void* const* out, int count,
+                                         const void* const*, const int64_t*, int, int) {
+    // The L2 prefetch ranges (the CUDA source's L2Prefetch: a hint) are dropped: ROCm has no bulk prefetch.
     using namespace fused;
     if (T == 0) return hipSuccess;
     if (T < 0 || T > INT_MAX || B < 1 || C <= 0 || C % 8 || C > kLnThreads * kMaxVec * 8 || count < 1 ||
@@ -2338,10 +2340,11 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
                                      const void* const* params, int first_layer, int64_t max_len, float* scratch,
                                      int64_t scratch_floats, int64_t pipeline_blocks, const void* const* loras,
-                                     const int64_t* lora_ranks) {
+                                     const int64_t* lora_ranks, const void* const*, const int64_t*, int, int) {
     using namespace fused;
     // Not ported: the CUDA build's time_mix_pipelined_kernel (cp.async prefetch of the next row's state), so every
-    // decode launch here takes time_mix_kernel, whatever pipeline_blocks asks (the results are the same).
+    // decode launch here takes time_mix_kernel, whatever pipeline_blocks asks (the results are the same); and its L2
+    // prefetch ranges (L2Prefetch, a hint: ROCm has no bulk prefetch), dropped here.
     (void)pipeline_blocks;
     if (B == 0) return hipSuccess;
     if (B < 0 || H <= 0 || B * H > INT_MAX) return hipErrorInvalidConfiguration;

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from infer.batch import PackedBatch
 from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
 from infer.model import EXP_MINUS_HALF, GROUPNORM_EPS_PER_CHANNEL, LN_EPS, RWKV7
-from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, FusedKernels, KMajorW8A16Linear, batch_weights,
-                             store_ffn_value_k_major)
+from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, PREFETCH_EARLY, PREFETCH_LN1, PREFETCH_TIME_MIX,
+                             FusedKernels, KMajorW8A16Linear, batch_weights, store_ffn_value_k_major)
 from infer.ops.wkv import TorchWKV
 from infer.quant.export_quant import quantize_matrix
 from infer.random_model import make_config, random_state_dict
@@ -31,6 +31,7 @@ class TorchFusedOps:
     staged_launches = 0  # gemv launches with stages so far
     lora_time_mixes = 0  # time_mix launches that computed the LoRA second halves so far
     sparse_int8_launches = 0  # sparse_gemv launches of int8 weights so far
+    prefetches: list = []  # (op, tensors, byte counts, early) of every ln_shift_mix / time_mix call, when recording
 
     @staticmethod
     def gemv_max_rows() -> int:
@@ -49,7 +50,9 @@ class TorchFusedOps:
         return 1, 1
 
     @staticmethod
-    def ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mixes, outs, _stream) -> None:
+    def ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mixes, outs, _stream, prefetch=(), prefetch_bytes=(),
+                     prefetch_early=False) -> None:
+        TorchFusedOps.prefetches.append(("ln_shift_mix", list(prefetch), list(prefetch_bytes), prefetch_early))
         xn = F.layer_norm(x.float(), (x.shape[1],), ln_w.float(), ln_b.float(), LN_EPS).half()
         starts = prev < 0
         pv = xn[prev.clamp(min=0).long()]
@@ -60,7 +63,8 @@ class TorchFusedOps:
 
     @staticmethod
     def time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, _stream, _blocks=0,
-                 loras=()) -> None:
+                 loras=(), prefetch=(), prefetch_bytes=(), prefetch_early=False) -> None:
+        TorchFusedOps.prefetches.append(("time_mix", list(prefetch), list(prefetch_bytes), prefetch_early))
         r, k, v, dw, da, dv, g, v_first, out = tensors
         w0, r_k, lnx_w, lnx_b, a0, v0, k_k, k_a = params
         T, C = r.shape
@@ -255,3 +259,38 @@ def test_last_block_tail_changes_only_the_work(models, monkeypatch):
     monkeypatch.setattr(type(key), "__call__", counted)
     run(models, [[1, 2, 3, 4, 5, 6], [7, 8, 9]], all_logits=False)
     assert shapes[-1] == 4 and 9 in shapes  # the earlier blocks: all 9 tokens; the last: 2 + 2
+
+
+@pytest.mark.parametrize("mode", [0, PREFETCH_TIME_MIX, PREFETCH_LN1 | PREFETCH_EARLY,
+                                  PREFETCH_TIME_MIX | PREFETCH_LN1 | PREFETCH_EARLY])
+def test_l2_prefetch_asks_for_the_next_launches_weights(models, mode, monkeypatch):
+    """RWKV_L2_PREFETCH: in a GEMV-sized step each layer's time mix asks L2 for the output projection's and the FFN
+    key's weights, its first norm for the r/k/v launch's (in the launch's order), at most l2_prefetch_bytes a launch
+    (the last range cut short, 16-byte multiples); the FFN's norm and larger steps ask for nothing; same outputs."""
+    fused = models[1].fused
+    budget = 100 * 1024  # the output projection (32 KB) and 68 KB of the FFN key (128 KB); r, k, v cut too
+    monkeypatch.setattr(fused, "l2_prefetch", mode)
+    monkeypatch.setattr(fused, "l2_prefetch_bytes", budget)
+    monkeypatch.setattr(TorchFusedOps, "prefetches", [])
+    outs, pools = run(models, [[5], [77]], gemv_rows=2, steps=2)
+    assert_match(outs, pools)
+    calls = TorchFusedOps.prefetches
+    assert [op for op, *_ in calls] == ["ln_shift_mix", "time_mix", "ln_shift_mix"] * 3 * 2  # 3 layers, 2 steps
+    for n, (op, tensors, sizes, early) in enumerate(calls):
+        blk = models[1].blocks[n // 3 % 3]
+        if op == "time_mix" and mode & PREFETCH_TIME_MIX:
+            want = [blk.output.weight, blk.ffn_key.weight]
+        elif op == "ln_shift_mix" and n % 3 == 0 and mode & PREFETCH_LN1:
+            want = [blk.w1.weight, blk.a1.weight, blk.g1.weight] + ([blk.v1.weight] if n % 9 else []) + \
+                   [blk.receptance.weight, blk.key.weight, blk.value.weight]
+        else:
+            want = []
+        full = [t.numel() * t.element_size() for t in want]
+        cut = [min(f, budget - sum(full[:i])) for i, f in enumerate(full)]
+        cut = [c for c in cut if c > 0]
+        assert [t.data_ptr() for t in tensors] == [t.data_ptr() for t in want[:len(cut)]]
+        assert sizes == cut and sum(sizes) <= budget and all(size % 16 == 0 for size in sizes)
+        assert early == bool(want and mode & PREFETCH_EARLY)
+    monkeypatch.setattr(TorchFusedOps, "prefetches", [])
+    run(models, [list(range(40))], gemv_rows=2)  # a prompt: the matmul path, nothing asked for
+    assert all(not tensors for _, tensors, _, _ in TorchFusedOps.prefetches)

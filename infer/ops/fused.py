@@ -60,6 +60,10 @@ DEFAULT_GEMV_ROWS = 2
 # against 15.6 / 24.7 (a chunk's product has too few output tiles to fill the GPU); 257-1,023 rows not measured.
 UINT4_CUBLAS_ABOVE_ROWS = 512
 UINT4_CHUNK_BYTES = 16 << 20
+# L2 prefetch (RWKV_L2_PREFETCH, a sum of these bits): in a GEMV-sized step,
+PREFETCH_TIME_MIX = 1  # the time mix asks L2 for the output projection's and the FFN key's weights
+PREFETCH_LN1 = 2       # a layer's first norm asks for the weights of its r/k/v launch
+PREFETCH_EARLY = 4     # both ask before their dependency wait (while the launch before them runs), not after
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -288,6 +292,14 @@ class FusedKernels:
         # / 58,881 on none; 7.2B 6,098 / 16,404 / 21,490, 5,725 / 15,983 / 21,177, 5,498 / 15,494 / 20,906
         # (bench/results/experiment_lora_streams*_h200.json). RWKV_LORA_STREAM=0/1 for A/B runs.
         self.lora_streams: int = min(max(env_int("RWKV_LORA_STREAM", 2), 0), 2)
+        # Which latency-bound launches of a GEMV-sized step ask L2 for the weights of the GEMV launches after them
+        # (PREFETCH_* bits; cuda/rwkv7_fused.cu, L2Prefetch: a hint, the same results), at most l2_prefetch_bytes a
+        # launch (RWKV_L2_PREFETCH_MB; 0: three quarters of the device's L2). The premise: such launches (norms, LoRA
+        # second halves, time mix) leave the memory idle for ~14 us of a 1.5B layer's 48 at batch 1
+        # (bench/results/experiment_skip_*_h200.json). Off until timed (h200_pending.sh l2-prefetch); the CUDA
+        # source only.
+        self.l2_prefetch: int = 0 if torch.version.hip is not None else env_int("RWKV_L2_PREFETCH", 0)
+        self.l2_prefetch_bytes: int = env_int("RWKV_L2_PREFETCH_MB", 0) << 20
         self._side_streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
         self._forward_stream: int | None = None  # the stream handle of the forward running (forward)
 
@@ -300,9 +312,34 @@ class FusedKernels:
         return torch.cuda.current_stream(t.device).cuda_stream
 
     def ln_shift_mix(self, x: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, shift: torch.Tensor,
-                     batch: PackedBatch, mixes: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+                     batch: PackedBatch, mixes: list[torch.Tensor], outs: list[torch.Tensor],
+                     prefetch: Sequence[torch.Tensor] = ()) -> None:
+        """prefetch: weights for the kernel to ask L2 for (:meth:`l2_prefetch_for`)."""
         self._m.ln_shift_mix(x, ln_w, ln_b, shift, batch.prev_index(), batch.slots, batch.last, mixes, outs,
-                             self._stream(x))
+                             self._stream(x), *self._prefetch_args(x.device, prefetch))
+
+    def l2_prefetch_for(self, bit: int, linears: Sequence) -> list[torch.Tensor]:
+        """The weights (GEMV operands, in order) of ``linears`` (None: skipped) for a launch to ask L2 for when
+        the ``bit`` of ``l2_prefetch`` is set, else []."""
+        if not self.l2_prefetch & bit:
+            return []
+        return [self.operands(lin).weight for lin in linears if lin is not None]
+
+    def _prefetch_args(self, device: torch.device, prefetch: Sequence[torch.Tensor]) -> tuple[list, list[int], bool]:
+        """The ops' (prefetch, prefetch_bytes, prefetch_early) arguments: the tensors' leading bytes in order, at most
+        ``l2_prefetch_bytes`` in all (0: three quarters of the device's L2), each a multiple of 16."""
+        budget = self.l2_prefetch_bytes
+        if prefetch and budget <= 0:
+            budget = torch.cuda.get_device_properties(device).L2_cache_size * 3 // 4 if device.type == "cuda" else 0
+        tensors, sizes = [], []
+        for t in prefetch:
+            size = min(t.numel() * t.element_size(), budget) // 16 * 16
+            if size == 0:
+                break
+            tensors.append(t)
+            sizes.append(size)
+            budget -= size
+        return tensors, sizes, bool(tensors) and bool(self.l2_prefetch & PREFETCH_EARLY)
 
     def gemv(self, tasks: list[tuple], then: list[tuple] = ()) -> None:
         """tasks: (linear, x, y, epilogue, residual or None); every x has the same rows. `then`: tasks reading the
@@ -390,15 +427,18 @@ class FusedKernels:
         return torch.relu_(x).square_()
 
     def time_mix(self, state: torch.Tensor, batch: PackedBatch, blk: "Block", first_layer: bool,
-                 tensors: list[torch.Tensor], loras: list[torch.Tensor] = ()) -> None:
+                 tensors: list[torch.Tensor], loras: list[torch.Tensor] = (),
+                 prefetch: Sequence[torch.Tensor] = ()) -> None:
         """loras: empty, or the LoRA second halves' inputs and weights for the kernel to compute dw, da, dv, g
-        (:meth:`lora_second_halves`)."""
+        (:meth:`lora_second_halves`); prefetch: weights for a decode step's kernel to ask L2 for
+        (:meth:`l2_prefetch_for`)."""
         empty = _empty(state.device)
         params = [blk.w0, blk.r_k.view(-1), blk.lnx_w, blk.lnx_b, blk.a0,
                   blk.v0 if blk.v0 is not None else empty, blk.k_k, blk.k_a]
         # the longest row: the launcher takes a prefill kernel when it is over 1, by the grid's size
         self._m.time_mix(state, batch.slots, batch.starts, batch.last, tensors, params, first_layer, max(batch.lens),
-                         self._stream(state), self.time_mix_blocks, list(loras))
+                         self._stream(state), self.time_mix_blocks, list(loras),
+                         *self._prefetch_args(state.device, prefetch))
 
     def lora_second_halves(self, blk: "Block", batch: PackedBatch, first_layer: bool,
                            hidden: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -440,8 +480,12 @@ class FusedKernels:
         for i, blk in enumerate(model.blocks):
             first = i == 0
             loras = []  # the LoRA second halves, when the time mix computes them (lora_second_halves)
+            # the r/k/v launch's weights (below), in its order
+            ln1_prefetch = self.l2_prefetch_for(PREFETCH_LN1, [blk.w1, blk.a1, blk.g1, None if first else blk.v1,
+                                                               blk.receptance, blk.key, blk.value]) if small else []
             self.ln_shift_mix(x, blk.ln1_w, blk.ln1_b, state.att_shift[i], batch,
-                              [blk.x_r, blk.x_w, blk.x_k, blk.x_v, blk.x_a, blk.x_g], [xr, xw, xk, xv, xa, xg])
+                              [blk.x_r, blk.x_w, blk.x_k, blk.x_v, blk.x_a, blk.x_g], [xr, xw, xk, xv, xa, xg],
+                              ln1_prefetch)
             if small:
                 # The decay and gate LoRAs' tanh/sigmoid as epilogues of their first halves. Those come first in
                 # the grid: last, their few blocks ran after the big matrices' at low occupancy, 38.9 us per 7.2B
@@ -472,7 +516,8 @@ class FusedKernels:
                 da = blk.a2(blk.a1(xa))
                 dv = _empty(x.device) if first else blk.v2(blk.v1(xv))
                 g = blk.g2(torch.sigmoid(blk.g1(xg)))
-            self.time_mix(state.wkv[i], batch, blk, first, [r, k, v, dw, da, dv, g, v_first, y], loras)
+            tm_prefetch = self.l2_prefetch_for(PREFETCH_TIME_MIX, [blk.output, blk.ffn_key]) if small else []
+            self.time_mix(state.wkv[i], batch, blk, first, [r, k, v, dw, da, dv, g, v_first, y], loras, tm_prefetch)
             if i == len(model.blocks) - 1 and not all_logits and (tail := batch.readout_tail()) is not None:
                 # Only each row's last token is read out: the last block's output projection and FFN run on each
                 # row's last two tokens. A 7.2B prompt skips 1/32 of its FFN work, and that layer's shift state is
