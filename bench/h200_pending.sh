@@ -172,12 +172,12 @@ w8_decode() {
     copy "bench/results/$out"
 }
 
-# switch_ab VAR TAG W8_BATCHES [VALUES]: decode with VAR=1 and VAR=0 (or each of the VALUES, one word), two rounds: fp16
-# 1.5B and 7.2B at batch 1 and 2, W8A16 7.2B at W8_BATCHES, into bench/results/experiment_TAG{value}_{round}[_w8]_h200.json
+# switch_ab VAR TAG W8_BATCHES: decode with VAR=1 and VAR=0, two rounds: fp16 1.5B and 7.2B at batch 1 and 2, W8A16
+# 7.2B at W8_BATCHES, into bench/results/experiment_TAG{1,0}_{round}[_w8]_h200.json
 switch_ab() {
-    local var=$1 tag=$2 w8_batches=$3 values=${4:-1 0} round value out
+    local var=$1 tag=$2 w8_batches=$3 round value out
     for round in 1 2; do
-        for value in $values; do
+        for value in 1 0; do
             out=bench/results/experiment_${tag}${value}_${round}_h200.json
             step 90 "decode, $var=$value, round $round" env "$var=$value" python bench/bench_decode.py \
                 --sizes 1.5b,7.2b --batches 1,2 --steps 40 --wkv cuda --no-checks --out "$out"
@@ -386,13 +386,23 @@ time-mix-loras)  # the decode time mix computing the LoRA second halves (RWKV_TI
     switch_ab RWKV_TIME_MIX_LORAS time_mix_loras 1,2,8
     ;;
 l2-prefetch)  # the latency-bound launches asking L2 for the next GEMV launches' weights (RWKV_L2_PREFETCH bits: 1 the
-    # time mix asks for the output projection and FFN key, 2 the first norm for the r/k/v launch, 4 both before their
-    # dependency wait; off by default until it wins here): builds, its GPU tests, then decode (fp16 1.5B and 7.2B at
-    # batch 1 and 2, W8A16 7.2B at 1 and 2) with 0, 1, 5 and 7, two rounds. Keep the best mode as the default if it wins
+    # time mix asks for the output projection and FFN key, 2 the first norm for the r/k/v launch, 4 they ask before
+    # their dependency wait, 8 the FFN's norm for the FFN key and a dense FFN value; off by default until it wins
+    # here): builds, its GPU tests, then batch-1 decode (fp16 1.5B and 7.2B, W8A16 7.2B) with 0, 1, 5, 13 and 15, two
+    # rounds, into experiment_l2_prefetch{mode}_{round}[_w8]_h200.json. Make the best mode the default if it wins
     build
     step 200 "L2 prefetch GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
         test/test_graphs_cuda.py -k "l2_prefetch or graph_decode_with_option"
-    switch_ab RWKV_L2_PREFETCH l2_prefetch 1,2 "0 1 5 7"
+    for round in 1 2; do
+        for mode in 0 1 5 13 15; do
+            out=bench/results/experiment_l2_prefetch${mode}_${round}_h200.json
+            step 60 "decode, RWKV_L2_PREFETCH=$mode, round $round" env RWKV_L2_PREFETCH=$mode python \
+                bench/bench_decode.py --sizes 1.5b,7.2b --batches 1 --steps 40 --wkv cuda --no-checks --out "$out"
+            copy "$out"
+            w8_decode 60 "W8A16 decode, RWKV_L2_PREFETCH=$mode, round $round" 7.2b 1 \
+                "experiment_l2_prefetch${mode}_${round}_w8_h200.json" "RWKV_L2_PREFETCH=$mode"
+        done
+    done
     ;;
 graphs-recheck)  # the graph GPU tests alone, then the sampler-capture test (it failed once after the fused tests
     # in one process, verify-fused) three times alone: order or chance?

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from infer.batch import PackedBatch
 from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
 from infer.model import EXP_MINUS_HALF, GROUPNORM_EPS_PER_CHANNEL, LN_EPS, RWKV7
-from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, PREFETCH_EARLY, PREFETCH_LN1, PREFETCH_TIME_MIX,
-                             FusedKernels, KMajorW8A16Linear, batch_weights, store_ffn_value_k_major)
+from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, PREFETCH_EARLY, PREFETCH_LN1, PREFETCH_LN2,
+                             PREFETCH_TIME_MIX, FusedKernels, KMajorLinear, KMajorW8A16Linear, batch_weights,
+                             store_ffn_value_k_major)
 from infer.ops.wkv import TorchWKV
 from infer.quant.export_quant import quantize_matrix
 from infer.random_model import make_config, random_state_dict
@@ -261,12 +262,13 @@ def test_last_block_tail_changes_only_the_work(models, monkeypatch):
     assert shapes[-1] == 4 and 9 in shapes  # the earlier blocks: all 9 tokens; the last: 2 + 2
 
 
-@pytest.mark.parametrize("mode", [0, PREFETCH_TIME_MIX, PREFETCH_LN1 | PREFETCH_EARLY,
-                                  PREFETCH_TIME_MIX | PREFETCH_LN1 | PREFETCH_EARLY])
+@pytest.mark.parametrize("mode", [0, PREFETCH_TIME_MIX, PREFETCH_LN1 | PREFETCH_EARLY, PREFETCH_LN2,
+                                  PREFETCH_TIME_MIX | PREFETCH_LN1 | PREFETCH_EARLY | PREFETCH_LN2])
 def test_l2_prefetch_asks_for_the_next_launches_weights(models, mode, monkeypatch):
     """RWKV_L2_PREFETCH: in a GEMV-sized step each layer's time mix asks L2 for the output projection's and the FFN
-    key's weights, its first norm for the r/k/v launch's (in the launch's order), at most l2_prefetch_bytes a launch
-    (the last range cut short, 16-byte multiples); the FFN's norm and larger steps ask for nothing; same outputs."""
+    key's weights, its first norm for the r/k/v launch's (in the launch's order), the FFN's norm for the FFN key's (the
+    FFN value here is K-major: the sparse GEMV reads only some rows), at most l2_prefetch_bytes a launch (the last
+    range cut short, 16-byte multiples); larger steps ask for nothing; same outputs."""
     fused = models[1].fused
     budget = 100 * 1024  # the output projection (32 KB) and 68 KB of the FFN key (128 KB); r, k, v cut too
     monkeypatch.setattr(fused, "l2_prefetch", mode)
@@ -283,6 +285,9 @@ def test_l2_prefetch_asks_for_the_next_launches_weights(models, mode, monkeypatc
         elif op == "ln_shift_mix" and n % 3 == 0 and mode & PREFETCH_LN1:
             want = [blk.w1.weight, blk.a1.weight, blk.g1.weight] + ([blk.v1.weight] if n % 9 else []) + \
                    [blk.receptance.weight, blk.key.weight, blk.value.weight]
+        elif op == "ln_shift_mix" and n % 3 == 2 and mode & PREFETCH_LN2:
+            assert isinstance(blk.ffn_value, KMajorLinear)
+            want = [blk.ffn_key.weight]
         else:
             want = []
         full = [t.numel() * t.element_size() for t in want]
@@ -292,5 +297,26 @@ def test_l2_prefetch_asks_for_the_next_launches_weights(models, mode, monkeypatc
         assert sizes == cut and sum(sizes) <= budget and all(size % 16 == 0 for size in sizes)
         assert early == bool(want and mode & PREFETCH_EARLY)
     monkeypatch.setattr(TorchFusedOps, "prefetches", [])
-    run(models, [list(range(40))], gemv_rows=2)  # a prompt: the matmul path, nothing asked for
-    assert all(not tensors for _, tensors, _, _ in TorchFusedOps.prefetches)
+    run(models, [list(range(40))], gemv_rows=2)  # a prompt: the matmul path, nothing asked for, but the last
+    calls = TorchFusedOps.prefetches              # block's FFN runs on the GEMV path (the row's last two tokens)
+    assert all(not tensors for _, tensors, _, _ in calls[:-1])
+    assert [t.data_ptr() for t in calls[-1][1]] == ([models[1].blocks[-1].ffn_key.weight.data_ptr()]
+                                                    if mode & PREFETCH_LN2 else [])
+
+
+def test_l2_prefetch_of_a_w8a16_ffn(w8a16_models, monkeypatch):
+    """A W8A16 model's FFN value is dense (int8 bands read all its rows): the FFN's norm asks L2 for the int8 weights
+    of the FFN key and value, whole within the budget; same outputs."""
+    fused = w8a16_models[1]
+    monkeypatch.setattr(fused.fused, "l2_prefetch", PREFETCH_LN2)
+    monkeypatch.setattr(fused.fused, "l2_prefetch_bytes", 1 << 20)
+    monkeypatch.setattr(TorchFusedOps, "prefetches", [])
+    outs, pools = run(w8a16_models, [[5]], gemv_rows=8)
+    assert_match(outs, pools)
+    asked = [(tensors, sizes) for op, tensors, sizes, _ in TorchFusedOps.prefetches if tensors]
+    assert len(asked) == 3  # one FFN norm a layer
+    for blk, (tensors, sizes) in zip(fused.blocks, asked):
+        want = [fused.fused.operands(lin).weight for lin in (blk.ffn_key, blk.ffn_value)]
+        assert all(t.dtype == torch.int8 for t in want)
+        assert [t.data_ptr() for t in tensors] == [t.data_ptr() for t in want]
+        assert sizes == [t.numel() for t in want]

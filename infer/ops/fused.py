@@ -63,7 +63,8 @@ UINT4_CHUNK_BYTES = 16 << 20
 # L2 prefetch (RWKV_L2_PREFETCH, a sum of these bits): in a GEMV-sized step,
 PREFETCH_TIME_MIX = 1  # the time mix asks L2 for the output projection's and the FFN key's weights
 PREFETCH_LN1 = 2       # a layer's first norm asks for the weights of its r/k/v launch
-PREFETCH_EARLY = 4     # both ask before their dependency wait (while the launch before them runs), not after
+PREFETCH_EARLY = 4     # they ask before their dependency wait (while the launch before them runs), not after
+PREFETCH_LN2 = 8       # the FFN's norm asks for the FFN key's weights and a dense (not K-major) FFN value's
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -531,12 +532,15 @@ class FusedKernels:
             kf = xr[:batch.num_tokens]  # the mix buffers are free again: reuse one for the channel-mix input
             if small:
                 self.gemv([(blk.output, y, x, EPI_NONE, x)])
-                self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
+                dense_value = not isinstance(blk.ffn_value, K_MAJOR_LINEARS)
+                ln2_prefetch = self.l2_prefetch_for(PREFETCH_LN2, [blk.ffn_key, blk.ffn_value if dense_value else None])
+                self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf],
+                                  ln2_prefetch)
                 self.gemv([(blk.ffn_key, kf, hidden, EPI_RELU_SQUARE, None)])
-                if isinstance(blk.ffn_value, K_MAJOR_LINEARS):
-                    self.sparse_gemv(blk.ffn_value, hidden, x)
-                else:
+                if dense_value:
                     self.gemv([(blk.ffn_value, hidden, x, EPI_NONE, x)])
+                else:
+                    self.sparse_gemv(blk.ffn_value, hidden, x)
             else:
                 add_product(x, blk.output, y)
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
