@@ -320,3 +320,22 @@ def test_l2_prefetch_of_a_w8a16_ffn(w8a16_models, monkeypatch):
         assert all(t.dtype == torch.int8 for t in want)
         assert [t.data_ptr() for t in tensors] == [t.data_ptr() for t in want]
         assert sizes == [t.numel() for t in want]
+
+
+def test_l2_prefetch_budget_defaults_to_three_quarters_of_l2(models, monkeypatch):
+    """Without RWKV_L2_PREFETCH_MB a launch asks for at most three quarters of its device's L2 (read once per device),
+    and a CPU tensor's device (no L2 known) for nothing."""
+    fused = models[1].fused
+    monkeypatch.setattr(fused, "l2_prefetch", PREFETCH_TIME_MIX | PREFETCH_EARLY)
+    monkeypatch.setattr(fused, "l2_prefetch_bytes", 0)
+    monkeypatch.setattr(fused, "_l2_sizes", {})
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: asked.append(device) or type("Props", (), {"L2_cache_size": 4000})())
+    weights = [torch.empty(1000, dtype=torch.float16), torch.empty(4000, dtype=torch.int8)]
+    gpu = torch.device("cuda", 0)
+    assert fused._prefetch_args(gpu, weights) == (weights, [2000, 992], True)  # 3,000 bytes: 2,000 + 1,000 cut to 16s
+    assert fused._prefetch_args(gpu, weights[1:]) == (weights[1:], [2992], True)
+    assert asked == [gpu]
+    assert fused._prefetch_args(torch.device("cpu"), weights) == ([], [], False)
+    assert fused._prefetch_args(gpu, []) == ([], [], False)

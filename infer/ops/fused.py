@@ -301,6 +301,7 @@ class FusedKernels:
         # source only.
         self.l2_prefetch: int = 0 if torch.version.hip is not None else env_int("RWKV_L2_PREFETCH", 0)
         self.l2_prefetch_bytes: int = env_int("RWKV_L2_PREFETCH_MB", 0) << 20
+        self._l2_sizes: dict[torch.device, int] = {}
         self._side_streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
         self._forward_stream: int | None = None  # the stream handle of the forward running (forward)
 
@@ -331,7 +332,10 @@ class FusedKernels:
         ``l2_prefetch_bytes`` in all (0: three quarters of the device's L2), each a multiple of 16."""
         budget = self.l2_prefetch_bytes
         if prefetch and budget <= 0:
-            budget = torch.cuda.get_device_properties(device).L2_cache_size * 3 // 4 if device.type == "cuda" else 0
+            if device not in self._l2_sizes:
+                props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+                self._l2_sizes[device] = props.L2_cache_size if props is not None else 0
+            budget = self._l2_sizes[device] * 3 // 4
         tensors, sizes = [], []
         for t in prefetch:
             size = min(t.numel() * t.element_size(), budget) // 16 * 16
