@@ -2806,6 +2806,7 @@ struct SparseGemvArgs {
     float* partial;          // [slices, M, N]: the blocks' sums
     unsigned* arrivals;      // [strips]: zero before a launch, zero again after it
     int n, k, ballots, slices, strips;
+    L2Prefetch prefetch;     // ranges for L2 (a decode step's: the next layer's r/k/v weights)
 };
 
 // A lane's 8 weights of one K-major row: 16 bytes of fp16 or 8 of int8, and the rows it loads at a time: as many
@@ -2836,7 +2837,7 @@ __global__ void __launch_bounds__(kSparseWarps * 32, M == 1 ? 4 : 2) sparse_gemv
     const bool mine = col < args.n;                   // n % 8 == 0: all 8 in or all out
     const int rows = 32 * args.ballots;
     const int k0 = (slice * kSparseWarps + warp) * rows;
-    dependency_wait();
+    dependency_wait_prefetching(args.prefetch);
 
     // x at rows k0 + 32b + lane, and which rows have a nonzero x in any row of the batch
     float xs[kSparseMaxBallots][M];
@@ -3715,15 +3716,17 @@ extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int int8, int64
 // y = x w (* scale) (+ residual) for x [M, k] fp16 (M <= fused_sparse_gemv_max_rows(int8)), w [k, n] K-major:
 // fp16, or int8 with its per-channel fp16 scale [n] (scale null for fp16); y and residual [M, n] (residual may
 // alias y or be null); partial and arrivals: a workspace of the sizes above (n % 8 == 0, 16-byte aligned
-// pointers).
+// pointers). prefetch, prefetch_bytes, prefetch_count, prefetch_early: ranges for L2 (see L2Prefetch; none: count 0).
 extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w,
                                         const void* scale, void* y, const void* residual, void* partial,
-                                        void* arrivals, int64_t n, int64_t k) {
+                                        void* arrivals, int64_t n, int64_t k, const void* const* prefetch,
+                                        const int64_t* prefetch_bytes, int prefetch_count, int prefetch_early) {
     using namespace fused;
     const bool int8 = scale != nullptr;
     if (!sparse_gemv_takes(M, n, k, int8)) return cudaErrorInvalidValue;
-    const SparseGemvArgs args =
-        make_sparse_gemv_args(n, k, sparse_min_blocks(), x, w, scale, y, residual, partial, arrivals);
+    SparseGemvArgs args = make_sparse_gemv_args(n, k, sparse_min_blocks(), x, w, scale, y, residual, partial, arrivals);
+    if (!set_l2_prefetch(args.prefetch, prefetch, prefetch_bytes, prefetch_count, prefetch_early))
+        return cudaErrorInvalidValue;
     const unsigned grid = static_cast<unsigned>(args.strips * args.slices);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {

@@ -37,7 +37,8 @@ extern "C" int fused_sparse_gemv_max_rows(int int8);
 extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int int8, int64_t* partial_floats, int64_t* arrivals);
 extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w,
                                         const void* scale, void* y, const void* residual, void* partial,
-                                        void* arrivals, int64_t n, int64_t k);
+                                        void* arrivals, int64_t n, int64_t k, const void* const* prefetch,
+                                        const int64_t* prefetch_bytes, int prefetch_count, int prefetch_early);
 extern "C" int fused_relu_square_launch(int device, int64_t stream, int64_t n, void* x);
 extern "C" int fused_uint4_dequantize_launch(int device, int64_t stream, const void* words, const void* scale,
                                              const void* zero, int64_t N, int64_t K, int64_t group, int64_t n0,
@@ -299,9 +300,11 @@ int64_t sparse_gemv_max_rows(bool int8) { return fused_sparse_gemv_max_rows(int8
 // fp16 (M <= sparse_gemv_max_rows(int8)), w_t [k, n] (K-major: the transposed nn.Linear weight) fp16, or int8 with
 // its fp16 per-output-channel scale [n] (empty for fp16 weights); y and residual [M, n] fp16 (residual empty for
 // none; it may be y itself); partial fp32 and arrivals int32: the workspace of sparse_gemv_workspace(k, n, int8),
-// arrivals zero before the first launch (each launch leaves it so).
+// arrivals zero before the first launch (each launch leaves it so). prefetch, prefetch_bytes, prefetch_early: as
+// ln_shift_mix's (a decode step's: the next layer's r/k/v weights).
 void sparse_gemv(torch::Tensor x, torch::Tensor w_t, torch::Tensor scale, torch::Tensor y, torch::Tensor residual,
-                 torch::Tensor partial, torch::Tensor arrivals, int64_t stream) {
+                 torch::Tensor partial, torch::Tensor arrivals, int64_t stream, std::vector<torch::Tensor> prefetch,
+                 std::vector<int64_t> prefetch_bytes, bool prefetch_early) {
     const char* op = "sparse_gemv";
     TORCH_CHECK(x.is_cuda() && x.dim() == 2 && w_t.dim() == 2, op, ": x and w_t must be 2-D CUDA tensors");
     const auto device = x.device();
@@ -325,10 +328,12 @@ void sparse_gemv(torch::Tensor x, torch::Tensor w_t, torch::Tensor scale, torch:
     TORCH_CHECK(partial.numel() >= need[0] && arrivals.numel() >= need[1], op, ": the workspace needs ",
                 num(need[0]), " fp32 values and ", num(need[1]), " counters, got ", num(partial.numel()), " and ",
                 num(arrivals.numel()));
+    const std::vector<const void*> ranges = prefetch_ranges(prefetch, prefetch_bytes, device, op);
     raise_on(fused_sparse_gemv_launch(static_cast<int>(device.index()), stream, M, x.data_ptr(), w_t.data_ptr(),
                                       int8 ? scale.data_ptr() : nullptr, y.data_ptr(),
                                       residual.numel() ? residual.data_ptr() : nullptr, partial.data_ptr(),
-                                      arrivals.data_ptr(), n, k),
+                                      arrivals.data_ptr(), n, k, ranges.data(), prefetch_bytes.data(),
+                                      static_cast<int>(ranges.size()), prefetch_early ? 1 : 0),
              op);
 }
 
@@ -386,7 +391,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("sync") = py::none());
     m.def("gemv_max_rows", &fused_gemv_max_rows);
     m.def("gemv_max_tasks", &fused_gemv_max_tasks);
-    m.def("sparse_gemv", &sparse_gemv, "sparse_gemv(x, w_t, scale, y, residual, partial, arrivals, stream)");
+    m.def("sparse_gemv", &sparse_gemv,
+          "sparse_gemv(x, w_t, scale, y, residual, partial, arrivals, stream, prefetch=[], prefetch_bytes=[], "
+          "prefetch_early=False)",
+          py::arg("x"), py::arg("w_t"), py::arg("scale"), py::arg("y"), py::arg("residual"), py::arg("partial"),
+          py::arg("arrivals"), py::arg("stream"), py::arg("prefetch") = std::vector<torch::Tensor>{},
+          py::arg("prefetch_bytes") = std::vector<int64_t>{}, py::arg("prefetch_early") = false);
     m.def("sparse_gemv_workspace", &sparse_gemv_workspace,
           "sparse_gemv_workspace(k, n, int8=False) -> [fp32 values, counters]", py::arg("k"), py::arg("n"),
           py::arg("int8") = false);

@@ -2422,7 +2422,9 @@ extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int int8, int64
 
 extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w,
                                         const void* scale, void* y, const void* residual, void* partial,
-                                        void* arrivals, int64_t n, int64_t k) {
+                                        void* arrivals, int64_t n, int64_t k, const void* const*, const int64_t*, int,
+                                        int) {
+    // The L2 prefetch ranges (the CUDA source's L2Prefetch: a hint) are dropped: ROCm has no bulk prefetch.
     using namespace fused;
     if (scale != nullptr || !sparse_gemv_takes(M, n, k)) return hipErrorInvalidValue;
     const SparseGemvArgs args =

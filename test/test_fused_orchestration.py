@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from infer.batch import PackedBatch
 from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
 from infer.model import EXP_MINUS_HALF, GROUPNORM_EPS_PER_CHANNEL, LN_EPS, RWKV7
-from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, PREFETCH_EARLY, PREFETCH_LN1, PREFETCH_LN2,
-                             PREFETCH_TIME_MIX, FusedKernels, KMajorLinear, KMajorW8A16Linear, batch_weights,
+from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, PREFETCH_EARLY, PREFETCH_FFN_VALUE, PREFETCH_LN1,
+                             PREFETCH_LN2, PREFETCH_TIME_MIX, FusedKernels, KMajorLinear, KMajorW8A16Linear, batch_weights,
                              store_ffn_value_k_major)
 from infer.ops.wkv import TorchWKV
 from infer.quant.export_quant import quantize_matrix
@@ -32,7 +32,7 @@ class TorchFusedOps:
     staged_launches = 0  # gemv launches with stages so far
     lora_time_mixes = 0  # time_mix launches that computed the LoRA second halves so far
     sparse_int8_launches = 0  # sparse_gemv launches of int8 weights so far
-    prefetches: list = []  # (op, tensors, byte counts, early) of every ln_shift_mix / time_mix call, when recording
+    prefetches: list = []  # (op, tensors, byte counts, early) of every ln_shift_mix / time_mix / sparse_gemv call
 
     @staticmethod
     def gemv_max_rows() -> int:
@@ -112,7 +112,9 @@ class TorchFusedOps:
             y.copy_((product + residual.float() if residual.numel() else product).half())
 
     @staticmethod
-    def sparse_gemv(x, weight_t, scale, y, residual, _partial, _arrivals, _stream) -> None:
+    def sparse_gemv(x, weight_t, scale, y, residual, _partial, _arrivals, _stream, prefetch=(), prefetch_bytes=(),
+                    prefetch_early=False) -> None:
+        TorchFusedOps.prefetches.append(("sparse_gemv", list(prefetch), list(prefetch_bytes), prefetch_early))
         int8 = scale.numel() > 0
         if x.shape[0] > TorchFusedOps.sparse_gemv_max_rows(int8):
             raise RuntimeError("sparse_gemv: too many rows")  # the launcher refuses them too
@@ -263,12 +265,13 @@ def test_last_block_tail_changes_only_the_work(models, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", [0, PREFETCH_TIME_MIX, PREFETCH_LN1 | PREFETCH_EARLY, PREFETCH_LN2,
-                                  PREFETCH_TIME_MIX | PREFETCH_LN1 | PREFETCH_EARLY | PREFETCH_LN2])
+                                  PREFETCH_FFN_VALUE, 31])
 def test_l2_prefetch_asks_for_the_next_launches_weights(models, mode, monkeypatch):
     """RWKV_L2_PREFETCH: in a GEMV-sized step each layer's time mix asks L2 for the output projection's and the FFN
     key's weights, its first norm for the r/k/v launch's (in the launch's order), the FFN's norm for the FFN key's (the
-    FFN value here is K-major: the sparse GEMV reads only some rows), at most l2_prefetch_bytes a launch (the last
-    range cut short, 16-byte multiples); larger steps ask for nothing; same outputs."""
+    FFN value here is K-major: the sparse GEMV reads only some rows), the sparse FFN value for the next layer's r/k/v
+    launch's, at most l2_prefetch_bytes a launch (the last range cut short, 16-byte multiples); larger steps ask for
+    nothing; same outputs."""
     fused = models[1].fused
     budget = 100 * 1024  # the output projection (32 KB) and 68 KB of the FFN key (128 KB); r, k, v cut too
     monkeypatch.setattr(fused, "l2_prefetch", mode)
@@ -277,17 +280,27 @@ def test_l2_prefetch_asks_for_the_next_launches_weights(models, mode, monkeypatc
     outs, pools = run(models, [[5], [77]], gemv_rows=2, steps=2)
     assert_match(outs, pools)
     calls = TorchFusedOps.prefetches
-    assert [op for op, *_ in calls] == ["ln_shift_mix", "time_mix", "ln_shift_mix"] * 3 * 2  # 3 layers, 2 steps
+    # 3 layers, 2 steps
+    assert [op for op, *_ in calls] == ["ln_shift_mix", "time_mix", "ln_shift_mix", "sparse_gemv"] * 3 * 2
+    blocks = models[1].blocks
+
+    def rkv(layer: int) -> list:
+        blk = blocks[layer]
+        return [blk.w1.weight, blk.a1.weight, blk.g1.weight] + ([blk.v1.weight] if layer else []) + \
+            [blk.receptance.weight, blk.key.weight, blk.value.weight]
+
     for n, (op, tensors, sizes, early) in enumerate(calls):
-        blk = models[1].blocks[n // 3 % 3]
+        layer = n // 4 % 3
+        blk = blocks[layer]
         if op == "time_mix" and mode & PREFETCH_TIME_MIX:
             want = [blk.output.weight, blk.ffn_key.weight]
-        elif op == "ln_shift_mix" and n % 3 == 0 and mode & PREFETCH_LN1:
-            want = [blk.w1.weight, blk.a1.weight, blk.g1.weight] + ([blk.v1.weight] if n % 9 else []) + \
-                   [blk.receptance.weight, blk.key.weight, blk.value.weight]
-        elif op == "ln_shift_mix" and n % 3 == 2 and mode & PREFETCH_LN2:
+        elif op == "ln_shift_mix" and n % 4 == 0 and mode & PREFETCH_LN1:
+            want = rkv(layer)
+        elif op == "ln_shift_mix" and n % 4 == 2 and mode & PREFETCH_LN2:
             assert isinstance(blk.ffn_value, KMajorLinear)
             want = [blk.ffn_key.weight]
+        elif op == "sparse_gemv" and layer < 2 and mode & PREFETCH_FFN_VALUE:
+            want = rkv(layer + 1)
         else:
             want = []
         full = [t.numel() * t.element_size() for t in want]
@@ -299,8 +312,9 @@ def test_l2_prefetch_asks_for_the_next_launches_weights(models, mode, monkeypatc
     monkeypatch.setattr(TorchFusedOps, "prefetches", [])
     run(models, [list(range(40))], gemv_rows=2)  # a prompt: the matmul path, nothing asked for, but the last
     calls = TorchFusedOps.prefetches              # block's FFN runs on the GEMV path (the row's last two tokens)
-    assert all(not tensors for _, tensors, _, _ in calls[:-1])
-    assert [t.data_ptr() for t in calls[-1][1]] == ([models[1].blocks[-1].ffn_key.weight.data_ptr()]
+    assert [op for op, *_ in calls[-2:]] == ["ln_shift_mix", "sparse_gemv"]
+    assert all(not tensors for _, tensors, _, _ in calls[:-2] + calls[-1:])  # (no layer after the last)
+    assert [t.data_ptr() for t in calls[-2][1]] == ([blocks[-1].ffn_key.weight.data_ptr()]
                                                     if mode & PREFETCH_LN2 else [])
 
 

@@ -65,6 +65,7 @@ PREFETCH_TIME_MIX = 1  # the time mix asks L2 for the output projection's and th
 PREFETCH_LN1 = 2       # a layer's first norm asks for the weights of its r/k/v launch
 PREFETCH_EARLY = 4     # they ask before their dependency wait (while the launch before them runs), not after
 PREFETCH_LN2 = 8       # the FFN's norm asks for the FFN key's weights and a dense (not K-major) FFN value's
+PREFETCH_FFN_VALUE = 16  # a sparse FFN value launch (reading a fraction of its rows) asks for the next layer's r/k/v
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -228,6 +229,12 @@ def _gate_lora(blk: "Block", xg: torch.Tensor, g: torch.Tensor) -> None:
     torch.mm(torch.sigmoid(torch.mm(xg, blk.g1.weight.t())), blk.g2.weight.t(), out=g)
 
 
+def rkv_launch_linears(blk: "Block", first_layer: bool) -> list:
+    """The linears of a decode step's r/k/v launch in its order: the LoRA first halves (no v in layer 0), then r, k,
+    v (the L2 prefetch asks for their weights in this order)."""
+    return [blk.w1, blk.a1, blk.g1] + ([] if first_layer else [blk.v1]) + [blk.receptance, blk.key, blk.value]
+
+
 def add_product(x: torch.Tensor, linear, y: torch.Tensor) -> None:
     """x += y W^T; with dense weights one cuBLAS call with the add folded in (beta = 1)."""
     if isinstance(linear, DenseLinear):
@@ -386,16 +393,19 @@ class FusedKernels:
             self._stage_sync[device] = torch.zeros(2, dtype=torch.int32, device=device)
         return self._stage_sync[device]
 
-    def sparse_gemv(self, linear: KMajorLinear | KMajorW8A16Linear, x: torch.Tensor, y: torch.Tensor) -> None:
+    def sparse_gemv(self, linear: KMajorLinear | KMajorW8A16Linear, x: torch.Tensor, y: torch.Tensor,
+                    prefetch: Sequence[torch.Tensor] = ()) -> None:
         """y += x W^T for a K-major linear, reading only the weight rows of x's nonzero columns; more rows than
-        the kernel takes go through the linear's own product."""
+        the kernel takes go through the linear's own product. prefetch: weights for the kernel to ask L2 for
+        (:meth:`l2_prefetch_for`)."""
         int8 = isinstance(linear, KMajorW8A16Linear)
         if x.shape[0] > (self.sparse_int8_rows if int8 else self.sparse_rows):
             add_product(y, linear, x)
             return
         partial, arrivals = linear.workspace
         scale = linear.scale if int8 else _empty(x.device)
-        self._m.sparse_gemv(x, linear.weight_t, scale, y, y, partial, arrivals, self._stream(x))
+        self._m.sparse_gemv(x, linear.weight_t, scale, y, y, partial, arrivals, self._stream(x),
+                            *self._prefetch_args(x.device, prefetch))
 
     def sparse_workspace(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A zeroed workspace for the sparse-input GEMV of a ``weight`` [out, in] (fp16, or int8) of this shape
@@ -485,9 +495,7 @@ class FusedKernels:
         for i, blk in enumerate(model.blocks):
             first = i == 0
             loras = []  # the LoRA second halves, when the time mix computes them (lora_second_halves)
-            # the r/k/v launch's weights (below), in its order
-            ln1_prefetch = self.l2_prefetch_for(PREFETCH_LN1, [blk.w1, blk.a1, blk.g1, None if first else blk.v1,
-                                                               blk.receptance, blk.key, blk.value]) if small else []
+            ln1_prefetch = self.l2_prefetch_for(PREFETCH_LN1, rkv_launch_linears(blk, first)) if small else []
             self.ln_shift_mix(x, blk.ln1_w, blk.ln1_b, state.att_shift[i], batch,
                               [blk.x_r, blk.x_w, blk.x_k, blk.x_v, blk.x_a, blk.x_g], [xr, xw, xk, xv, xa, xg],
                               ln1_prefetch)
@@ -544,7 +552,9 @@ class FusedKernels:
                 if dense_value:
                     self.gemv([(blk.ffn_value, hidden, x, EPI_NONE, x)])
                 else:
-                    self.sparse_gemv(blk.ffn_value, hidden, x)
+                    after = model.blocks[i + 1] if i + 1 < len(model.blocks) else None
+                    self.sparse_gemv(blk.ffn_value, hidden, x, self.l2_prefetch_for(
+                        PREFETCH_FFN_VALUE, rkv_launch_linears(after, False) if after is not None else []))
             else:
                 add_product(x, blk.output, y)
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
