@@ -119,7 +119,9 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // ask L2 for the weights of the GEMV launches after them: cp.async.bulk.prefetch hands whole ranges to the copy
 // engine, so no register holds them and nothing waits for them, and those GEMVs then read part of their bytes from
 // L2. A hint: no value depends on it (without sm_90 it is dropped). The launcher's caller keeps the ranges within
-// L2's size; every thread of the grid asks for its chunks of each range in turn, so the first range comes first.
+// L2's size. Consecutive chunks of a range go to consecutive blocks (each multiprocessor's copy engine takes a share;
+// a one-block launch, a norm at batch 1, asks for them all from one), and every thread asks for its chunks of each
+// range in turn, so the first range comes first.
 constexpr int kMaxPrefetch = 8;
 constexpr int kPrefetchChunk = 32768;  // bytes a prefetch instruction asks for
 struct L2Prefetch {
@@ -132,7 +134,7 @@ struct L2Prefetch {
 __device__ __forceinline__ void prefetch_l2(const L2Prefetch& pf) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const int64_t threads = int64_t(gridDim.x) * blockDim.x;
-    const int64_t me = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t me = int64_t(threadIdx.x) * gridDim.x + blockIdx.x;  // block-major: see above
 #pragma unroll
     for (int r = 0; r < kMaxPrefetch; ++r) {  // unrolled: constant indices keep pf out of local memory
         if (r >= pf.count) break;
