@@ -10,10 +10,13 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from infer.api.bridge import EventStream, RowGroup
-from infer.api.streaming import SseObjects, sse
+from infer.api.openai import ChatDelta, completion_choice_json
+from infer.api.streaming import SseObjects, encode_json, sse
 from infer.engine import Engine, GenerationOptions, Request, RowFinished, RowText
 from infer.metrics import EngineMetrics, observe_many
 from infer.model import RWKV7
@@ -253,6 +256,38 @@ def test_sse_objects_match_sse(head, tail):
         assert json.loads(text.removeprefix("data: ")) == {**head, "choices": value, **(tail or {})}
     with pytest.raises(ValueError):
         SseObjects({"choices": 1}, "choices")
+
+
+# Texts with what JSON escapes (quotes, backslashes, control characters), what it passes through raw (non-ASCII,
+# U+2028), and lone surrogates (a cut pair in a token's bytes never reaches here, but the encoders agree on them too).
+JSON_TEXT = st.text(st.characters(codec=None, categories=None), max_size=12) | st.sampled_from(
+    ["", "\"", "\\", "\n\t\x00\x1f\x7f", "h\u00e9 \u2028\u4f60", "\ud800", "\U0001f600"])
+LOGPROB_ENTRIES = st.lists(st.fixed_dictionaries({"token": JSON_TEXT, "logprob": st.floats(-50, 0),
+                                                  "bytes": st.lists(st.integers(0, 255), max_size=3)}), max_size=2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(index=st.integers(0, 127), text=JSON_TEXT, reason=st.sampled_from([None, "stop", "length"]),
+       logprobs=st.none() | st.fixed_dictionaries({"tokens": st.lists(JSON_TEXT, max_size=2),
+                                                   "token_logprobs": st.lists(st.floats(-50, 0), max_size=2)}))
+def test_completion_choice_json_is_the_encoders_text(index, text, reason, logprobs):
+    """The streamed /v1/completions choice written out by hand is encode_json's text of the same fields."""
+    want = encode_json({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
+    assert completion_choice_json(index, text, logprobs, reason) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(index=st.integers(0, 127), reasoning=JSON_TEXT, content=JSON_TEXT, logprobs=LOGPROB_ENTRIES)
+def test_chat_delta_choice_json_is_the_encoders_text(index, reasoning, content, logprobs):
+    """A streamed chat choice written out by hand is encode_json's text of the OpenAI chunk's choice (the non-empty
+    texts in the delta, logprobs as {"content": [...]} or null), and nothing when the delta shows nothing."""
+    delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+    got = ChatDelta(reasoning, content, logprobs).choice_json(index)
+    if not delta and not logprobs:
+        assert got is None
+    else:
+        assert got == encode_json({"index": index, "delta": delta,
+                                   "logprobs": {"content": logprobs} if logprobs else None, "finish_reason": None})
 
 
 def test_model_runner_calls_on_launched_once_before_a_cpu_forward():

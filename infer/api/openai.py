@@ -27,7 +27,8 @@ from infer.api.logprobs import LegacyLogprobs, TokenNames, VisibleTokens, char_o
 from infer.api.schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
                                CompletionRequest, ModelList, OpenAIError, OpenAIRequest, PromptInput, Usage)
 from infer.api.state import continuation, session_call, sessions, start_turn
-from infer.api.streaming import DONE, EventSourceResponse, SseObjects, sse, sse_doc, unless_disconnected
+from infer.api.streaming import (DONE, EventSourceResponse, SseObjects, encode_json, json_string, sse, sse_doc,
+                                 unless_disconnected)
 from infer.engine import Event, GenerationOptions, PromptLogprobs, RowFinished, RowText, TokenLogprob
 from infer.sampler import SamplingParams
 
@@ -105,12 +106,17 @@ class ChatDelta:
         self.content += other.content
         self.logprobs += other.logprobs
 
-    def choice(self, index: int) -> dict[str, Any] | None:
-        delta = {k: v for k, v in (("reasoning_content", self.reasoning), ("content", self.content)) if v}
-        if not delta and not self.logprobs:
+    def choice_json(self, index: int) -> str | None:
+        """This delta as a streamed choice, JSON text (None when it shows nothing): what encode_json gives for
+        {"index", "delta": {"reasoning_content", "content": the non-empty ones}, "logprobs": {"content": [...]} or
+        null, "finish_reason": null}. Written out: with many streams a chunk a row a step is most of the event loop's
+        work, and json's encoder costs ~2.7 us a call against ~0.2."""
+        fields = [f'"{name}":{json_string(text)}' for name, text in (("reasoning_content", self.reasoning),
+                                                                     ("content", self.content)) if text]
+        if not fields and not self.logprobs:
             return None
-        return {"index": index, "delta": delta, "logprobs": {"content": self.logprobs} if self.logprobs else None,
-                "finish_reason": None}
+        logprobs = encode_json({"content": self.logprobs}) if self.logprobs else "null"
+        return f'{{"index":{index},"delta":{{{",".join(fields)}}},"logprobs":{logprobs},"finish_reason":null}}'
 
 
 class ChatRow:
@@ -214,9 +220,9 @@ async def _chat_sse(stream: EventStream, rows: list[ChatRow], head: dict, with_u
             if isinstance(event, RowFinished):
                 finished.append(event)
                 completion_tokens += event.completion_tokens
-        choices = [c for i, d in merged.items() if (c := d.choice(i))]
+        choices = [c for i, d in merged.items() if (c := d.choice_json(i))]
         if choices:
-            yield chunk(choices)
+            yield chunk.encoded(f"[{','.join(choices)}]")
         for event in finished:
             yield chunk([{"index": event.index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}])
     if with_usage:
@@ -321,6 +327,14 @@ async def _collect_completion(stream: EventStream, rows: list[CompletionRow]) ->
     return texts, await stream.collect(on_event)
 
 
+def completion_choice_json(index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> str:
+    """A streamed /v1/completions choice, JSON text: what encode_json gives for {"index", "text", "logprobs",
+    "finish_reason"} (written out, as ChatDelta.choice_json says why)."""
+    lp = "null" if logprobs is None else encode_json(logprobs)
+    reason = "null" if finish_reason is None else json_string(finish_reason)
+    return f'{{"index":{index},"text":{json_string(text)},"logprobs":{lp},"finish_reason":{reason}}}'
+
+
 async def _completion_sse(stream: EventStream, rows: list[CompletionRow], head: dict, with_usage: bool,
                           prompt_tokens: int) -> AsyncIterator[str]:
     """One chunk per engine step with every row that has news; a row's last choice carries its finish_reason."""
@@ -340,9 +354,9 @@ async def _completion_sse(stream: EventStream, rows: list[CompletionRow], head: 
         for i, text in texts.items():
             legacy = rows[i].legacy.take() if rows[i].legacy is not None else None
             if text or reasons.get(i) or (legacy and legacy["tokens"]):
-                choices.append({"index": i, "text": text, "logprobs": legacy, "finish_reason": reasons.get(i)})
+                choices.append(completion_choice_json(i, text, legacy, reasons.get(i)))
         if choices:
-            yield chunk(choices)
+            yield chunk.encoded(f"[{','.join(choices)}]")
     if with_usage:
         yield sse({**head, "choices": [], "usage": Usage.of(prompt_tokens, completion_tokens).model_dump()})
     yield DONE

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from json.encoder import encode_basestring
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
@@ -36,14 +37,17 @@ def sse_doc(*models: type) -> dict[str, Any]:
 
 
 # json.dumps with these options builds a new encoder per call; one shared encoder gives the same text.
-_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# A str as JSON text, raw UTF-8: the string encoder encode_json itself uses (the same text, without its per-call cost
+# for code that writes a stream's small objects out by hand).
+json_string = encode_basestring
 
 
 def sse(payload: Any, event: str | None = None) -> str:
     """One SSE event; raw UTF-8 (not \\u escapes) like the peer server. ``event`` adds an ``event:``
     line (only the Responses API uses one, as OpenAI's does)."""
     head = f"event: {event}\n" if event is not None else ""
-    return f"{head}data: {_encode(payload)}\n\n"
+    return f"{head}data: {encode_json(payload)}\n\n"
 
 
 class SseObjects:
@@ -54,12 +58,16 @@ class SseObjects:
     def __init__(self, head: dict[str, Any], key: str, tail: dict[str, Any] | None = None):
         if key in head or key in (tail or {}):
             raise ValueError(f"{key!r} is also a head or tail field")
-        fields = [part for part in (_encode(head)[1:-1], _encode({key: None})[1:-len("null}")]) if part]
+        fields = [part for part in (encode_json(head)[1:-1], encode_json({key: None})[1:-len("null}")]) if part]
         self._prefix = "data: {" + ",".join(fields)      # 'data: {"id":"x",...,"choices":'
-        self._suffix = ("," + _encode(tail)[1:] if tail else "}") + "\n\n"
+        self._suffix = ("," + encode_json(tail)[1:] if tail else "}") + "\n\n"
 
     def __call__(self, value: Any) -> str:
-        return f"{self._prefix}{_encode(value)}{self._suffix}"
+        return self.encoded(encode_json(value))
+
+    def encoded(self, value_json: str) -> str:
+        """The event whose changing field is ``value_json``, JSON text already."""
+        return f"{self._prefix}{value_json}{self._suffix}"
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
