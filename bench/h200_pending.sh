@@ -112,6 +112,7 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify-fused  # builds, every fused/graph GPU test
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh time-mix-loras  # LoRA second halves in the time mix: tests, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh l2-prefetch  # weights asked of L2 by the small launches: tests, A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh sse-json  # 1.5B serving, 256 streams: chunks by hand vs encoder
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -255,6 +256,10 @@ mixed_ab() { serving_ab "$@" mixed_steps_off eager mixed infer/runner.py; }
 #   mkdir -p ab_before/infer && for f in batch runner sampler state; do git show 4940d7d:infer/$f.py > ab_before/infer/$f.py; done
 blocking_copies() { cp ab_before/infer/*.py infer/; }
 ADMISSION_FILES=(infer/batch.py infer/runner.py infer/sampler.py infer/state.py)
+
+# the streamed chunks' choices through json's encoder, as before commit 98d9890, from ab_before/ (git-ignored: carry it):
+#   mkdir -p ab_before/infer/api && for f in openai streaming; do git show 98d9890~1:infer/api/$f.py > ab_before/infer/api/$f.py; done
+sse_json_before() { cp ab_before/infer/api/openai.py ab_before/infer/api/streaming.py infer/api/; }
 
 # option_ab SIZE LAYERS EMBD LEVELS OPTION TAG VALUE...: the SIZE model's decode forward at 32 and 256 rows (CUDA graphs,
 # fp32 state), then HTTP serving at the LEVELS (streams arriving at once) with the server's --OPTION at each VALUE in
@@ -403,6 +408,17 @@ l2-prefetch)  # the latency-bound launches asking L2 for the next GEMV launches'
             w8_decode 60 "W8A16 decode, RWKV_L2_PREFETCH=$mode, round $round" 7.2b 1 \
                 "experiment_l2_prefetch${mode}_${round}_w8_h200.json" "RWKV_L2_PREFETCH=$mode"
         done
+    done
+    ;;
+sse-json)  # streamed chunks' choices written out as JSON text (98d9890) against json's encoder (sse_json_before: carry
+    # ab_before/): the 1.5B forward at 32 and 256 rows, then 1.5B serving at 256 streams before / after, twice
+    build_fused
+    step 150 "1.5b decode, batch 32 and 256" python bench/bench_decode.py --sizes 1.5b --batches 32,256 --wkv cuda \
+        --no-checks --out bench/results/decode_h200_1.5b_b256_ssejson.json
+    copy bench/results/decode_h200_1.5b_b256_ssejson.json
+    for round in 1 2; do
+        serving_ab "1.5b_ssejson_$round" 256 0 1.5b 24 2048 sse_json_before encoder written infer/api/openai.py \
+            infer/api/streaming.py
     done
     ;;
 graphs-recheck)  # the graph GPU tests alone, then the sampler-capture test (it failed once after the fused tests
