@@ -393,9 +393,9 @@ time-mix-loras)  # the decode time mix computing the LoRA second halves (RWKV_TI
 l2-prefetch)  # the latency-bound launches asking L2 for the next GEMV launches' weights (RWKV_L2_PREFETCH bits: 1 the
     # time mix asks for the output projection and FFN key, 2 the first norm for the r/k/v launch, 4 they ask before
     # their dependency wait, 8 the FFN's norm for the FFN key and a dense FFN value, 16 the sparse FFN value for the
-    # next layer's r/k/v; off by default until it wins here): builds, its GPU tests, then batch-1 decode (fp16 1.5B and
-    # 7.2B, W8A16 7.2B) with 0, 1, 5, 21 and 31, two rounds, into experiment_l2_prefetch{mode}_{round}[_w8]_h200.json.
-    # Make the best mode the default if it wins
+    # next layer's r/k/v; off by default until it wins here): builds, its GPU tests, then batch-1 decode (fp16 1.5B,
+    # W8A16 7.2B: the missed batch-1 targets; 7.2B fp16 would not fit the call) with 0, 1, 5, 21 and 31, two rounds,
+    # into experiment_l2_prefetch{mode}_{round}[_w8]_h200.json. Make the best mode the default if it wins
     build
     step 200 "L2 prefetch GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
         test/test_graphs_cuda.py -k "l2_prefetch or graph_decode_with_option"
@@ -403,7 +403,7 @@ l2-prefetch)  # the latency-bound launches asking L2 for the next GEMV launches'
         for mode in 0 1 5 21 31; do
             out=bench/results/experiment_l2_prefetch${mode}_${round}_h200.json
             step 60 "decode, RWKV_L2_PREFETCH=$mode, round $round" env RWKV_L2_PREFETCH=$mode python \
-                bench/bench_decode.py --sizes 1.5b,7.2b --batches 1 --steps 40 --wkv cuda --no-checks --out "$out"
+                bench/bench_decode.py --sizes 1.5b --batches 1 --steps 40 --wkv cuda --no-checks --out "$out"
             copy "$out"
             w8_decode 60 "W8A16 decode, RWKV_L2_PREFETCH=$mode, round $round" 7.2b 1 \
                 "experiment_l2_prefetch${mode}_${round}_w8_h200.json" "RWKV_L2_PREFETCH=$mode"
