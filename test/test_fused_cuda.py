@@ -341,18 +341,27 @@ def test_staged_loras_change_no_output(pair, rows, monkeypatch):
     assert_staging_changes_no_output(pair[1], rows, monkeypatch)
 
 
-def assert_staging_changes_no_output(model: RWKV7, rows: int, monkeypatch) -> None:
-    """Decode steps of ``rows`` rows with the LoRAs staged and not: the same logits and states, bit for bit (the
-    second halves in GEMV launches: not computed by the time mix, which would take them from both)."""
-    monkeypatch.setattr(model.fused, "time_mix_loras", False)
+def assert_setting_changes_no_output(model: RWKV7, rows: int, monkeypatch, name: str, values: tuple,
+                                     **fixed) -> None:
+    """Decode steps of ``rows`` rows with ``model.fused.<name>`` at each of ``values`` (``fixed``: other settings,
+    set first): the same logits and state pool (WKV states and both token-shift states), bit for bit."""
+    for key, value in fixed.items():
+        monkeypatch.setattr(model.fused, key, value)
     results = []
-    for staged in (False, True):
-        monkeypatch.setattr(model.fused, "staged_loras", staged)
+    for value in values:
+        monkeypatch.setattr(model.fused, name, value)
         results.append(decode_steps(model, rows, 8, torch.float32))
     want, want_pool = results[0]
     for got, pool in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-        assert torch.equal(pool.wkv, want_pool.wkv)
+        for part in ("wkv", "att_shift", "ffn_shift"):
+            assert torch.equal(getattr(pool, part), getattr(want_pool, part)), part
+
+
+def assert_staging_changes_no_output(model: RWKV7, rows: int, monkeypatch) -> None:
+    """Decode steps of ``rows`` rows with the LoRAs staged and not: the same bits (the second halves in GEMV
+    launches: not computed by the time mix, which would take them from both)."""
+    assert_setting_changes_no_output(model, rows, monkeypatch, "staged_loras", (False, True), time_mix_loras=False)
 
 
 def assert_time_mix_loras_match_launches(model: RWKV7, rows: int, monkeypatch) -> None:
@@ -602,17 +611,8 @@ def test_w8a16_staged_loras_change_no_output(kernels, rows, monkeypatch):
 
 def assert_l2_prefetch_changes_no_output(model: RWKV7, rows: int, mode: int, monkeypatch) -> None:
     """Decode steps of ``rows`` rows with the L2 prefetch of ``mode`` (RWKV_L2_PREFETCH bits; a hint) and without:
-    the same logits and state pool, bit for bit. The budget (100,000 bytes: 97,648 of 16) cuts a range off inside a
-    prefetch chunk."""
-    results = []
-    for bits in (0, mode):
-        monkeypatch.setattr(model.fused, "l2_prefetch", bits)
-        monkeypatch.setattr(model.fused, "l2_prefetch_bytes", 100_000)
-        results.append(decode_steps(model, rows, 8, torch.float32))
-    (want, want_pool), (got, pool) = results
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    for name in ("wkv", "att_shift", "ffn_shift"):
-        assert torch.equal(getattr(pool, name), getattr(want_pool, name)), name
+    the same bits. The budget (100,000 bytes, not a multiple of the 32 KB chunk) cuts a range off inside a chunk."""
+    assert_setting_changes_no_output(model, rows, monkeypatch, "l2_prefetch", (0, mode), l2_prefetch_bytes=100_000)
 
 
 @pytest.mark.parametrize("mode", [PREFETCH_TIME_MIX, PREFETCH_LN1 | PREFETCH_EARLY, 31])  # 31: every bit
