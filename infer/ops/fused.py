@@ -492,10 +492,11 @@ class FusedKernels:
             hw, ha, hv, hg = new(T, cfg.rank_w), new(T, cfg.rank_a), new(T, cfg.rank_v), new(T, cfg.rank_g)
             hidden = new(T, cfg.ffn_dim)
         sides = () if small else self._lora_sides(x.device)  # the LoRA chains' streams (batched_projections)
+        pf = self.l2_prefetch != 0  # whether a GEMV-sized step's launches ask L2 for weights (no lists built if not)
         for i, blk in enumerate(model.blocks):
             first = i == 0
             loras = []  # the LoRA second halves, when the time mix computes them (lora_second_halves)
-            ln1_prefetch = self.l2_prefetch_for(PREFETCH_LN1, rkv_launch_linears(blk, first)) if small else []
+            ln1_prefetch = self.l2_prefetch_for(PREFETCH_LN1, rkv_launch_linears(blk, first)) if small and pf else []
             self.ln_shift_mix(x, blk.ln1_w, blk.ln1_b, state.att_shift[i], batch,
                               [blk.x_r, blk.x_w, blk.x_k, blk.x_v, blk.x_a, blk.x_g], [xr, xw, xk, xv, xa, xg],
                               ln1_prefetch)
@@ -529,7 +530,7 @@ class FusedKernels:
                 da = blk.a2(blk.a1(xa))
                 dv = _empty(x.device) if first else blk.v2(blk.v1(xv))
                 g = blk.g2(torch.sigmoid(blk.g1(xg)))
-            tm_prefetch = self.l2_prefetch_for(PREFETCH_TIME_MIX, [blk.output, blk.ffn_key]) if small else []
+            tm_prefetch = self.l2_prefetch_for(PREFETCH_TIME_MIX, [blk.output, blk.ffn_key]) if small and pf else []
             self.time_mix(state.wkv[i], batch, blk, first, [r, k, v, dw, da, dv, g, v_first, y], loras, tm_prefetch)
             if i == len(model.blocks) - 1 and not all_logits and (tail := batch.readout_tail()) is not None:
                 # Only each row's last token is read out: the last block's output projection and FFN run on each
@@ -545,16 +546,17 @@ class FusedKernels:
             if small:
                 self.gemv([(blk.output, y, x, EPI_NONE, x)])
                 dense_value = not isinstance(blk.ffn_value, K_MAJOR_LINEARS)
-                ln2_prefetch = self.l2_prefetch_for(PREFETCH_LN2, [blk.ffn_key, blk.ffn_value if dense_value else None])
+                ln2_prefetch = self.l2_prefetch_for(
+                    PREFETCH_LN2, [blk.ffn_key, blk.ffn_value if dense_value else None]) if pf else []
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf],
                                   ln2_prefetch)
                 self.gemv([(blk.ffn_key, kf, hidden, EPI_RELU_SQUARE, None)])
                 if dense_value:
                     self.gemv([(blk.ffn_value, hidden, x, EPI_NONE, x)])
                 else:
-                    after = model.blocks[i + 1] if i + 1 < len(model.blocks) else None
+                    after = model.blocks[i + 1] if pf and i + 1 < len(model.blocks) else None
                     self.sparse_gemv(blk.ffn_value, hidden, x, self.l2_prefetch_for(
-                        PREFETCH_FFN_VALUE, rkv_launch_linears(after, False) if after is not None else []))
+                        PREFETCH_FFN_VALUE, rkv_launch_linears(after, False)) if after is not None else [])
             else:
                 add_product(x, blk.output, y)
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
