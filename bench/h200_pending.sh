@@ -111,7 +111,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-stream-more  # its round 2, per-kernel steps without PDL
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify-fused  # builds, every fused/graph GPU test
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh time-mix-loras  # LoRA second halves in the time mix: tests, A/B
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh l2-prefetch  # weights asked of L2 by the small launches: tests, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sse-json  # 1.5B serving, 256 streams: chunks by hand vs encoder
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
@@ -389,26 +388,6 @@ time-mix-loras)  # the decode time mix computing the LoRA second halves (RWKV_TI
     step 240 "time-mix LoRA GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
         test/test_graphs_cuda.py -k "time_mix_loras or staged or decode_matches or greedy or invariance or graph"
     switch_ab RWKV_TIME_MIX_LORAS time_mix_loras 1,2,8
-    ;;
-l2-prefetch)  # the latency-bound launches asking L2 for the next GEMV launches' weights (RWKV_L2_PREFETCH bits: 1 the
-    # time mix asks for the output projection and FFN key, 2 the first norm for the r/k/v launch, 4 they ask before
-    # their dependency wait, 8 the FFN's norm for the FFN key and a dense FFN value, 16 the sparse FFN value for the
-    # next layer's r/k/v; off by default until it wins here): builds, its GPU tests, then batch-1 decode (fp16 1.5B,
-    # W8A16 7.2B: the missed batch-1 targets; 7.2B fp16 would not fit the call) with 0, 1, 5, 21 and 31, two rounds,
-    # into experiment_l2_prefetch{mode}_{round}[_w8]_h200.json. Make the best mode the default if it wins
-    build
-    step 200 "L2 prefetch GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
-        test/test_graphs_cuda.py -k "l2_prefetch or graph_decode_with_option"
-    for round in 1 2; do
-        for mode in 0 1 5 21 31; do
-            out=bench/results/experiment_l2_prefetch${mode}_${round}_h200.json
-            step 60 "decode, RWKV_L2_PREFETCH=$mode, round $round" env RWKV_L2_PREFETCH=$mode python \
-                bench/bench_decode.py --sizes 1.5b --batches 1 --steps 40 --wkv cuda --no-checks --out "$out"
-            copy "$out"
-            w8_decode 60 "W8A16 decode, RWKV_L2_PREFETCH=$mode, round $round" 7.2b 1 \
-                "experiment_l2_prefetch${mode}_${round}_w8_h200.json" "RWKV_L2_PREFETCH=$mode"
-        done
-    done
     ;;
 sse-json)  # streamed chunks' choices written out as JSON text (98d9890) against json's encoder (sse_json_before: carry
     # ab_before/): the 1.5B forward at 32 and 256 rows, then 1.5B serving at 256 streams before / after, twice

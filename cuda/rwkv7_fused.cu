@@ -113,52 +113,11 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return total;
 }
 
-// ------------------------------------------------------------------------------------ L2 prefetch
-// A batch-1 decode step leaves the memory idle while its latency-bound launches run (the norms, the LoRA second
-// halves, the time mix: ~14 us of a 1.5B layer's 48; bench/results/experiment_skip_*_h200.json). Those launches can
-// ask L2 for the weights of the GEMV launches after them: cp.async.bulk.prefetch hands whole ranges to the copy
-// engine, so no register holds them and nothing waits for them, and those GEMVs then read part of their bytes from
-// L2. A hint: no value depends on it (without sm_90 it is dropped). The launcher's caller keeps the ranges within
-// L2's size. Consecutive chunks of a range go to consecutive blocks (each multiprocessor's copy engine takes a share;
-// a one-block launch, a norm at batch 1, asks for them all from one), and every thread asks for its chunks of each
-// range in turn, so the first range comes first.
-constexpr int kMaxPrefetch = 8;
-constexpr int kPrefetchChunk = 32768;  // bytes a prefetch instruction asks for
-struct L2Prefetch {
-    const char* base[kMaxPrefetch];  // 16-byte aligned
-    int64_t bytes[kMaxPrefetch];     // multiples of 16
-    int count;
-    int early;  // 1: asked for before the launch's dependency wait (while its predecessor runs), 0: after it
-};
-
-__device__ __forceinline__ void prefetch_l2(const L2Prefetch& pf) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const int64_t threads = int64_t(gridDim.x) * blockDim.x;
-    const int64_t me = int64_t(threadIdx.x) * gridDim.x + blockIdx.x;  // block-major: see above
-#pragma unroll
-    for (int r = 0; r < kMaxPrefetch; ++r) {  // unrolled: constant indices keep pf out of local memory
-        if (r >= pf.count) break;
-        for (int64_t at = me * kPrefetchChunk; at < pf.bytes[r]; at += threads * kPrefetchChunk) {
-            const uint32_t n = static_cast<uint32_t>(min(int64_t(kPrefetchChunk), pf.bytes[r] - at));
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pf.base[r] + at), "r"(n));
-        }
-    }
-#endif
-}
-
-// The prefetch around a launch's dependency wait: before it when pf.early, else after it.
-__device__ __forceinline__ void dependency_wait_prefetching(const L2Prefetch& pf) {
-    if (pf.early) prefetch_l2(pf);
-    dependency_wait();
-    if (!pf.early) prefetch_l2(pf);
-}
-
 // ------------------------------------------------------------------------------------ ln_shift_mix
 struct MixArgs {
     const __half* mix[kMaxMix];
     __half* out[kMaxMix];
     int count;
-    L2Prefetch prefetch;  // ln_shift_mix_kernel only (a decode step's norm)
 };
 
 // A C-wide fp16 row as this thread's up to VECS 8-vectors (vector threadIdx.x + j * kLnThreads in out[j]; a
@@ -335,7 +294,7 @@ ln_shift_mix_kernel(int C, int64_t num_slots, const __half* __restrict__ x, cons
         load_row_or_zero(saved, vecs, pv);
     }
     prefetch_mixes<VECS>(args, vecs);
-    dependency_wait_prefetching(args.prefetch);
+    dependency_wait();
 
     float xn[VECS][8];
     layer_norm_row(x + t * C, w, b, vecs, xn, scratch);
@@ -469,7 +428,6 @@ struct TimeMixArgs {
     const __half *a0, *v0, *k_k, *k_a;
     int first_layer;  // 1: layer 0 (no value residual; v_first := v)
     TimeMixLoras lora;  // time_mix_kernel<S, true> only
-    L2Prefetch prefetch;  // time_mix_kernel only (a decode step's)
 };
 
 // The per-token inputs in the order of the kernels that copy them as 16-byte vectors (r, k, v, dw, da, g, dv,
@@ -706,7 +664,7 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
 #endif
     if constexpr (LORAS) copy_lora_rows(p.lora, h, lora_rows);
 
-    dependency_wait_prefetching(p.prefetch);
+    dependency_wait();
     TokenInputs in;
     if constexpr (LORAS) {
         float d[kLoras];
@@ -2808,7 +2766,6 @@ struct SparseGemvArgs {
     float* partial;          // [slices, M, N]: the blocks' sums
     unsigned* arrivals;      // [strips]: zero before a launch, zero again after it
     int n, k, ballots, slices, strips;
-    L2Prefetch prefetch;     // ranges for L2 (a decode step's: the next layer's r/k/v weights)
 };
 
 // A lane's 8 weights of one K-major row: 16 bytes of fp16 or 8 of int8, and the rows it loads at a time: as many
@@ -2839,7 +2796,7 @@ __global__ void __launch_bounds__(kSparseWarps * 32, M == 1 ? 4 : 2) sparse_gemv
     const bool mine = col < args.n;                   // n % 8 == 0: all 8 in or all out
     const int rows = 32 * args.ballots;
     const int k0 = (slice * kSparseWarps + warp) * rows;
-    dependency_wait_prefetching(args.prefetch);
+    dependency_wait();
 
     // x at rows k0 + 32b + lane, and which rows have a nonzero x in any row of the batch
     float xs[kSparseMaxBallots][M];
@@ -3147,21 +3104,6 @@ inline bool set_time_mix_loras(TimeMixArgs& p, const void* const* loras, const i
         p.lora.y[j] = outputs[j];
         p.lora.rank[j] = static_cast<int>(rank);
     }
-    return true;
-}
-
-// pf from the launchers' arguments (count ranges base[r], bytes[r]; see L2Prefetch); false for ones it cannot take:
-// more than kMaxPrefetch, a missing base, or a range off 16 bytes.
-inline bool set_l2_prefetch(L2Prefetch& pf, const void* const* base, const int64_t* bytes, int count, int early) {
-    if (count < 0 || count > kMaxPrefetch || (count > 0 && (base == nullptr || bytes == nullptr))) return false;
-    for (int r = 0; r < count; ++r) {
-        if (base[r] == nullptr || reinterpret_cast<uintptr_t>(base[r]) % 16 != 0 || bytes[r] < 0 || bytes[r] % 16 != 0)
-            return false;
-        pf.base[r] = static_cast<const char*>(base[r]);
-        pf.bytes[r] = bytes[r];
-    }
-    pf.count = count;
-    pf.early = early != 0;
     return true;
 }
 
@@ -3502,22 +3444,16 @@ inline unsigned dequantize_blocks(int64_t K, int64_t width) {
 // --------------------------------------------------------------------------------- C interface
 // x [T, C] fp16; ln_w/ln_b [C]; shift [S, C] (one layer's token-shift pool, fp16); prev [T] int32;
 // slots/lasts [B] int64; mix[m] [C], out[m] [T, C] for m < count (<= 6). C % 8 == 0, C <= 8192.
-// prefetch, prefetch_bytes, prefetch_count, prefetch_early: ranges for L2 (see L2Prefetch; none: count 0), asked
-// for by the per-token kernel only.
 extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, int64_t B, int64_t C,
                                          int64_t num_slots, const void* x, const void* ln_w, const void* ln_b,
                                          void* shift, const int32_t* prev, const int64_t* slots, const int64_t* lasts,
-                                         const void* const* mix, void* const* out, int count,
-                                         const void* const* prefetch, const int64_t* prefetch_bytes,
-                                         int prefetch_count, int prefetch_early) {
+                                         const void* const* mix, void* const* out, int count) {
     using namespace fused;
     if (T == 0) return cudaSuccess;
     if (T < 0 || T > INT_MAX || B < 1 || C <= 0 || C % 8 || C > kLnThreads * kMaxVec * 8 || count < 1 ||
         count > kMaxMix)
         return cudaErrorInvalidValue;
-    MixArgs args = make_mix_args(mix, out, count);
-    if (!set_l2_prefetch(args.prefetch, prefetch, prefetch_bytes, prefetch_count, prefetch_early))
-        return cudaErrorInvalidValue;
+    const MixArgs args = make_mix_args(mix, out, count);
     const int vecs = ln_vecs(C);
     const auto stream_ = reinterpret_cast<cudaStream_t>(stream);
     const auto x_ = static_cast<const __half*>(x);
@@ -3549,8 +3485,6 @@ extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, 
 // loras: null, or the LoRA second halves to compute here (see TimeMixLoras): h_w, h_a, h_v, h_g ([T, rank] fp16),
 // then W_w, W_a, W_v, W_g ([C, rank] fp16), lora_ranks their four ranks (v's 0 in layer 0); their outputs go to
 // dw, da, dv, g. Rows of one token only (max_len 1): time_mix_kernel<S, true>.
-// prefetch, prefetch_bytes, prefetch_count, prefetch_early: ranges for L2 (see L2Prefetch; none: count 0), asked
-// for by the decode kernel (time_mix_kernel) only.
 extern "C" int64_t fused_time_mix_scratch_floats(int64_t B, int64_t H, int64_t num_tokens, const void* const* tensors,
                                                  int first_layer, int64_t max_len) {
     using namespace fused;
@@ -3566,16 +3500,13 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
                                      const void* const* params, int first_layer, int64_t max_len, float* scratch,
                                      int64_t scratch_floats, int64_t pipeline_blocks, const void* const* loras,
-                                     const int64_t* lora_ranks, const void* const* prefetch,
-                                     const int64_t* prefetch_bytes, int prefetch_count, int prefetch_early) {
+                                     const int64_t* lora_ranks) {
     using namespace fused;
     if (B == 0) return cudaSuccess;
     if (B < 0 || H <= 0 || B * H > INT_MAX) return cudaErrorInvalidConfiguration;
     if (state_dtype != wkv7::kFloat32 && state_dtype != wkv7::kFloat16) return cudaErrorInvalidValue;
     TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     if (loras != nullptr && (max_len != 1 || !set_time_mix_loras(p, loras, lora_ranks))) return cudaErrorInvalidValue;
-    if (!set_l2_prefetch(p.prefetch, prefetch, prefetch_bytes, prefetch_count, prefetch_early))
-        return cudaErrorInvalidValue;
     const int h = static_cast<int>(H);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     const unsigned grid = static_cast<unsigned>(B * H);
@@ -3718,17 +3649,15 @@ extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int int8, int64
 // y = x w (* scale) (+ residual) for x [M, k] fp16 (M <= fused_sparse_gemv_max_rows(int8)), w [k, n] K-major:
 // fp16, or int8 with its per-channel fp16 scale [n] (scale null for fp16); y and residual [M, n] (residual may
 // alias y or be null); partial and arrivals: a workspace of the sizes above (n % 8 == 0, 16-byte aligned
-// pointers). prefetch, prefetch_bytes, prefetch_count, prefetch_early: ranges for L2 (see L2Prefetch; none: count 0).
+// pointers).
 extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w,
                                         const void* scale, void* y, const void* residual, void* partial,
-                                        void* arrivals, int64_t n, int64_t k, const void* const* prefetch,
-                                        const int64_t* prefetch_bytes, int prefetch_count, int prefetch_early) {
+                                        void* arrivals, int64_t n, int64_t k) {
     using namespace fused;
     const bool int8 = scale != nullptr;
     if (!sparse_gemv_takes(M, n, k, int8)) return cudaErrorInvalidValue;
-    SparseGemvArgs args = make_sparse_gemv_args(n, k, sparse_min_blocks(), x, w, scale, y, residual, partial, arrivals);
-    if (!set_l2_prefetch(args.prefetch, prefetch, prefetch_bytes, prefetch_count, prefetch_early))
-        return cudaErrorInvalidValue;
+    const SparseGemvArgs args =
+        make_sparse_gemv_args(n, k, sparse_min_blocks(), x, w, scale, y, residual, partial, arrivals);
     const unsigned grid = static_cast<unsigned>(args.strips * args.slices);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     return on_device(device, [&] {

@@ -14,16 +14,13 @@
 extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, int64_t B, int64_t C,
                                          int64_t num_slots, const void* x, const void* ln_w, const void* ln_b,
                                          void* shift, const int32_t* prev, const int64_t* slots, const int64_t* lasts,
-                                         const void* const* mix, void* const* out, int count,
-                                         const void* const* prefetch, const int64_t* prefetch_bytes,
-                                         int prefetch_count, int prefetch_early);
+                                         const void* const* mix, void* const* out, int count);
 extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype, int64_t B, int64_t H,
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
                                      const void* const* params, int first_layer, int64_t max_len, float* scratch,
                                      int64_t scratch_floats, int64_t pipeline_blocks, const void* const* loras,
-                                     const int64_t* lora_ranks, const void* const* prefetch,
-                                     const int64_t* prefetch_bytes, int prefetch_count, int prefetch_early);
+                                     const int64_t* lora_ranks);
 extern "C" int64_t fused_time_mix_scratch_floats(int64_t B, int64_t H, int64_t num_tokens, const void* const* tensors,
                                                  int first_layer, int64_t max_len);
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
@@ -37,8 +34,7 @@ extern "C" int fused_sparse_gemv_max_rows(int int8);
 extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int int8, int64_t* partial_floats, int64_t* arrivals);
 extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w,
                                         const void* scale, void* y, const void* residual, void* partial,
-                                        void* arrivals, int64_t n, int64_t k, const void* const* prefetch,
-                                        const int64_t* prefetch_bytes, int prefetch_count, int prefetch_early);
+                                        void* arrivals, int64_t n, int64_t k);
 extern "C" int fused_relu_square_launch(int device, int64_t stream, int64_t n, void* x);
 extern "C" int fused_uint4_dequantize_launch(int device, int64_t stream, const void* words, const void* scale,
                                              const void* zero, int64_t N, int64_t K, int64_t group, int64_t n0,
@@ -74,36 +70,13 @@ void raise_on(int err, const char* op) {
     TORCH_CHECK(err == 0, op, ": kernel launch failed: ", fused_error_string(err), " (error ", num(err), ")");
 }
 
-// A launch's ranges for L2 (the launchers' L2Prefetch, a hint): the first bytes[r] bytes of tensors[r], each on
-// `device`, contiguous and 16-byte aligned, bytes[r] a multiple of 16 within the tensor.
-std::vector<const void*> prefetch_ranges(const std::vector<torch::Tensor>& tensors, const std::vector<int64_t>& bytes,
-                                         const torch::Device& device, const char* op) {
-    constexpr size_t kMaxRanges = 8;  // the launchers' kMaxPrefetch
-    TORCH_CHECK(tensors.size() <= kMaxRanges && bytes.size() == tensors.size(), op, ": up to ", num(kMaxRanges),
-                " prefetch tensors with as many byte counts, got ", num(tensors.size()), " and ", num(bytes.size()));
-    std::vector<const void*> base;
-    for (size_t r = 0; r < tensors.size(); ++r) {
-        const torch::Tensor& t = tensors[r];
-        TORCH_CHECK(t.device() == device && t.is_contiguous() &&
-                        reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0,
-                    op, ": prefetch[", num(r), "] must be a contiguous, 16-byte aligned tensor on ", device.str());
-        TORCH_CHECK(bytes[r] >= 0 && bytes[r] % 16 == 0 && bytes[r] <= t.numel() * t.element_size(), op,
-                    ": prefetch_bytes[", num(r), "] must be a multiple of 16 within its tensor, got ", num(bytes[r]));
-        base.push_back(t.data_ptr());
-    }
-    return base;
-}
-
 }  // namespace
 
 // out[m][t] = LN(x[t]) + (shifted - LN(x[t])) * mix[m]; the row starts' slots of `shift` get the
 // normalised input of their row's last token (see cuda/rwkv7_fused.cu).
-// prefetch: tensors (weights of the launches after this one) whose first prefetch_bytes[r] bytes the kernel asks L2
-// for (prefetch_ranges), before its dependency wait when prefetch_early, else after it; a decode step's norm.
 void ln_shift_mix(torch::Tensor x, torch::Tensor ln_w, torch::Tensor ln_b, torch::Tensor shift, torch::Tensor prev,
                   torch::Tensor slots, torch::Tensor lasts, std::vector<torch::Tensor> mix,
-                  std::vector<torch::Tensor> out, int64_t stream, std::vector<torch::Tensor> prefetch,
-                  std::vector<int64_t> prefetch_bytes, bool prefetch_early) {
+                  std::vector<torch::Tensor> out, int64_t stream) {
     const char* op = "ln_shift_mix";
     TORCH_CHECK(x.is_cuda() && x.dim() == 2, op, ": x must be a 2-D CUDA tensor, got ", shape(x));
     const auto device = x.device();
@@ -125,12 +98,10 @@ void ln_shift_mix(torch::Tensor x, torch::Tensor ln_w, torch::Tensor ln_b, torch
         mix_ptr.push_back(mix[m].data_ptr());
         out_ptr.push_back(out[m].data_ptr());
     }
-    const std::vector<const void*> ranges = prefetch_ranges(prefetch, prefetch_bytes, device, op);
     raise_on(fused_ln_shift_mix_launch(static_cast<int>(device.index()), stream, T, B, C, shift.size(0), x.data_ptr(),
                                        ln_w.data_ptr(), ln_b.data_ptr(), shift.data_ptr(), prev.data_ptr<int32_t>(),
                                        slots.data_ptr<int64_t>(), lasts.data_ptr<int64_t>(), mix_ptr.data(),
-                                       out_ptr.data(), static_cast<int>(mix.size()), ranges.data(),
-                                       prefetch_bytes.data(), static_cast<int>(ranges.size()), prefetch_early ? 1 : 0),
+                                       out_ptr.data(), static_cast<int>(mix.size())),
              op);
 }
 
@@ -144,11 +115,9 @@ void ln_shift_mix(torch::Tensor x, torch::Tensor ln_w, torch::Tensor ln_b, torch
 // loras: empty, or [h_w, h_a, h_v, h_g, W_w, W_a, W_v, W_g]: the LoRA second halves computed by the time mix itself
 // (fp16 h [T, rank], W [C, rank]; h_v and W_v empty in layer 0), their outputs written to dw, da, dv, g; every row
 // one token (max_len 1).
-// prefetch, prefetch_bytes, prefetch_early: as ln_shift_mix's, asked for by a decode step's kernel.
 void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, torch::Tensor lasts,
               std::vector<torch::Tensor> tensors, std::vector<torch::Tensor> params, bool first_layer,
-              int64_t max_len, int64_t stream, int64_t pipeline_blocks, std::vector<torch::Tensor> loras,
-              std::vector<torch::Tensor> prefetch, std::vector<int64_t> prefetch_bytes, bool prefetch_early) {
+              int64_t max_len, int64_t stream, int64_t pipeline_blocks, std::vector<torch::Tensor> loras) {
     const char* op = "time_mix";
     TORCH_CHECK(state.is_cuda() && state.dim() == 4 && state.size(2) == kHeadSize && state.size(3) == kHeadSize, op,
                 ": state must be a CUDA tensor [slots, heads, 64, 64], got ", shape(state));
@@ -196,14 +165,12 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
         fused_time_mix_scratch_floats(B, H, T, tensor_ptr.data(), first_layer ? 1 : 0, max_len);
     torch::Tensor scratch;
     if (scratch_floats > 0) scratch = torch::empty({scratch_floats}, state.options().dtype(torch::kFloat32));
-    const std::vector<const void*> ranges = prefetch_ranges(prefetch, prefetch_bytes, device, op);
     raise_on(fused_time_mix_launch(static_cast<int>(device.index()), stream, state_dtype, B, H, state.size(0), T,
                                    state.data_ptr(), slots.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
                                    lasts.data_ptr<int64_t>(), tensor_ptr.data(), param_ptr.data(), first_layer ? 1 : 0,
                                    max_len, scratch_floats > 0 ? scratch.data_ptr<float>() : nullptr, scratch_floats,
                                    pipeline_blocks, loras.empty() ? nullptr : lora_ptr.data(),
-                                   loras.empty() ? nullptr : lora_ranks.data(), ranges.data(), prefetch_bytes.data(),
-                                   static_cast<int>(ranges.size()), prefetch_early ? 1 : 0),
+                                   loras.empty() ? nullptr : lora_ranks.data()),
              op);
 }
 
@@ -300,11 +267,9 @@ int64_t sparse_gemv_max_rows(bool int8) { return fused_sparse_gemv_max_rows(int8
 // fp16 (M <= sparse_gemv_max_rows(int8)), w_t [k, n] (K-major: the transposed nn.Linear weight) fp16, or int8 with
 // its fp16 per-output-channel scale [n] (empty for fp16 weights); y and residual [M, n] fp16 (residual empty for
 // none; it may be y itself); partial fp32 and arrivals int32: the workspace of sparse_gemv_workspace(k, n, int8),
-// arrivals zero before the first launch (each launch leaves it so). prefetch, prefetch_bytes, prefetch_early: as
-// ln_shift_mix's (a decode step's: the next layer's r/k/v weights).
+// arrivals zero before the first launch (each launch leaves it so).
 void sparse_gemv(torch::Tensor x, torch::Tensor w_t, torch::Tensor scale, torch::Tensor y, torch::Tensor residual,
-                 torch::Tensor partial, torch::Tensor arrivals, int64_t stream, std::vector<torch::Tensor> prefetch,
-                 std::vector<int64_t> prefetch_bytes, bool prefetch_early) {
+                 torch::Tensor partial, torch::Tensor arrivals, int64_t stream) {
     const char* op = "sparse_gemv";
     TORCH_CHECK(x.is_cuda() && x.dim() == 2 && w_t.dim() == 2, op, ": x and w_t must be 2-D CUDA tensors");
     const auto device = x.device();
@@ -328,12 +293,10 @@ void sparse_gemv(torch::Tensor x, torch::Tensor w_t, torch::Tensor scale, torch:
     TORCH_CHECK(partial.numel() >= need[0] && arrivals.numel() >= need[1], op, ": the workspace needs ",
                 num(need[0]), " fp32 values and ", num(need[1]), " counters, got ", num(partial.numel()), " and ",
                 num(arrivals.numel()));
-    const std::vector<const void*> ranges = prefetch_ranges(prefetch, prefetch_bytes, device, op);
     raise_on(fused_sparse_gemv_launch(static_cast<int>(device.index()), stream, M, x.data_ptr(), w_t.data_ptr(),
                                       int8 ? scale.data_ptr() : nullptr, y.data_ptr(),
                                       residual.numel() ? residual.data_ptr() : nullptr, partial.data_ptr(),
-                                      arrivals.data_ptr(), n, k, ranges.data(), prefetch_bytes.data(),
-                                      static_cast<int>(ranges.size()), prefetch_early ? 1 : 0),
+                                      arrivals.data_ptr(), n, k),
              op);
 }
 
@@ -370,33 +333,20 @@ void uint4_dequantize(torch::Tensor words, torch::Tensor scale, torch::Tensor ze
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "Fused RWKV-7 forward kernels: layer norm + token shift + mix, time mix, grouped GEMV, sparse-input GEMV, "
             "relu^2, 4-bit dequantization";
-    m.def("ln_shift_mix", &ln_shift_mix,
-          "ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mix, out, stream, prefetch=[], prefetch_bytes=[], "
-          "prefetch_early=False)",
-          py::arg("x"), py::arg("ln_w"), py::arg("ln_b"), py::arg("shift"), py::arg("prev"), py::arg("slots"),
-          py::arg("lasts"), py::arg("mix"), py::arg("out"), py::arg("stream"),
-          py::arg("prefetch") = std::vector<torch::Tensor>{}, py::arg("prefetch_bytes") = std::vector<int64_t>{},
-          py::arg("prefetch_early") = false);
+    m.def("ln_shift_mix", &ln_shift_mix, "ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mix, out, stream)");
     m.def("time_mix", &time_mix,
           "time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, stream, pipeline_blocks=0, "
-          "loras=[], prefetch=[], prefetch_bytes=[], prefetch_early=False)",
+          "loras=[])",
           py::arg("state"), py::arg("slots"), py::arg("starts"), py::arg("lasts"), py::arg("tensors"),
           py::arg("params"), py::arg("first_layer"), py::arg("max_len"), py::arg("stream"),
-          py::arg("pipeline_blocks") = 0, py::arg("loras") = std::vector<torch::Tensor>{},
-          py::arg("prefetch") = std::vector<torch::Tensor>{}, py::arg("prefetch_bytes") = std::vector<int64_t>{},
-          py::arg("prefetch_early") = false);
+          py::arg("pipeline_blocks") = 0, py::arg("loras") = std::vector<torch::Tensor>{});
     m.def("gemv", &gemv, "gemv(w, scale, zero, x, y, residual, group, epilogue, stream, stage=[], sync=None)",
           py::arg("w"), py::arg("scale"), py::arg("zero"), py::arg("x"), py::arg("y"), py::arg("residual"),
           py::arg("group"), py::arg("epilogue"), py::arg("stream"), py::arg("stage") = std::vector<int64_t>{},
           py::arg("sync") = py::none());
     m.def("gemv_max_rows", &fused_gemv_max_rows);
     m.def("gemv_max_tasks", &fused_gemv_max_tasks);
-    m.def("sparse_gemv", &sparse_gemv,
-          "sparse_gemv(x, w_t, scale, y, residual, partial, arrivals, stream, prefetch=[], prefetch_bytes=[], "
-          "prefetch_early=False)",
-          py::arg("x"), py::arg("w_t"), py::arg("scale"), py::arg("y"), py::arg("residual"), py::arg("partial"),
-          py::arg("arrivals"), py::arg("stream"), py::arg("prefetch") = std::vector<torch::Tensor>{},
-          py::arg("prefetch_bytes") = std::vector<int64_t>{}, py::arg("prefetch_early") = false);
+    m.def("sparse_gemv", &sparse_gemv, "sparse_gemv(x, w_t, scale, y, residual, partial, arrivals, stream)");
     m.def("sparse_gemv_workspace", &sparse_gemv_workspace,
           "sparse_gemv_workspace(k, n, int8=False) -> [fp32 values, counters]", py::arg("k"), py::arg("n"),
           py::arg("int8") = false);

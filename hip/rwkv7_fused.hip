@@ -2303,9 +2303,7 @@ inline unsigned dequantize_blocks(int64_t K, int64_t width) {
 extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, int64_t B, int64_t C,
                                          int64_t num_slots, const void* x, const void* ln_w, const void* ln_b,
                                          void* shift, const int32_t* prev, const int64_t* slots, const int64_t* lasts,
-                                         const void* const* mix, void* const* out, int count,
-                                         const void* const*, const int64_t*, int, int) {
-    // The L2 prefetch ranges (the CUDA source's L2Prefetch: a hint) are dropped: ROCm has no bulk prefetch.
+                                         const void* const* mix, void* const* out, int count) {
     using namespace fused;
     if (T == 0) return hipSuccess;
     if (T < 0 || T > INT_MAX || B < 1 || C <= 0 || C % 8 || C > kLnThreads * kMaxVec * 8 || count < 1 ||
@@ -2340,11 +2338,10 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
                                      const void* const* params, int first_layer, int64_t max_len, float* scratch,
                                      int64_t scratch_floats, int64_t pipeline_blocks, const void* const* loras,
-                                     const int64_t* lora_ranks, const void* const*, const int64_t*, int, int) {
+                                     const int64_t* lora_ranks) {
     using namespace fused;
     // Not ported: the CUDA build's time_mix_pipelined_kernel (cp.async prefetch of the next row's state), so every
-    // decode launch here takes time_mix_kernel, whatever pipeline_blocks asks (the results are the same); and its L2
-    // prefetch ranges (L2Prefetch, a hint: ROCm has no bulk prefetch), dropped here.
+    // decode launch here takes time_mix_kernel, whatever pipeline_blocks asks (the results are the same).
     (void)pipeline_blocks;
     if (B == 0) return hipSuccess;
     if (B < 0 || H <= 0 || B * H > INT_MAX) return hipErrorInvalidConfiguration;
@@ -2422,9 +2419,7 @@ extern "C" int fused_sparse_gemv_workspace(int64_t n, int64_t k, int int8, int64
 
 extern "C" int fused_sparse_gemv_launch(int device, int64_t stream, int64_t M, const void* x, const void* w,
                                         const void* scale, void* y, const void* residual, void* partial,
-                                        void* arrivals, int64_t n, int64_t k, const void* const*, const int64_t*, int,
-                                        int) {
-    // The L2 prefetch ranges (the CUDA source's L2Prefetch: a hint) are dropped: ROCm has no bulk prefetch.
+                                        void* arrivals, int64_t n, int64_t k) {
     using namespace fused;
     if (scale != nullptr || !sparse_gemv_takes(M, n, k)) return hipErrorInvalidValue;
     const SparseGemvArgs args =

@@ -10,8 +10,8 @@ import torch
 
 from infer.batch import PackedBatch
 from infer.model import RWKV7
-from infer.ops.fused import EPI_NONE, EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, PREFETCH_EARLY, PREFETCH_LN1, \
-    PREFETCH_TIME_MIX, KMajorLinear, load_fused_kernels, select_fused
+from infer.ops.fused import EPI_NONE, EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, \
+    KMajorLinear, load_fused_kernels, select_fused
 from infer.ops.linear import DenseLinear
 from infer.ops.wkv_cuda import select_wkv
 from infer.random_model import make_config, random_state_dict
@@ -607,51 +607,6 @@ def test_w8a16_staged_loras_change_no_output(kernels, rows, monkeypatch):
     select_fused(model, "on")
     assert_staging_changes_no_output(model, rows, monkeypatch)
     assert_time_mix_loras_match_launches(model, rows, monkeypatch)
-
-
-def assert_l2_prefetch_changes_no_output(model: RWKV7, rows: int, mode: int, monkeypatch) -> None:
-    """Decode steps of ``rows`` rows with the L2 prefetch of ``mode`` (RWKV_L2_PREFETCH bits; a hint) and without:
-    the same bits. The budget (100,000 bytes, not a multiple of the 32 KB chunk) cuts a range off inside a chunk."""
-    assert_setting_changes_no_output(model, rows, monkeypatch, "l2_prefetch", (0, mode), l2_prefetch_bytes=100_000)
-
-
-@pytest.mark.parametrize("mode", [PREFETCH_TIME_MIX, PREFETCH_LN1 | PREFETCH_EARLY, 31])  # 31: every bit
-@pytest.mark.parametrize("quantized", [False, True])
-@pytest.mark.parametrize("rows", [1, 2])
-def test_l2_prefetch_changes_no_output(pair, quantized, rows, mode, monkeypatch):
-    """The time mix, the norms and the sparse FFN value asking L2 for the next launches' weights (fp16, and W8A16's
-    int8 matrices), before or after their dependency wait: the same bits as without."""
-    if quantized:
-        (model,) = w8a16_models(1)
-        select_fused(model, "on")
-    else:
-        model = pair[1]
-    assert_l2_prefetch_changes_no_output(model, rows, mode, monkeypatch)
-
-
-def test_l2_prefetch_arguments_are_checked(kernels, pair):
-    """The binding refuses prefetch ranges the launchers cannot take: a tensor off 16 bytes, a byte count that is
-    not a multiple of 16 or runs past its tensor, more than 8 ranges, counts that do not pair with the tensors."""
-    fused = pair[1]
-    blk, x = fused.blocks[0], torch.zeros(1, fused.config.n_embd, device="cuda", dtype=torch.float16)
-    pool = fused.new_state_pool(2)
-    batch = PackedBatch.from_rows([[1]], [0], "cuda")
-    out = torch.empty_like(x)
-    weight = blk.output.weight
-    whole = weight.numel() * weight.element_size()
-
-    def norm(prefetch, sizes):
-        kernels._m.ln_shift_mix(x, blk.ln1_w, blk.ln1_b, pool.att_shift[0], batch.prev_index(), batch.slots,
-                                batch.last, [blk.x_r], [out], torch.cuda.current_stream().cuda_stream, prefetch,
-                                sizes, False)
-
-    norm([weight], [whole])  # accepted
-    norm([weight, weight], [16, 0])
-    for prefetch, sizes in [([weight.view(-1)[1:]], [16]), ([weight], [24]), ([weight], [whole + 16]),
-                            ([weight], [-16]), ([weight] * 9, [16] * 9), ([weight], [])]:
-        with pytest.raises(RuntimeError, match="prefetch"):
-            norm(prefetch, sizes)
-    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("quantized", [False, True])

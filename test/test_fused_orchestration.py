@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from infer.batch import PackedBatch
 from infer.checkpoint import W8A16_MARKER, W8A16_VERSION
 from infer.model import EXP_MINUS_HALF, GROUPNORM_EPS_PER_CHANNEL, LN_EPS, RWKV7
-from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, PREFETCH_EARLY, PREFETCH_FFN_VALUE, PREFETCH_LN1,
-                             PREFETCH_LN2, PREFETCH_TIME_MIX, FusedKernels, KMajorLinear, KMajorW8A16Linear, batch_weights,
+from infer.ops.fused import (EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, FusedKernels, KMajorW8A16Linear, batch_weights,
                              store_ffn_value_k_major)
 from infer.ops.wkv import TorchWKV
 from infer.quant.export_quant import quantize_matrix
@@ -32,7 +31,6 @@ class TorchFusedOps:
     staged_launches = 0  # gemv launches with stages so far
     lora_time_mixes = 0  # time_mix launches that computed the LoRA second halves so far
     sparse_int8_launches = 0  # sparse_gemv launches of int8 weights so far
-    prefetches: list = []  # (op, tensors, byte counts, early) of every ln_shift_mix / time_mix / sparse_gemv call
 
     @staticmethod
     def gemv_max_rows() -> int:
@@ -51,9 +49,7 @@ class TorchFusedOps:
         return 1, 1
 
     @staticmethod
-    def ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mixes, outs, _stream, prefetch=(), prefetch_bytes=(),
-                     prefetch_early=False) -> None:
-        TorchFusedOps.prefetches.append(("ln_shift_mix", list(prefetch), list(prefetch_bytes), prefetch_early))
+    def ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mixes, outs, _stream) -> None:
         xn = F.layer_norm(x.float(), (x.shape[1],), ln_w.float(), ln_b.float(), LN_EPS).half()
         starts = prev < 0
         pv = xn[prev.clamp(min=0).long()]
@@ -64,8 +60,7 @@ class TorchFusedOps:
 
     @staticmethod
     def time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, _stream, _blocks=0,
-                 loras=(), prefetch=(), prefetch_bytes=(), prefetch_early=False) -> None:
-        TorchFusedOps.prefetches.append(("time_mix", list(prefetch), list(prefetch_bytes), prefetch_early))
+                 loras=()) -> None:
         r, k, v, dw, da, dv, g, v_first, out = tensors
         w0, r_k, lnx_w, lnx_b, a0, v0, k_k, k_a = params
         T, C = r.shape
@@ -112,9 +107,7 @@ class TorchFusedOps:
             y.copy_((product + residual.float() if residual.numel() else product).half())
 
     @staticmethod
-    def sparse_gemv(x, weight_t, scale, y, residual, _partial, _arrivals, _stream, prefetch=(), prefetch_bytes=(),
-                    prefetch_early=False) -> None:
-        TorchFusedOps.prefetches.append(("sparse_gemv", list(prefetch), list(prefetch_bytes), prefetch_early))
+    def sparse_gemv(x, weight_t, scale, y, residual, _partial, _arrivals, _stream) -> None:
         int8 = scale.numel() > 0
         if x.shape[0] > TorchFusedOps.sparse_gemv_max_rows(int8):
             raise RuntimeError("sparse_gemv: too many rows")  # the launcher refuses them too
@@ -262,94 +255,3 @@ def test_last_block_tail_changes_only_the_work(models, monkeypatch):
     monkeypatch.setattr(type(key), "__call__", counted)
     run(models, [[1, 2, 3, 4, 5, 6], [7, 8, 9]], all_logits=False)
     assert shapes[-1] == 4 and 9 in shapes  # the earlier blocks: all 9 tokens; the last: 2 + 2
-
-
-@pytest.mark.parametrize("mode", [0, PREFETCH_TIME_MIX, PREFETCH_LN1 | PREFETCH_EARLY, PREFETCH_LN2,
-                                  PREFETCH_FFN_VALUE, 31])
-def test_l2_prefetch_asks_for_the_next_launches_weights(models, mode, monkeypatch):
-    """RWKV_L2_PREFETCH: in a GEMV-sized step each layer's time mix asks L2 for the output projection's and the FFN
-    key's weights, its first norm for the r/k/v launch's (in the launch's order), the FFN's norm for the FFN key's (the
-    FFN value here is K-major: the sparse GEMV reads only some rows), the sparse FFN value for the next layer's r/k/v
-    launch's, at most l2_prefetch_bytes a launch (the last range cut short, 16-byte multiples); larger steps ask for
-    nothing; same outputs."""
-    fused = models[1].fused
-    budget = 100 * 1024  # the output projection (32 KB) and 68 KB of the FFN key (128 KB); r, k, v cut too
-    monkeypatch.setattr(fused, "l2_prefetch", mode)
-    monkeypatch.setattr(fused, "l2_prefetch_bytes", budget)
-    monkeypatch.setattr(TorchFusedOps, "prefetches", [])
-    outs, pools = run(models, [[5], [77]], gemv_rows=2, steps=2)
-    assert_match(outs, pools)
-    calls = TorchFusedOps.prefetches
-    # 3 layers, 2 steps
-    assert [op for op, *_ in calls] == ["ln_shift_mix", "time_mix", "ln_shift_mix", "sparse_gemv"] * 3 * 2
-    blocks = models[1].blocks
-
-    def rkv(layer: int) -> list:
-        blk = blocks[layer]
-        return [blk.w1.weight, blk.a1.weight, blk.g1.weight] + ([blk.v1.weight] if layer else []) + \
-            [blk.receptance.weight, blk.key.weight, blk.value.weight]
-
-    for n, (op, tensors, sizes, early) in enumerate(calls):
-        layer = n // 4 % 3
-        blk = blocks[layer]
-        if op == "time_mix" and mode & PREFETCH_TIME_MIX:
-            want = [blk.output.weight, blk.ffn_key.weight]
-        elif op == "ln_shift_mix" and n % 4 == 0 and mode & PREFETCH_LN1:
-            want = rkv(layer)
-        elif op == "ln_shift_mix" and n % 4 == 2 and mode & PREFETCH_LN2:
-            assert isinstance(blk.ffn_value, KMajorLinear)
-            want = [blk.ffn_key.weight]
-        elif op == "sparse_gemv" and layer < 2 and mode & PREFETCH_FFN_VALUE:
-            want = rkv(layer + 1)
-        else:
-            want = []
-        full = [t.numel() * t.element_size() for t in want]
-        cut = [min(f, budget - sum(full[:i])) for i, f in enumerate(full)]
-        cut = [c for c in cut if c > 0]
-        assert [t.data_ptr() for t in tensors] == [t.data_ptr() for t in want[:len(cut)]]
-        assert sizes == cut and sum(sizes) <= budget and all(size % 16 == 0 for size in sizes)
-        assert early == bool(want and mode & PREFETCH_EARLY)
-    monkeypatch.setattr(TorchFusedOps, "prefetches", [])
-    run(models, [list(range(40))], gemv_rows=2)  # a prompt: the matmul path, nothing asked for, but the last
-    calls = TorchFusedOps.prefetches              # block's FFN runs on the GEMV path (the row's last two tokens)
-    assert [op for op, *_ in calls[-2:]] == ["ln_shift_mix", "sparse_gemv"]
-    assert all(not tensors for _, tensors, _, _ in calls[:-2] + calls[-1:])  # (no layer after the last)
-    assert [t.data_ptr() for t in calls[-2][1]] == ([blocks[-1].ffn_key.weight.data_ptr()]
-                                                    if mode & PREFETCH_LN2 else [])
-
-
-def test_l2_prefetch_of_a_w8a16_ffn(w8a16_models, monkeypatch):
-    """A W8A16 model's FFN value is dense (int8 bands read all its rows): the FFN's norm asks L2 for the int8 weights
-    of the FFN key and value, whole within the budget; same outputs."""
-    fused = w8a16_models[1]
-    monkeypatch.setattr(fused.fused, "l2_prefetch", PREFETCH_LN2)
-    monkeypatch.setattr(fused.fused, "l2_prefetch_bytes", 1 << 20)
-    monkeypatch.setattr(TorchFusedOps, "prefetches", [])
-    outs, pools = run(w8a16_models, [[5]], gemv_rows=8)
-    assert_match(outs, pools)
-    asked = [(tensors, sizes) for op, tensors, sizes, _ in TorchFusedOps.prefetches if tensors]
-    assert len(asked) == 3  # one FFN norm a layer
-    for blk, (tensors, sizes) in zip(fused.blocks, asked):
-        want = [fused.fused.operands(lin).weight for lin in (blk.ffn_key, blk.ffn_value)]
-        assert all(t.dtype == torch.int8 for t in want)
-        assert [t.data_ptr() for t in tensors] == [t.data_ptr() for t in want]
-        assert sizes == [t.numel() for t in want]
-
-
-def test_l2_prefetch_budget_defaults_to_three_quarters_of_l2(models, monkeypatch):
-    """Without RWKV_L2_PREFETCH_MB a launch asks for at most three quarters of its device's L2 (read once per device),
-    and a CPU tensor's device (no L2 known) for nothing."""
-    fused = models[1].fused
-    monkeypatch.setattr(fused, "l2_prefetch", PREFETCH_TIME_MIX | PREFETCH_EARLY)
-    monkeypatch.setattr(fused, "l2_prefetch_bytes", 0)
-    monkeypatch.setattr(fused, "_l2_sizes", {})
-    asked = []
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device: asked.append(device) or type("Props", (), {"L2_cache_size": 4000})())
-    weights = [torch.empty(1000, dtype=torch.float16), torch.empty(4000, dtype=torch.int8)]
-    gpu = torch.device("cuda", 0)
-    assert fused._prefetch_args(gpu, weights) == (weights, [2000, 992], True)  # 3,000 bytes: 2,000 + 1,000 cut to 16s
-    assert fused._prefetch_args(gpu, weights[1:]) == (weights[1:], [2992], True)
-    assert asked == [gpu]
-    assert fused._prefetch_args(torch.device("cpu"), weights) == ([], [], False)
-    assert fused._prefetch_args(gpu, []) == ([], [], False)

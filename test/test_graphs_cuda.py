@@ -65,14 +65,11 @@ def fused_model():
     return m
 
 
-@pytest.mark.parametrize("option, value", [("time_mix_loras", True), ("l2_prefetch", 31)])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_graph_decode_with_option_matches_eager(fused_model, option, value, rows, monkeypatch):
-    """Decode steps replayed from CUDA graphs with a decode option of the fused kernels on: the tokens and states of
-    eager steps, bit for bit. time_mix_loras: the time mix computes the LoRA second halves (its dynamic shared memory
-    allowed at the first launch, in the graphs' warm-up); l2_prefetch 31: the time mix, the norms and the sparse FFN
-    value ask L2 for the next launches' weights, before their dependency wait (every PREFETCH_* bit)."""
-    monkeypatch.setattr(fused_model.fused, option, value)
+def test_graph_decode_with_time_mix_loras_matches_eager(fused_model, rows, monkeypatch):
+    """Decode steps whose time mix computes the LoRA second halves (its dynamic shared memory allowed at the first
+    launch, in the graphs' warm-up) replayed from CUDA graphs: the tokens and states of eager steps, bit for bit."""
+    monkeypatch.setattr(fused_model.fused, "time_mix_loras", True)
     slots = list(range(3, 3 + rows))
     eager, graphs = decode_eager_and_graphed(fused_model, 8, slots, 4)
     for s in slots:

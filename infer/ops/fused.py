@@ -60,12 +60,6 @@ DEFAULT_GEMV_ROWS = 2
 # against 15.6 / 24.7 (a chunk's product has too few output tiles to fill the GPU); 257-1,023 rows not measured.
 UINT4_CUBLAS_ABOVE_ROWS = 512
 UINT4_CHUNK_BYTES = 16 << 20
-# L2 prefetch (RWKV_L2_PREFETCH, a sum of these bits): in a GEMV-sized step,
-PREFETCH_TIME_MIX = 1  # the time mix asks L2 for the output projection's and the FFN key's weights
-PREFETCH_LN1 = 2       # a layer's first norm asks for the weights of its r/k/v launch
-PREFETCH_EARLY = 4     # they ask before their dependency wait (while the launch before them runs), not after
-PREFETCH_LN2 = 8       # the FFN's norm asks for the FFN key's weights and a dense (not K-major) FFN value's
-PREFETCH_FFN_VALUE = 16  # a sparse FFN value launch (reading a fraction of its rows) asks for the next layer's r/k/v
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -229,12 +223,6 @@ def _gate_lora(blk: "Block", xg: torch.Tensor, g: torch.Tensor) -> None:
     torch.mm(torch.sigmoid(torch.mm(xg, blk.g1.weight.t())), blk.g2.weight.t(), out=g)
 
 
-def rkv_launch_linears(blk: "Block", first_layer: bool) -> list:
-    """The linears of a decode step's r/k/v launch in its order: the LoRA first halves (no v in layer 0), then r, k,
-    v (the L2 prefetch asks for their weights in this order)."""
-    return [blk.w1, blk.a1, blk.g1] + ([] if first_layer else [blk.v1]) + [blk.receptance, blk.key, blk.value]
-
-
 def add_product(x: torch.Tensor, linear, y: torch.Tensor) -> None:
     """x += y W^T; with dense weights one cuBLAS call with the add folded in (beta = 1)."""
     if isinstance(linear, DenseLinear):
@@ -300,15 +288,6 @@ class FusedKernels:
         # / 58,881 on none; 7.2B 6,098 / 16,404 / 21,490, 5,725 / 15,983 / 21,177, 5,498 / 15,494 / 20,906
         # (bench/results/experiment_lora_streams*_h200.json). RWKV_LORA_STREAM=0/1 for A/B runs.
         self.lora_streams: int = min(max(env_int("RWKV_LORA_STREAM", 2), 0), 2)
-        # Which latency-bound launches of a GEMV-sized step ask L2 for the weights of the GEMV launches after them
-        # (PREFETCH_* bits; cuda/rwkv7_fused.cu, L2Prefetch: a hint, the same results), at most l2_prefetch_bytes a
-        # launch (RWKV_L2_PREFETCH_MB; 0: three quarters of the device's L2). The premise: such launches (norms, LoRA
-        # second halves, time mix) leave the memory idle for ~14 us of a 1.5B layer's 48 at batch 1
-        # (bench/results/experiment_skip_*_h200.json). Off until timed (h200_pending.sh l2-prefetch); the CUDA
-        # source only.
-        self.l2_prefetch: int = 0 if torch.version.hip is not None else env_int("RWKV_L2_PREFETCH", 0)
-        self.l2_prefetch_bytes: int = env_int("RWKV_L2_PREFETCH_MB", 0) << 20
-        self._l2_sizes: dict[torch.device, int] = {}
         self._side_streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
         self._forward_stream: int | None = None  # the stream handle of the forward running (forward)
 
@@ -321,37 +300,9 @@ class FusedKernels:
         return torch.cuda.current_stream(t.device).cuda_stream
 
     def ln_shift_mix(self, x: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, shift: torch.Tensor,
-                     batch: PackedBatch, mixes: list[torch.Tensor], outs: list[torch.Tensor],
-                     prefetch: Sequence[torch.Tensor] = ()) -> None:
-        """prefetch: weights for the kernel to ask L2 for (:meth:`l2_prefetch_for`)."""
+                     batch: PackedBatch, mixes: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         self._m.ln_shift_mix(x, ln_w, ln_b, shift, batch.prev_index(), batch.slots, batch.last, mixes, outs,
-                             self._stream(x), *self._prefetch_args(x.device, prefetch))
-
-    def l2_prefetch_for(self, bit: int, linears: Sequence) -> list[torch.Tensor]:
-        """The weights (GEMV operands, in order) of ``linears`` (None: skipped) for a launch to ask L2 for when
-        the ``bit`` of ``l2_prefetch`` is set, else []."""
-        if not self.l2_prefetch & bit:
-            return []
-        return [self.operands(lin).weight for lin in linears if lin is not None]
-
-    def _prefetch_args(self, device: torch.device, prefetch: Sequence[torch.Tensor]) -> tuple[list, list[int], bool]:
-        """The ops' (prefetch, prefetch_bytes, prefetch_early) arguments: the tensors' leading bytes in order, at most
-        ``l2_prefetch_bytes`` in all (0: three quarters of the device's L2), each a multiple of 16."""
-        budget = self.l2_prefetch_bytes
-        if prefetch and budget <= 0:
-            if device not in self._l2_sizes:
-                props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
-                self._l2_sizes[device] = props.L2_cache_size if props is not None else 0
-            budget = self._l2_sizes[device] * 3 // 4
-        tensors, sizes = [], []
-        for t in prefetch:
-            size = min(t.numel() * t.element_size(), budget) // 16 * 16
-            if size == 0:
-                break
-            tensors.append(t)
-            sizes.append(size)
-            budget -= size
-        return tensors, sizes, bool(tensors) and bool(self.l2_prefetch & PREFETCH_EARLY)
+                             self._stream(x))
 
     def gemv(self, tasks: list[tuple], then: list[tuple] = ()) -> None:
         """tasks: (linear, x, y, epilogue, residual or None); every x has the same rows. `then`: tasks reading the
@@ -393,19 +344,16 @@ class FusedKernels:
             self._stage_sync[device] = torch.zeros(2, dtype=torch.int32, device=device)
         return self._stage_sync[device]
 
-    def sparse_gemv(self, linear: KMajorLinear | KMajorW8A16Linear, x: torch.Tensor, y: torch.Tensor,
-                    prefetch: Sequence[torch.Tensor] = ()) -> None:
+    def sparse_gemv(self, linear: KMajorLinear | KMajorW8A16Linear, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += x W^T for a K-major linear, reading only the weight rows of x's nonzero columns; more rows than
-        the kernel takes go through the linear's own product. prefetch: weights for the kernel to ask L2 for
-        (:meth:`l2_prefetch_for`)."""
+        the kernel takes go through the linear's own product."""
         int8 = isinstance(linear, KMajorW8A16Linear)
         if x.shape[0] > (self.sparse_int8_rows if int8 else self.sparse_rows):
             add_product(y, linear, x)
             return
         partial, arrivals = linear.workspace
         scale = linear.scale if int8 else _empty(x.device)
-        self._m.sparse_gemv(x, linear.weight_t, scale, y, y, partial, arrivals, self._stream(x),
-                            *self._prefetch_args(x.device, prefetch))
+        self._m.sparse_gemv(x, linear.weight_t, scale, y, y, partial, arrivals, self._stream(x))
 
     def sparse_workspace(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A zeroed workspace for the sparse-input GEMV of a ``weight`` [out, in] (fp16, or int8) of this shape
@@ -442,18 +390,15 @@ class FusedKernels:
         return torch.relu_(x).square_()
 
     def time_mix(self, state: torch.Tensor, batch: PackedBatch, blk: "Block", first_layer: bool,
-                 tensors: list[torch.Tensor], loras: list[torch.Tensor] = (),
-                 prefetch: Sequence[torch.Tensor] = ()) -> None:
+                 tensors: list[torch.Tensor], loras: list[torch.Tensor] = ()) -> None:
         """loras: empty, or the LoRA second halves' inputs and weights for the kernel to compute dw, da, dv, g
-        (:meth:`lora_second_halves`); prefetch: weights for a decode step's kernel to ask L2 for
-        (:meth:`l2_prefetch_for`)."""
+        (:meth:`lora_second_halves`)."""
         empty = _empty(state.device)
         params = [blk.w0, blk.r_k.view(-1), blk.lnx_w, blk.lnx_b, blk.a0,
                   blk.v0 if blk.v0 is not None else empty, blk.k_k, blk.k_a]
         # the longest row: the launcher takes a prefill kernel when it is over 1, by the grid's size
         self._m.time_mix(state, batch.slots, batch.starts, batch.last, tensors, params, first_layer, max(batch.lens),
-                         self._stream(state), self.time_mix_blocks, list(loras),
-                         *self._prefetch_args(state.device, prefetch))
+                         self._stream(state), self.time_mix_blocks, list(loras))
 
     def lora_second_halves(self, blk: "Block", batch: PackedBatch, first_layer: bool,
                            hidden: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -492,14 +437,11 @@ class FusedKernels:
             hw, ha, hv, hg = new(T, cfg.rank_w), new(T, cfg.rank_a), new(T, cfg.rank_v), new(T, cfg.rank_g)
             hidden = new(T, cfg.ffn_dim)
         sides = () if small else self._lora_sides(x.device)  # the LoRA chains' streams (batched_projections)
-        pf = self.l2_prefetch != 0  # whether a GEMV-sized step's launches ask L2 for weights (no lists built if not)
         for i, blk in enumerate(model.blocks):
             first = i == 0
             loras = []  # the LoRA second halves, when the time mix computes them (lora_second_halves)
-            ln1_prefetch = self.l2_prefetch_for(PREFETCH_LN1, rkv_launch_linears(blk, first)) if small and pf else []
             self.ln_shift_mix(x, blk.ln1_w, blk.ln1_b, state.att_shift[i], batch,
-                              [blk.x_r, blk.x_w, blk.x_k, blk.x_v, blk.x_a, blk.x_g], [xr, xw, xk, xv, xa, xg],
-                              ln1_prefetch)
+                              [blk.x_r, blk.x_w, blk.x_k, blk.x_v, blk.x_a, blk.x_g], [xr, xw, xk, xv, xa, xg])
             if small:
                 # The decay and gate LoRAs' tanh/sigmoid as epilogues of their first halves. Those come first in
                 # the grid: last, their few blocks ran after the big matrices' at low occupancy, 38.9 us per 7.2B
@@ -530,8 +472,7 @@ class FusedKernels:
                 da = blk.a2(blk.a1(xa))
                 dv = _empty(x.device) if first else blk.v2(blk.v1(xv))
                 g = blk.g2(torch.sigmoid(blk.g1(xg)))
-            tm_prefetch = self.l2_prefetch_for(PREFETCH_TIME_MIX, [blk.output, blk.ffn_key]) if small and pf else []
-            self.time_mix(state.wkv[i], batch, blk, first, [r, k, v, dw, da, dv, g, v_first, y], loras, tm_prefetch)
+            self.time_mix(state.wkv[i], batch, blk, first, [r, k, v, dw, da, dv, g, v_first, y], loras)
             if i == len(model.blocks) - 1 and not all_logits and (tail := batch.readout_tail()) is not None:
                 # Only each row's last token is read out: the last block's output projection and FFN run on each
                 # row's last two tokens. A 7.2B prompt skips 1/32 of its FFN work, and that layer's shift state is
@@ -545,18 +486,12 @@ class FusedKernels:
             kf = xr[:batch.num_tokens]  # the mix buffers are free again: reuse one for the channel-mix input
             if small:
                 self.gemv([(blk.output, y, x, EPI_NONE, x)])
-                dense_value = not isinstance(blk.ffn_value, K_MAJOR_LINEARS)
-                ln2_prefetch = self.l2_prefetch_for(
-                    PREFETCH_LN2, [blk.ffn_key, blk.ffn_value if dense_value else None]) if pf else []
-                self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf],
-                                  ln2_prefetch)
+                self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
                 self.gemv([(blk.ffn_key, kf, hidden, EPI_RELU_SQUARE, None)])
-                if dense_value:
-                    self.gemv([(blk.ffn_value, hidden, x, EPI_NONE, x)])
+                if isinstance(blk.ffn_value, K_MAJOR_LINEARS):
+                    self.sparse_gemv(blk.ffn_value, hidden, x)
                 else:
-                    after = model.blocks[i + 1] if pf and i + 1 < len(model.blocks) else None
-                    self.sparse_gemv(blk.ffn_value, hidden, x, self.l2_prefetch_for(
-                        PREFETCH_FFN_VALUE, rkv_launch_linears(after, False)) if after is not None else [])
+                    self.gemv([(blk.ffn_value, hidden, x, EPI_NONE, x)])
             else:
                 add_product(x, blk.output, y)
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
