@@ -110,7 +110,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-stream  # streamed fp16 GEMV: GPU tests, decode A/B round 1
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-stream-more  # its round 2, per-kernel steps without PDL
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify-fused  # builds, every fused/graph GPU test
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh time-mix-loras  # LoRA second halves in the time mix: tests, A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sse-json  # 1.5B serving, 256 streams: chunks by hand vs encoder
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
@@ -379,15 +378,6 @@ verify-fused)  # after a change to the fused kernels or their tests: both builds
     build
     step 420 "fused and graph GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
         test/test_graphs_cuda.py
-    ;;
-time-mix-loras)  # the decode time mix computing the LoRA second halves (RWKV_TIME_MIX_LORAS=1; off by default until
-    # it wins here) against their own launch (fp16) or stage (quantized): builds, the GPU tests that run it, then decode
-    # at batch 1 and 2 (fp16 1.5B and 7.2B) and 1, 2, 8 (W8A16 7.2B) with it and without, two rounds. Flip the default
-    # if it wins (its first form, weights read through L1 after the wait, lost: experiment_time_mix_loras_l1prefetch*)
-    build
-    step 240 "time-mix LoRA GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
-        test/test_graphs_cuda.py -k "time_mix_loras or staged or decode_matches or greedy or invariance or graph"
-    switch_ab RWKV_TIME_MIX_LORAS time_mix_loras 1,2,8
     ;;
 sse-json)  # streamed chunks' choices written out as JSON text (98d9890) against json's encoder (sse_json_before: carry
     # ab_before/): the 1.5B forward at 32 and 256 rows, then 1.5B serving at 256 streams before / after, twice

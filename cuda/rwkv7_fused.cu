@@ -368,56 +368,7 @@ ln_shift_mix_span_kernel(int64_t T, int C, int64_t num_slots, const __half* __re
     }
 }
 
-// 16 / 8 bytes global -> shared without a register (cp.async, Ampere and newer), committed as a group, waited for
-__device__ __forceinline__ void copy_async16(void* dst_shared, const void* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-#else
-    *reinterpret_cast<uint4*>(dst_shared) = *reinterpret_cast<const uint4*>(src);
-#endif
-}
-
-__device__ __forceinline__ void copy_async8(void* dst_shared, const void* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
-#else
-    *reinterpret_cast<uint2*>(dst_shared) = *reinterpret_cast<const uint2*>(src);
-#endif
-}
-
-__device__ __forceinline__ void copy_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-template <int PENDING>  // wait until at most PENDING of this thread's newest commit groups are in flight
-__device__ __forceinline__ void copy_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-#endif
-}
-
 // ------------------------------------------------------------------------------------ time_mix
-// The LoRA second halves of a decode step's time mix, computed by its blocks (time_mix_kernel<S, true>) instead of
-// a launch of their own (~6 us of a batch-1 step's chain per layer: bench/results/experiment_skip_lora2_h200.json):
-// LoRA j (w, a, v, g) maps its first half's output h[j] ([T, rank[j]], activation applied) to y[j] = h[j] W[j]^T
-// ([T, C]: the dw, da, dv, g inputs, also written so that they can be inspected). rank[j] 0: none (v in layer 0).
-// A block copies its head's 64 rows of each W (64 x 512 weights at 1.5B, 64 x 832 at 7.2B) into shared memory
-// before the PDL wait, while the launch before it streams r/k/v: after the wait only the products are left.
-constexpr int kLoras = 4;
-constexpr int kLoraMaxRanks = 1024;  // the sum of a layer's four ranks
-// dynamic shared memory of time_mix_kernel<S, true>: the weights, then a token's h as floats
-constexpr int kLoraSharedMaxBytes = 64 * kLoraMaxRanks * 2 + kLoraMaxRanks * 4;
-struct TimeMixLoras {
-    const __half* h[kLoras];  // [T, rank[j]]
-    const __half* w[kLoras];  // [C, rank[j]] (nn.Linear layout)
-    __half* y[kLoras];        // [T, C]
-    int rank[kLoras];         // multiples of 8
-};
-
 struct TimeMixArgs {
     // per token [T, C] fp16
     const __half *r, *k, *v, *dw, *da, *dv, *g;
@@ -427,7 +378,6 @@ struct TimeMixArgs {
     const float *w0, *r_k, *lnx_w, *lnx_b;
     const __half *a0, *v0, *k_k, *k_a;
     int first_layer;  // 1: layer 0 (no value residual; v_first := v)
-    TimeMixLoras lora;  // time_mix_kernel<S, true> only
 };
 
 // The per-token inputs in the order of the kernels that copy them as 16-byte vectors (r, k, v, dw, da, g, dv,
@@ -482,67 +432,6 @@ struct ChannelParams {
 __device__ __forceinline__ ChannelParams load_channel_params(const TimeMixArgs& p, int64_t col) {
     return {p.w0[col],        p.r_k[col],       p.lnx_w[col],      p.lnx_b[col],
             h2f(p.a0[col]),   h2f(p.k_k[col]),  h2f(p.k_a[col]),   p.first_layer ? 0.0f : h2f(p.v0[col])};
-}
-
-// The sum of the ranks, and the bytes of time_mix_kernel<S, true>'s dynamic shared memory for them.
-__host__ __device__ __forceinline__ int lora_ranks(const TimeMixLoras& l) {
-    return l.rank[0] + l.rank[1] + l.rank[2] + l.rank[3];
-}
-__host__ __device__ __forceinline__ int lora_shared_bytes(const TimeMixLoras& l) { return lora_ranks(l) * (N * 2 + 4); }
-
-// Head h's 64 rows of each LoRA weight (contiguous in W: 128 * rank bytes) into `rows` one after another, by
-// asynchronous copies (weights: before the wait), committed as one group.
-__device__ __forceinline__ void copy_lora_rows(const TimeMixLoras& l, int h, unsigned char* rows) {
-#pragma unroll
-    for (int j = 0; j < kLoras; ++j) {
-        const int bytes = N * l.rank[j] * 2;
-        const unsigned char* src = reinterpret_cast<const unsigned char*>(l.w[j] + int64_t(h) * N * l.rank[j]);
-        for (int offset = threadIdx.x * 16; offset < bytes; offset += N * 16) copy_async16(rows + offset, src + offset);
-        rows += bytes;
-    }
-    copy_async_commit();
-}
-
-// Token t's LoRA outputs at channel col (thread i = col % N of its head's block), each rounded to fp16 as a GEMV
-// stores it, into out[j] and l.y[j][t, col]; out[j] 0 for a LoRA without rank. `rows`: copy_lora_rows' copy (waited
-// for here), then room for the token's h as floats. Thread i sums its row from vector i on, wrapping around (rows
-// of 64-256 weights are 128-512 bytes apart: straight, the threads of a phase would hit the same banks), in four
-// sums by element (each a chain of a quarter of the terms), added in a fixed order: deterministic, per row.
-__device__ __forceinline__ void lora_outputs(const TimeMixLoras& l, int64_t t, int64_t C, int64_t col,
-                                             const unsigned char* rows, float (&out)[kLoras]) {
-    const int i = threadIdx.x;
-    float* hs = reinterpret_cast<float*>(const_cast<unsigned char*>(rows) + lora_ranks(l) * N * 2);
-    int base = 0;
-#pragma unroll
-    for (int j = 0; j < kLoras; ++j) {
-        for (int v = i; v < l.rank[j] / 8; v += N) {
-            float f[8];
-            load8(l.h[j] + t * l.rank[j] + v * 8, f);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) hs[base + v * 8 + e] = f[e];
-        }
-        base += l.rank[j];
-    }
-    copy_async_wait<0>();
-    __syncthreads();  // the weights and h are in shared memory
-    base = 0;
-#pragma unroll
-    for (int j = 0; j < kLoras; ++j) {
-        const int vectors = l.rank[j] / 8;
-        const uint4* row = reinterpret_cast<const uint4*>(rows) + i * vectors;
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int n = 0, v = vectors ? i % vectors : 0; n < vectors; ++n, v = v + 1 == vectors ? 0 : v + 1) {
-            float wf[8];
-            unpack8(row[v], wf);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e % 4] = fmaf(wf[e], hs[base + v * 8 + e], acc[e % 4]);
-        }
-        const float sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-        out[j] = round_half(sum);
-        if (l.rank[j] > 0) l.y[j][t * C + col] = __float2half_rn(sum);
-        rows += N * l.rank[j] * 2;
-        base += l.rank[j];
-    }
 }
 
 // Whether a row's tokens lie in the launch (a nonempty range below num_tokens), and its slot in the pool.
@@ -633,8 +522,7 @@ __device__ __forceinline__ void time_mix_tokens(const TimeMixArgs& p, const Chan
     }
 }
 
-// LORAS: the LoRA second halves here too (lora_outputs; rows of one token only, see the launcher).
-template <typename S, bool LORAS = false>
+template <typename S>
 __global__ void __launch_bounds__(N)
 time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state, const int64_t* __restrict__ slots,
                 const int64_t* __restrict__ starts, const int64_t* __restrict__ lasts, TimeMixArgs p) {
@@ -657,28 +545,9 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
     wkv7::block_load(block, staged);  // only this kernel writes the state: safe before the wait
 
     const ChannelParams cp = load_channel_params(p, col);
-#if defined(EMU_WARP)  // (the CPU emulation: a static buffer of the largest size)
-    __shared__ __align__(16) unsigned char lora_rows[LORAS ? kLoraSharedMaxBytes : 16];
-#else
-    extern __shared__ __align__(16) unsigned char lora_rows[];
-#endif
-    if constexpr (LORAS) copy_lora_rows(p.lora, h, lora_rows);
 
     dependency_wait();
-    TokenInputs in;
-    if constexpr (LORAS) {
-        float d[kLoras];
-        lora_outputs(p.lora, first, C, col, lora_rows, d);
-        // (dw, da, dv, g: not read from the buffers, which hold them only from here on)
-        const int64_t o = first * C + col;
-        in = token_inputs(p, [&](int j) { return j >= 3 && j <= 6 ? 0.0f : h2f(chunk_input(p, j)[o]); });
-        in.dw = d[0];
-        in.da = d[1];
-        in.dv = d[2];
-        in.g = d[3];
-    } else {
-        in = load_token_inputs(p, first * C + col);
-    }
+    const TokenInputs in = load_token_inputs(p, first * C + col);
     wkv7::staged_to_tile(staged, tile);
     __syncthreads();
     float s[N];
@@ -700,6 +569,37 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
 // (a multiple of H: a block keeps one head), each walking the (row, head) items with a stride, the next item's
 // state block copied into shared memory (cp.async) while the current one is computed. Same math, order and
 // rounding as time_mix_kernel (bit for bit; the launcher picks by the grid's size).
+__device__ __forceinline__ void copy_async16(void* dst_shared, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#else
+    *reinterpret_cast<uint4*>(dst_shared) = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+
+__device__ __forceinline__ void copy_async8(void* dst_shared, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+#else
+    *reinterpret_cast<uint2*>(dst_shared) = *reinterpret_cast<const uint2*>(src);
+#endif
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int PENDING>  // wait until at most PENDING of this thread's newest commit groups are in flight
+__device__ __forceinline__ void copy_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+#endif
+}
+
 #define FUSED_TIME_MIX_PIPELINED 1  // (asked by the CPU emulator's harness: the HIP port has no such kernel)
 template <typename S>
 __global__ void __launch_bounds__(N, 8)
@@ -2959,17 +2859,14 @@ inline int multiprocessors(int device) {
     return cached[device] - 1;
 }
 
-// shared: bytes of dynamic shared memory (the kernel allowed that many: cudaFuncAttributeMaxDynamicSharedMemorySize)
 template <typename... KernelArgs, typename... Args>
-cudaError_t launch_shared(void (*kernel)(KernelArgs...), unsigned grid, unsigned block, size_t shared,
-                          cudaStream_t stream, Args&&... args) {
+cudaError_t launch(void (*kernel)(KernelArgs...), unsigned grid, unsigned block, cudaStream_t stream, Args&&... args) {
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(grid);
     config.blockDim = dim3(block);
-    config.dynamicSmemBytes = shared;
     config.stream = stream;
     cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -2977,11 +2874,6 @@ cudaError_t launch_shared(void (*kernel)(KernelArgs...), unsigned grid, unsigned
     config.attrs = attribute;
     config.numAttrs = use_pdl(device) ? 1 : 0;
     return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-}
-
-template <typename... KernelArgs, typename... Args>
-cudaError_t launch(void (*kernel)(KernelArgs...), unsigned grid, unsigned block, cudaStream_t stream, Args&&... args) {
-    return launch_shared(kernel, grid, block, 0, stream, std::forward<Args>(args)...);
 }
 
 // The kernel a packed GEMV launch runs on (fused_gemv_launch chooses).
@@ -3082,28 +2974,6 @@ inline int split_parts(unsigned grid, int multiprocessors) {
 inline bool inputs_aligned(const TimeMixArgs& p) {
     for (int j = 0; j < chunk_inputs(p); ++j)
         if (reinterpret_cast<uintptr_t>(chunk_input(p, j)) % 16 != 0) return false;
-    return true;
-}
-
-// p.lora from the launcher's arguments (see fused_time_mix_launch); false for ones it cannot take: ranks not
-// multiples of 8 or above kLoraMaxRanks together, a LoRA with a rank but no input, weight or output, or one off 16
-// bytes.
-inline bool set_time_mix_loras(TimeMixArgs& p, const void* const* loras, const int64_t* ranks) {
-    __half* outputs[kLoras] = {const_cast<__half*>(p.dw), const_cast<__half*>(p.da), const_cast<__half*>(p.dv),
-                               const_cast<__half*>(p.g)};
-    int64_t total = 0;
-    for (int j = 0; j < kLoras; ++j) {
-        const int64_t rank = ranks[j];
-        if (rank < 0 || rank % 8 != 0 || (total += rank) > kLoraMaxRanks) return false;
-        if (rank == 0) continue;
-        if (loras[j] == nullptr || loras[kLoras + j] == nullptr || outputs[j] == nullptr) return false;
-        if (reinterpret_cast<uintptr_t>(loras[j]) % 16 != 0 || reinterpret_cast<uintptr_t>(loras[kLoras + j]) % 16 != 0)
-            return false;
-        p.lora.h[j] = static_cast<const __half*>(loras[j]);
-        p.lora.w[j] = static_cast<const __half*>(loras[kLoras + j]);
-        p.lora.y[j] = outputs[j];
-        p.lora.rank[j] = static_cast<int>(rank);
-    }
     return true;
 }
 
@@ -3482,9 +3352,6 @@ extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, 
 // scratch: fp32, fused_time_mix_scratch_floats(...) of them (none when that is 0).
 // pipeline_blocks: 0 lets a decode launch take time_mix_pipelined_kernel by its size, < 0 never, > 0 always, on that
 // many blocks (see pipelined_blocks).
-// loras: null, or the LoRA second halves to compute here (see TimeMixLoras): h_w, h_a, h_v, h_g ([T, rank] fp16),
-// then W_w, W_a, W_v, W_g ([C, rank] fp16), lora_ranks their four ranks (v's 0 in layer 0); their outputs go to
-// dw, da, dv, g. Rows of one token only (max_len 1): time_mix_kernel<S, true>.
 extern "C" int64_t fused_time_mix_scratch_floats(int64_t B, int64_t H, int64_t num_tokens, const void* const* tensors,
                                                  int first_layer, int64_t max_len) {
     using namespace fused;
@@ -3499,14 +3366,12 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
                                      const void* const* params, int first_layer, int64_t max_len, float* scratch,
-                                     int64_t scratch_floats, int64_t pipeline_blocks, const void* const* loras,
-                                     const int64_t* lora_ranks) {
+                                     int64_t scratch_floats, int64_t pipeline_blocks) {
     using namespace fused;
     if (B == 0) return cudaSuccess;
     if (B < 0 || H <= 0 || B * H > INT_MAX) return cudaErrorInvalidConfiguration;
     if (state_dtype != wkv7::kFloat32 && state_dtype != wkv7::kFloat16) return cudaErrorInvalidValue;
-    TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
-    if (loras != nullptr && (max_len != 1 || !set_time_mix_loras(p, loras, lora_ranks))) return cudaErrorInvalidValue;
+    const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     const unsigned grid = static_cast<unsigned>(B * H);
@@ -3516,22 +3381,9 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
         return cudaErrorInvalidConfiguration;
     if (kernel == kTimeMixSplit && (scratch == nullptr || scratch_floats < split_scratch_floats(num_tokens, H)))
         return cudaErrorInvalidValue;
-    auto run = [&](auto* pool, auto decode_kernel, auto lora_kernel, auto pipelined_kernel, auto prefill_kernel,
-                   auto chunked_kernel, auto chunked_tc_kernel, auto split2_kernel, auto split4_kernel) {
+    auto run = [&](auto* pool, auto decode_kernel, auto pipelined_kernel, auto prefill_kernel, auto chunked_kernel,
+                   auto chunked_tc_kernel, auto split2_kernel, auto split4_kernel) {
         return on_device(device, [&] {
-            if (loras != nullptr) {  // its weights' copy in dynamic shared memory, above the default 48 KB
-                static bool allowed[2][64] = {};  // once per state dtype and device (graphs: in their warm-up runs)
-                if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
-                bool& done = allowed[state_dtype == wkv7::kFloat16][device];
-                if (!done) {
-                    const cudaError_t err = cudaFuncSetAttribute(
-                        lora_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kLoraSharedMaxBytes);
-                    if (err != cudaSuccess) return err;
-                    done = true;
-                }
-                return launch_shared(lora_kernel, grid, N, static_cast<size_t>(lora_shared_bytes(p.lora)), s, h,
-                                     num_slots, num_tokens, pool, slots, starts, lasts, p);
-            }
             const bool fp16_state = state_dtype == wkv7::kFloat16;
             const int64_t pipelined =
                 kernel == kTimeMixDecode
@@ -3561,13 +3413,11 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
         });
     };
     if (state_dtype == wkv7::kFloat32)
-        return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_kernel<float, true>,
-                   time_mix_pipelined_kernel<float>,
+        return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_pipelined_kernel<float>,
                    time_mix_prefill_kernel<float>,
                    time_mix_chunked_kernel<float>, time_mix_chunked_tc_kernel<float>, time_mix_split_kernel<float, 2>,
                    time_mix_split_kernel<float, 4>);
-    return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_kernel<__half, true>,
-               time_mix_pipelined_kernel<__half>,
+    return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_pipelined_kernel<__half>,
                time_mix_prefill_kernel<__half>,
                time_mix_chunked_kernel<__half>, time_mix_chunked_tc_kernel<__half>, time_mix_split_kernel<__half, 2>,
                time_mix_split_kernel<__half, 4>);

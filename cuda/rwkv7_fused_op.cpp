@@ -19,8 +19,7 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
                                      const void* const* params, int first_layer, int64_t max_len, float* scratch,
-                                     int64_t scratch_floats, int64_t pipeline_blocks, const void* const* loras,
-                                     const int64_t* lora_ranks);
+                                     int64_t scratch_floats, int64_t pipeline_blocks);
 extern "C" int64_t fused_time_mix_scratch_floats(int64_t B, int64_t H, int64_t num_tokens, const void* const* tensors,
                                                  int first_layer, int64_t max_len);
 extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int count, const void* const* w,
@@ -112,12 +111,9 @@ void ln_shift_mix(torch::Tensor x, torch::Tensor ln_w, torch::Tensor ln_b, torch
 // cuda/rwkv7_fused.cu), for a small grid one that needs an fp32 scratch [T, C], allocated here.
 // pipeline_blocks: 0 lets a large decode launch walk its rows on a fixed grid (time_mix_pipelined_kernel, same
 // results), < 0 never, > 0 always, on that many blocks (rounded down to a multiple of the heads).
-// loras: empty, or [h_w, h_a, h_v, h_g, W_w, W_a, W_v, W_g]: the LoRA second halves computed by the time mix itself
-// (fp16 h [T, rank], W [C, rank]; h_v and W_v empty in layer 0), their outputs written to dw, da, dv, g; every row
-// one token (max_len 1).
 void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, torch::Tensor lasts,
               std::vector<torch::Tensor> tensors, std::vector<torch::Tensor> params, bool first_layer,
-              int64_t max_len, int64_t stream, int64_t pipeline_blocks, std::vector<torch::Tensor> loras) {
+              int64_t max_len, int64_t stream, int64_t pipeline_blocks) {
     const char* op = "time_mix";
     TORCH_CHECK(state.is_cuda() && state.dim() == 4 && state.size(2) == kHeadSize && state.size(3) == kHeadSize, op,
                 ": state must be a CUDA tensor [slots, heads, 64, 64], got ", shape(state));
@@ -146,21 +142,6 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
     }
     const int state_dtype = state.scalar_type() == torch::kFloat32 ? 0 : 1;
     TORCH_CHECK(B == 0 || (max_len >= 1 && max_len <= T), op, ": max_len must be in [1, T = ", T, "], got ", max_len);
-    TORCH_CHECK(loras.empty() || loras.size() == 8, op, ": loras must be empty or 8 tensors, got ", loras.size());
-    TORCH_CHECK(loras.empty() || max_len == 1, op, ": the LoRAs go with rows of one token, got max_len ", max_len);
-    const char* lora_names[] = {"h_w", "h_a", "h_v", "h_g", "W_w", "W_a", "W_v", "W_g"};
-    std::vector<const void*> lora_ptr;
-    std::vector<int64_t> lora_ranks;
-    for (size_t j = 0; j < loras.size() / 2; ++j) {
-        const bool unused = first_layer && j == 2;
-        const int64_t rank = unused ? 0 : loras[j].dim() == 2 ? loras[j].size(1) : -1;
-        if (!unused) {
-            check(loras[j], device, torch::kFloat16, {T, rank}, op, lora_names[j]);
-            check(loras[4 + j], device, torch::kFloat16, {C, rank}, op, lora_names[4 + j]);
-        }
-        lora_ranks.push_back(rank);
-    }
-    for (size_t j = 0; j < loras.size(); ++j) lora_ptr.push_back(lora_ranks[j % 4] ? loras[j].data_ptr() : nullptr);
     const int64_t scratch_floats =
         fused_time_mix_scratch_floats(B, H, T, tensor_ptr.data(), first_layer ? 1 : 0, max_len);
     torch::Tensor scratch;
@@ -169,8 +150,7 @@ void time_mix(torch::Tensor state, torch::Tensor slots, torch::Tensor starts, to
                                    state.data_ptr(), slots.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
                                    lasts.data_ptr<int64_t>(), tensor_ptr.data(), param_ptr.data(), first_layer ? 1 : 0,
                                    max_len, scratch_floats > 0 ? scratch.data_ptr<float>() : nullptr, scratch_floats,
-                                   pipeline_blocks, loras.empty() ? nullptr : lora_ptr.data(),
-                                   loras.empty() ? nullptr : lora_ranks.data()),
+                                   pipeline_blocks),
              op);
 }
 
@@ -335,11 +315,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             "relu^2, 4-bit dequantization";
     m.def("ln_shift_mix", &ln_shift_mix, "ln_shift_mix(x, ln_w, ln_b, shift, prev, slots, lasts, mix, out, stream)");
     m.def("time_mix", &time_mix,
-          "time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, stream, pipeline_blocks=0, "
-          "loras=[])",
+          "time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, stream, pipeline_blocks=0)",
           py::arg("state"), py::arg("slots"), py::arg("starts"), py::arg("lasts"), py::arg("tensors"),
           py::arg("params"), py::arg("first_layer"), py::arg("max_len"), py::arg("stream"),
-          py::arg("pipeline_blocks") = 0, py::arg("loras") = std::vector<torch::Tensor>{});
+          py::arg("pipeline_blocks") = 0);
     m.def("gemv", &gemv, "gemv(w, scale, zero, x, y, residual, group, epilogue, stream, stage=[], sync=None)",
           py::arg("w"), py::arg("scale"), py::arg("zero"), py::arg("x"), py::arg("y"), py::arg("residual"),
           py::arg("group"), py::arg("epilogue"), py::arg("stream"), py::arg("stage") = std::vector<int64_t>{},

@@ -496,18 +496,6 @@ ln_shift_mix_span_kernel(int64_t T, int C, int64_t num_slots, const __half* __re
 }
 
 // ------------------------------------------------------------------------------------ time_mix
-// The LoRA second halves of a decode step, computed by its time mix (time_mix_kernel<S, true>; see the CUDA source:
-// there each block copies its weight rows into shared memory before the PDL wait, which this port does not have, so
-// here they are read from global memory after it).
-constexpr int kLoras = 4;
-constexpr int kLoraMaxRanks = 1024;
-struct TimeMixLoras {
-    const __half* h[kLoras];  // [T, rank[j]]
-    const __half* w[kLoras];  // [C, rank[j]]
-    __half* y[kLoras];        // [T, C]
-    int rank[kLoras];         // multiples of 8
-};
-
 struct TimeMixArgs {
     // per token [T, C] fp16
     const __half *r, *k, *v, *dw, *da, *dv, *g;
@@ -517,37 +505,7 @@ struct TimeMixArgs {
     const float *w0, *r_k, *lnx_w, *lnx_b;
     const __half *a0, *v0, *k_k, *k_a;
     int first_layer;  // 1: layer 0 (no value residual; v_first := v)
-    TimeMixLoras lora;  // time_mix_kernel<S, true> only
 };
-
-// Token t's LoRA outputs at channel col, rounded to fp16, into out[j] and l.y[j][t, col] (as the CUDA source, but
-// each row summed straight in one chain: same rounding point, another summation order).
-__device__ __forceinline__ void lora_outputs(const TimeMixLoras& l, int64_t t, int64_t C, int64_t col,
-                                             float (&out)[kLoras], float* hs) {
-    int base = 0;
-    for (int j = 0; j < kLoras; ++j) {
-        for (int v = threadIdx.x; v < l.rank[j] / 8; v += N) {
-            float f[8];
-            load8(l.h[j] + t * l.rank[j] + v * 8, f);
-            for (int e = 0; e < 8; ++e) hs[base + v * 8 + e] = f[e];
-        }
-        base += l.rank[j];
-    }
-    __syncthreads();
-    base = 0;
-    for (int j = 0; j < kLoras; ++j) {
-        const __half* row = l.w[j] + col * l.rank[j];
-        float acc = 0.0f;
-        for (int d = 0; d < l.rank[j]; d += 8) {
-            float wf[8];
-            load8(row + d, wf);
-            for (int e = 0; e < 8; ++e) acc = fmaf(wf[e], hs[base + d + e], acc);
-        }
-        out[j] = round_half(acc);
-        if (l.rank[j] > 0) l.y[j][t * C + col] = __float2half_rn(acc);
-        base += l.rank[j];
-    }
-}
 
 // One token's inputs to the time mix at one channel, as floats.
 struct TokenInputs {
@@ -614,8 +572,7 @@ __device__ __forceinline__ bool row_has_work(const TimeMixArgs& p, int64_t first
 
 // One block of 64 threads: one wavefront on CDNA, two on RDNA; block_sum<2> works on 32-thread teams
 // either way.
-// LORAS: the LoRA second halves here too (lora_outputs; rows of one token only).
-template <typename S, bool LORAS = false>
+template <typename S>
 __global__ void __launch_bounds__(N)
 time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state, const int64_t* __restrict__ slots,
                 const int64_t* __restrict__ starts, const int64_t* __restrict__ lasts, TimeMixArgs p) {
@@ -641,15 +598,6 @@ time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ st
 
     dependency_wait();
     TokenInputs in = load_token_inputs(p, first * C + col);
-    if constexpr (LORAS) {
-        __shared__ float hs[kLoraMaxRanks];
-        float d[kLoras];
-        lora_outputs(p.lora, first, C, col, d, hs);
-        in.dw = d[0];
-        in.da = d[1];
-        in.dv = d[2];
-        in.g = d[3];
-    }
     wkv7::staged_to_tile(staged, tile);
     __syncthreads();
     float s[N];
@@ -1976,26 +1924,6 @@ inline int split_parts(unsigned grid, int multiprocessors) {
     return grid * 2 <= unsigned(multiprocessors) && grid * 4 > unsigned(multiprocessors) ? 2 : 4;
 }
 
-// p.lora from the launcher's arguments; false for ones it cannot take (as the CUDA source's).
-inline bool set_time_mix_loras(TimeMixArgs& p, const void* const* loras, const int64_t* ranks) {
-    __half* outputs[kLoras] = {const_cast<__half*>(p.dw), const_cast<__half*>(p.da), const_cast<__half*>(p.dv),
-                               const_cast<__half*>(p.g)};
-    int64_t total = 0;
-    for (int j = 0; j < kLoras; ++j) {
-        const int64_t rank = ranks[j];
-        if (rank < 0 || rank % 8 != 0 || (total += rank) > kLoraMaxRanks) return false;
-        if (rank == 0) continue;
-        if (loras[j] == nullptr || loras[kLoras + j] == nullptr || outputs[j] == nullptr) return false;
-        if (reinterpret_cast<uintptr_t>(loras[j]) % 16 != 0 || reinterpret_cast<uintptr_t>(loras[kLoras + j]) % 16 != 0)
-            return false;
-        p.lora.h[j] = static_cast<const __half*>(loras[j]);
-        p.lora.w[j] = static_cast<const __half*>(loras[kLoras + j]);
-        p.lora.y[j] = outputs[j];
-        p.lora.rank[j] = static_cast<int>(rank);
-    }
-    return true;
-}
-
 inline int time_mix_kernel_for(const TimeMixArgs& p, unsigned grid, int prefill) {
     static const int64_t split_max_blocks = env_int("RWKV_SPLIT_MAX_BLOCKS", kSplitMaxBlocks);
     static const int64_t prefill_max_blocks = env_int("RWKV_PREFILL_MAX_BLOCKS", kPrefillMaxBlocks);
@@ -2044,11 +1972,8 @@ hipError_t launch_ln_shift_mix(int64_t T, int64_t B, hipStream_t stream, int C, 
 template <typename S>
 hipError_t launch_time_mix(unsigned grid, hipStream_t stream, int H, int64_t num_slots, int64_t num_tokens, S* state,
                            const int64_t* slots, const int64_t* starts, const int64_t* lasts, const TimeMixArgs& p,
-                           int kernel, int64_t rows, int64_t finish_grid, float* scratch, int parts, bool loras) {
-    if (loras) {
-        time_mix_kernel<S, true><<<dim3(grid), dim3(N), 0, stream>>>(H, num_slots, num_tokens, state, slots, starts,
-                                                                     lasts, p);
-    } else if (kernel == kTimeMixSplit) {
+                           int kernel, int64_t rows, int64_t finish_grid, float* scratch, int parts) {
+    if (kernel == kTimeMixSplit) {
         if (parts == 2)
             time_mix_split_kernel<S, 2><<<dim3(grid * 2), dim3(split_threads(2)), 0, stream>>>(
                 H, num_slots, num_tokens, state, slots, starts, lasts, p, scratch);
@@ -2322,7 +2247,6 @@ extern "C" int fused_ln_shift_mix_launch(int device, int64_t stream, int64_t T, 
 // params: w0, r_k, lnx_w, lnx_b (fp32 [C]), a0, v0, k_k, k_a (fp16 [C]; v0 unused in layer 0).
 // max_len: the longest row's tokens (a prefill when > 1, see time_mix_kernel_for).
 // scratch: fp32, fused_time_mix_scratch_floats(...) of them (none when that is 0).
-// loras, lora_ranks: null, or the LoRA second halves computed here (as the CUDA source's launcher).
 extern "C" int64_t fused_time_mix_scratch_floats(int64_t B, int64_t H, int64_t num_tokens, const void* const* tensors,
                                                  int first_layer, int64_t max_len) {
     using namespace fused;
@@ -2337,16 +2261,14 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
                                      int64_t num_slots, int64_t num_tokens, void* state, const int64_t* slots,
                                      const int64_t* starts, const int64_t* lasts, const void* const* tensors,
                                      const void* const* params, int first_layer, int64_t max_len, float* scratch,
-                                     int64_t scratch_floats, int64_t pipeline_blocks, const void* const* loras,
-                                     const int64_t* lora_ranks) {
+                                     int64_t scratch_floats, int64_t pipeline_blocks) {
     using namespace fused;
     // Not ported: the CUDA build's time_mix_pipelined_kernel (cp.async prefetch of the next row's state), so every
     // decode launch here takes time_mix_kernel, whatever pipeline_blocks asks (the results are the same).
     (void)pipeline_blocks;
     if (B == 0) return hipSuccess;
     if (B < 0 || H <= 0 || B * H > INT_MAX) return hipErrorInvalidConfiguration;
-    TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
-    if (loras != nullptr && (max_len != 1 || !set_time_mix_loras(p, loras, lora_ranks))) return hipErrorInvalidValue;
+    const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const hipStream_t s = reinterpret_cast<hipStream_t>(stream);
     const unsigned grid = static_cast<unsigned>(B * H);
@@ -2360,10 +2282,10 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
         const int parts = split_parts(grid, multiprocessors(device));
         if (state_dtype == wkv7::kFloat32)
             return launch_time_mix<float>(grid, s, h, num_slots, num_tokens, static_cast<float*>(state), slots,
-                                          starts, lasts, p, kernel, B, finish_grid, scratch, parts, loras != nullptr);
+                                          starts, lasts, p, kernel, B, finish_grid, scratch, parts);
         if (state_dtype == wkv7::kFloat16)
             return launch_time_mix<__half>(grid, s, h, num_slots, num_tokens, static_cast<__half*>(state), slots,
-                                           starts, lasts, p, kernel, B, finish_grid, scratch, parts, loras != nullptr);
+                                           starts, lasts, p, kernel, B, finish_grid, scratch, parts);
         return hipErrorInvalidValue;
     });
 }

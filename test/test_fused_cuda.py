@@ -341,47 +341,18 @@ def test_staged_loras_change_no_output(pair, rows, monkeypatch):
     assert_staging_changes_no_output(pair[1], rows, monkeypatch)
 
 
-def assert_setting_changes_no_output(model: RWKV7, rows: int, monkeypatch, name: str, values: tuple,
-                                     **fixed) -> None:
-    """Decode steps of ``rows`` rows with ``model.fused.<name>`` at each of ``values`` (``fixed``: other settings,
-    set first): the same logits and state pool (WKV states and both token-shift states), bit for bit."""
-    for key, value in fixed.items():
-        monkeypatch.setattr(model.fused, key, value)
+def assert_staging_changes_no_output(model: RWKV7, rows: int, monkeypatch) -> None:
+    """Decode steps of ``rows`` rows with the LoRAs staged and not: the same logits and state pool (WKV states and
+    both token-shift states), bit for bit."""
     results = []
-    for value in values:
-        monkeypatch.setattr(model.fused, name, value)
+    for staged in (False, True):
+        monkeypatch.setattr(model.fused, "staged_loras", staged)
         results.append(decode_steps(model, rows, 8, torch.float32))
     want, want_pool = results[0]
     for got, pool in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         for part in ("wkv", "att_shift", "ffn_shift"):
             assert torch.equal(getattr(pool, part), getattr(want_pool, part)), part
-
-
-def assert_staging_changes_no_output(model: RWKV7, rows: int, monkeypatch) -> None:
-    """Decode steps of ``rows`` rows with the LoRAs staged and not: the same bits (the second halves in GEMV
-    launches: not computed by the time mix, which would take them from both)."""
-    assert_setting_changes_no_output(model, rows, monkeypatch, "staged_loras", (False, True), time_mix_loras=False)
-
-
-def assert_time_mix_loras_match_launches(model: RWKV7, rows: int, monkeypatch) -> None:
-    """Decode steps of ``rows`` rows with the LoRA second halves computed by the time mix and by GEMV launches: the
-    same greedy tokens, logits and states within the rounding of sums added in another order."""
-    results = []
-    for folded in (False, True):
-        monkeypatch.setattr(model.fused, "time_mix_loras", folded)
-        results.append(decode_steps(model, rows, 8, torch.float32))
-    (want, want_pool), (got, pool) = results
-    for a, b in zip(got, want):
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
-        assert (a - b).abs().max().item() <= 0.01 * b.abs().max().item() + 0.01
-    assert (pool.wkv - want_pool.wkv).abs().max().item() <= 0.02
-
-
-@pytest.mark.parametrize("rows", [1, 2])
-def test_time_mix_loras_match_gemv_launches(pair, rows, monkeypatch):
-    """fp16: the decode time mix computing the LoRA second halves (RWKV_TIME_MIX_LORAS) against their own launches."""
-    assert_time_mix_loras_match_launches(pair[1], rows, monkeypatch)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -601,12 +572,10 @@ def test_w8a16_decode_at_1_5b_width_matches_readable(w8_pair_2048, batch, monkey
 
 @pytest.mark.parametrize("rows", [1, 2, 8])
 def test_w8a16_staged_loras_change_no_output(kernels, rows, monkeypatch):
-    """A W8A16 model's int8 r/k/v bands share the staged launch with the fp16 LoRAs: the same bits as without; its
-    LoRA second halves in the time mix (RWKV_TIME_MIX_LORAS) against their own launches."""
+    """A W8A16 model's int8 r/k/v bands share the staged launch with the fp16 LoRAs: the same bits as without."""
     (model,) = w8a16_models(1)
     select_fused(model, "on")
     assert_staging_changes_no_output(model, rows, monkeypatch)
-    assert_time_mix_loras_match_launches(model, rows, monkeypatch)
 
 
 @pytest.mark.parametrize("quantized", [False, True])

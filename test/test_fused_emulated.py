@@ -84,7 +84,7 @@ def libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
         if name.startswith("fused"):
             so.emu_fused_ln_shift_mix.argtypes = [i64, i64, i64, p, p, p, p, p, p, p, p, p, i32, i32]
             so.emu_ln_span_for.argtypes = [i64, i64, i64]
-            so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32, i64, i32, p, p]
+            so.emu_fused_time_mix.argtypes = [i32, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32, i64, i32]
             so.emu_time_mix_kernel_for.argtypes = [p, i32, ctypes.c_uint, i32]
             so.emu_split_parts.argtypes = [ctypes.c_uint, i32]
             so.emu_fused_relu_square.argtypes = [i64, p]
@@ -348,17 +348,11 @@ def skip_unless_cuda(variant: str, kernel: str) -> None:
         pytest.skip(f"the {kernel} time mix has no HIP port")
 
 
-def run_time_mix(so, layer, p, pool, slots, starts, lasts, kernel="decode", loras=None):
-    """loras: (h_w, h_a, h_v, h_g, W_w, W_a, W_v, W_g) for the kernel to compute dw, da, dv, g itself (written into
-    p's tensors of those names; h_v and W_v None in layer 0)."""
+def run_time_mix(so, layer, p, pool, slots, starts, lasts, kernel="decode"):
     T, C = p["r"].shape
     v_first = p["v_first"].clone() if layer else torch.full((T, C), -7.0, dtype=torch.float16)
     out = torch.full((T, C), 1234.0, dtype=torch.float16)
     tensors = [p["r"], p["k"], p["v"], p["dw"], p["da"], p["dv"], p["g"], v_first, out]
-    lora_ptrs = lora_ranks = None
-    if loras is not None:
-        lora_ptrs = _ptrs(loras)
-        lora_ranks = _ints([0 if h is None else h.shape[1] for h in loras[:4]], ctypes.c_int64)
     params = [p["w0"], p["r_k"], p["lnx_w"], p["lnx_b"], p["a0"], p["v0"], p["k_k"], p["k_a"]]
     B = len(slots)
     ints = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
@@ -366,8 +360,7 @@ def run_time_mix(so, layer, p, pool, slots, starts, lasts, kernel="decode", lora
     max_len = max(1, max(last - start + 1 for start, last in zip(starts, lasts)))
     _check_rc(so.emu_fused_time_mix(DTYPE_CODE[pool.dtype], B, C // N, pool.shape[0], T, _ptr(pool), _ptr(slots_t),
                                     _ptr(starts_t), _ptr(lasts_t), _ptrs(tensors), _ptrs(params), int(layer == 0),
-                                    TIME_MIX_RUNS[kernel], max_len, 2 if kernel == "split2" else 4, lora_ptrs,
-                                    lora_ranks))
+                                    TIME_MIX_RUNS[kernel], max_len, 2 if kernel == "split2" else 4))
     return out, v_first
 
 
@@ -552,71 +545,6 @@ def test_split_kernel_parts_agree_bit_for_bit(variant, layer, state_dtype, libs)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     assert not torch.equal(runs[0][2], pool)
-
-
-# LoRA ranks (w, a, v, g) for the time mix's own second halves: small ones, and 7.2B's (832 of kLoraMaxRanks)
-LORA_RANKS = {"small": (16, 24, 8, 32), "7.2b": (128, 128, 96, 480)}
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("ranks", list(LORA_RANKS))
-@pytest.mark.parametrize("layer,state_dtype", [(0, torch.float32), (2, torch.float16), (1, torch.float32)])
-def test_time_mix_computes_the_lora_second_halves(variant, ranks, layer, state_dtype, libs):
-    """The decode time mix with the LoRA second halves folded in: its dw, da, dv, g are the products h W^T within
-    the GEMV's bound (fp32 sums of fp16 terms, rounded once), and given those values as inputs the plain kernel
-    computes the same outputs, v_first and state bit for bit. Rows of one token, one on an out-of-range slot."""
-    so = libs[f"fused-{variant}"]
-    gen = torch.Generator().manual_seed(17 + layer)
-    C, slots = 128, [3, 0, 9, 1]  # slot 9: out of range
-    T, H = len(slots), C // N
-    p = time_mix_inputs(C, T, layer, gen)
-    rank = dict(zip("wavg", LORA_RANKS[ranks]))
-    if layer == 0:
-        rank["v"] = 0
-    hs = {j: (torch.randn(T, r, generator=gen) * 0.5).half() if r else None for j, r in rank.items()}
-    ws = {j: (torch.randn(C, r, generator=gen) * r ** -0.5).half() if r else None for j, r in rank.items()}
-    for name in ("dw", "da", "dv", "g"):
-        if p[name] is not None:
-            p[name] = torch.full((T, C), 1234.0, dtype=torch.float16)
-    pool = (torch.randn(6, H, N, N, generator=gen) * 0.3).to(state_dtype)
-    rows = list(range(T))
-    folded_pool = pool.clone()
-    out, v_first = run_time_mix(so, layer, p, folded_pool, slots, rows, rows,
-                                loras=[hs[j] for j in "wavg"] + [ws[j] for j in "wavg"])
-
-    good = [t for t, s in enumerate(slots) if s < 6]
-    for j, name in zip("wavg", ("dw", "da", "dv", "g")):
-        if rank[j] == 0:
-            continue
-        task = dict(x=hs[j][good], w=ws[j], dense=None, type=WEIGHT_TYPE[F16], scale=None, epi=EPI_NONE,
-                    residual=None)
-        check_gemv(task, p[name][good], f"{name} (rank {rank[j]})")
-    assert torch.isnan(out[2]).all(), "a row on an out-of-range slot must get NaN outputs"
-
-    plain_pool = pool.clone()
-    want, want_v_first = run_time_mix(so, layer, p, plain_pool, slots, rows, rows)
-    assert torch.equal(out[good], want[good]) and torch.equal(v_first, want_v_first)
-    assert torch.equal(folded_pool, plain_pool) and not torch.equal(folded_pool, pool)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_time_mix_refuses_loras_it_cannot_take(variant, libs):
-    """Rows of several tokens, ranks off multiples of 8 or over kLoraMaxRanks together: the launcher's -1."""
-    so = libs[f"fused-{variant}"]
-    gen = torch.Generator().manual_seed(3)
-    C, T = 128, 2
-    p = time_mix_inputs(C, T, 1, gen)
-    pool = torch.zeros(2, C // N, N, N)
-
-    def loras(*ranks):
-        return ([torch.zeros(T, r, dtype=torch.float16) for r in ranks] +
-                [torch.zeros(C, r, dtype=torch.float16) for r in ranks])
-
-    run_time_mix(so, 1, p, pool, [0, 1], [0, 1], [0, 1], loras=loras(8, 8, 8, 8))  # accepted
-    for bad, rows in ((loras(8, 8, 8, 8), ([0], [0], [1])), (loras(8, 12, 8, 8), ([0, 1], [0, 1], [0, 1])),
-                      (loras(512, 256, 128, 256), ([0, 1], [0, 1], [0, 1]))):
-        with pytest.raises(AssertionError, match="refused"):
-            run_time_mix(so, 1, p, pool, *rows, loras=bad)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -29,7 +29,6 @@ class TorchFusedOps:
     """The extension module's ops as their contracts say, in torch (fp32 math, fp16 results)."""
 
     staged_launches = 0  # gemv launches with stages so far
-    lora_time_mixes = 0  # time_mix launches that computed the LoRA second halves so far
     sparse_int8_launches = 0  # sparse_gemv launches of int8 weights so far
 
     @staticmethod
@@ -59,17 +58,10 @@ class TorchFusedOps:
         shift[slots] = xn[lasts]
 
     @staticmethod
-    def time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, _stream, _blocks=0,
-                 loras=()) -> None:
+    def time_mix(state, slots, starts, lasts, tensors, params, first_layer, max_len, _stream, _blocks=0) -> None:
         r, k, v, dw, da, dv, g, v_first, out = tensors
         w0, r_k, lnx_w, lnx_b, a0, v0, k_k, k_a = params
         T, C = r.shape
-        if loras:  # the LoRA second halves first: h W^T into dw, da, dv, g
-            assert max_len == 1
-            TorchFusedOps.lora_time_mixes += 1
-            for h, weight, y in zip(loras[:4], loras[4:], (dw, da, dv, g)):
-                if h.numel():
-                    y.copy_((h.float() @ weight.float().T).half())
         H, N = state.shape[1], state.shape[2]
         w = torch.exp(-EXP_MINUS_HALF * torch.sigmoid(w0 + dw.float()))
         a = torch.sigmoid(a0.float() + da.float())
@@ -179,24 +171,17 @@ def assert_match(outs, pools):
 @pytest.mark.parametrize("all_logits", [True, False])
 @pytest.mark.parametrize("gemv_rows", [2, 8])
 @pytest.mark.parametrize("staged", [False, True, None])
-@pytest.mark.parametrize("time_mix_loras", [True, False])
-def test_fused_forward_matches_readable(models, lens, all_logits, gemv_rows, staged, time_mix_loras, monkeypatch):
+def test_fused_forward_matches_readable(models, lens, all_logits, gemv_rows, staged, monkeypatch):
     """Prefills and decode steps through the GEMV path (up to gemv_rows tokens) and the matmul path; without
     all_logits the last block runs on each row's last two tokens, which can switch a matmul-path prefill to the
     GEMV path for that block ([40]) or shrink a GEMV-path batch's buffers ([3, 2] at 8 rows)."""
-    # LoRA second halves in the time mix (rows of one token), else as a second stage: forced on, off, or by default
-    # (None: not for fp16 r/k/v)
+    # LoRA second halves as a second stage: forced on, off, or by default (None: not for fp16 r/k/v)
     monkeypatch.setattr(models[1].fused, "staged_loras", staged)
-    monkeypatch.setattr(models[1].fused, "time_mix_loras", time_mix_loras)
     monkeypatch.setattr(TorchFusedOps, "staged_launches", 0)
-    monkeypatch.setattr(TorchFusedOps, "lora_time_mixes", 0)
     rows = [[(13 * i + 7 * j) % 512 for j in range(n)] for i, n in enumerate(lens)]
     outs, pools = run(models, rows, all_logits, gemv_rows)
-    # every layer of a step on the GEMV path computes its LoRA second halves in the time mix or stages them
-    gemv_path = sum(lens) <= gemv_rows
-    folded = gemv_path and time_mix_loras and max(lens) == 1
-    assert TorchFusedOps.lora_time_mixes == (3 if folded else 0)
-    assert TorchFusedOps.staged_launches == (3 if staged is True and gemv_path and not folded else 0)
+    # every layer of a step on the GEMV path stages its LoRAs (the first layer has no value LoRA: 3 second halves)
+    assert TorchFusedOps.staged_launches == (3 if staged is True and sum(lens) <= gemv_rows else 0)
     assert outs[0][1].shape[0] == (sum(lens) if all_logits else len(lens))
     assert_match(outs, pools)
 
@@ -221,17 +206,13 @@ def test_w8a16_forward_with_sparse_int8_ffn_value(binding, rows, monkeypatch):
 
 
 @pytest.mark.parametrize("staged", [None, False])
-@pytest.mark.parametrize("time_mix_loras", [True, False])
-def test_w8a16_forward_stages_loras_by_default(w8a16_models, staged, time_mix_loras, monkeypatch):
-    """With int8 r/k/v (a W8A16 model; its LoRAs fp16) every layer of a decode step computes its LoRA second
-    halves in the time mix, or without that stages them unless switched off; the same outputs every way."""
+def test_w8a16_forward_stages_loras_by_default(w8a16_models, staged, monkeypatch):
+    """With int8 r/k/v (a W8A16 model) every layer of a decode step stages its LoRAs unless switched off; the
+    same outputs either way."""
     monkeypatch.setattr(w8a16_models[1].fused, "staged_loras", staged)
-    monkeypatch.setattr(w8a16_models[1].fused, "time_mix_loras", time_mix_loras)
     monkeypatch.setattr(TorchFusedOps, "staged_launches", 0)
-    monkeypatch.setattr(TorchFusedOps, "lora_time_mixes", 0)
     outs, pools = run(w8a16_models, [[5], [77]], gemv_rows=8, steps=2)
-    assert TorchFusedOps.lora_time_mixes == (6 if time_mix_loras else 0)  # 3 layers, 2 forwards
-    assert TorchFusedOps.staged_launches == (6 if staged is None and not time_mix_loras else 0)
+    assert TorchFusedOps.staged_launches == (6 if staged is None else 0)
     assert_match(outs, pools)
 
 

@@ -275,13 +275,6 @@ class FusedKernels:
         self.staged_loras: bool | None = (False if torch.version.hip is not None else
                                           None if not staged else env_flag("RWKV_GEMV_STAGED", False))
         self._stage_sync: dict[torch.device, torch.Tensor] = {}
-        # Whether a decode step's time mix computes the LoRA second halves itself (time_mix_kernel<S, true>) instead
-        # of a GEMV launch (or stage) of their own, when every row is one token and their weights are dense fp16.
-        # Off until timed (RWKV_TIME_MIX_LORAS=1; h200_pending.sh time-mix-loras): its first form, each thread
-        # reading its weight rows through L1 after the wait, lost on an H200 (1.5B batch 1 789 against 866 tok/s,
-        # 7.2B 237 against 274, W8A16 7.2B 273 against 377: bench/results/experiment_time_mix_loras_l1prefetch*);
-        # this one copies them into shared memory before the wait.
-        self.time_mix_loras: bool = env_flag("RWKV_TIME_MIX_LORAS", False)
         # Above the GEMV's rows, how many side streams the LoRA chains run on beside the r/k/v product
         # (batched_projections; same results): 0 none, 1 both chains on one, 2 one each. H200, tok/s at batch 32 /
         # 128 / 256 (fp32 state): 1.5B 17,453 / 45,740 / 63,214 on 2, 15,662 / 42,905 / 60,791 on 1, 14,279 / 40,885
@@ -390,29 +383,13 @@ class FusedKernels:
         return torch.relu_(x).square_()
 
     def time_mix(self, state: torch.Tensor, batch: PackedBatch, blk: "Block", first_layer: bool,
-                 tensors: list[torch.Tensor], loras: list[torch.Tensor] = ()) -> None:
-        """loras: empty, or the LoRA second halves' inputs and weights for the kernel to compute dw, da, dv, g
-        (:meth:`lora_second_halves`)."""
+                 tensors: list[torch.Tensor]) -> None:
         empty = _empty(state.device)
         params = [blk.w0, blk.r_k.view(-1), blk.lnx_w, blk.lnx_b, blk.a0,
                   blk.v0 if blk.v0 is not None else empty, blk.k_k, blk.k_a]
         # the longest row: the launcher takes a prefill kernel when it is over 1, by the grid's size
         self._m.time_mix(state, batch.slots, batch.starts, batch.last, tensors, params, first_layer, max(batch.lens),
-                         self._stream(state), self.time_mix_blocks, list(loras))
-
-    def lora_second_halves(self, blk: "Block", batch: PackedBatch, first_layer: bool,
-                           hidden: list[torch.Tensor]) -> list[torch.Tensor]:
-        """[h_w, h_a, h_v, h_g, W_w, W_a, W_v, W_g] for the time mix to compute the LoRA second halves of a step of
-        one token per row (``hidden``: the first halves' outputs h_w, h_a, h_v, h_g), or [] when it cannot: a row of
-        several tokens, or a second half that is not a dense fp16 matrix."""
-        if not self.time_mix_loras or max(batch.lens) != 1:
-            return []
-        linears = [blk.w2, blk.a2, None if first_layer else blk.v2, blk.g2]
-        if not all(lin is None or (_dense_fp16(lin) and lin.weight.is_contiguous()) for lin in linears):
-            return []
-        empty = _empty(hidden[0].device)
-        return [empty if lin is None else h for lin, h in zip(linears, hidden)] + \
-               [empty if lin is None else lin.weight for lin in linears]
+                         self._stream(state), self.time_mix_blocks)
 
     # -------------------------------------------------------------- forward
     def forward(self, model: "RWKV7", batch: PackedBatch, state: StatePool, all_logits: bool) -> torch.Tensor:
@@ -439,7 +416,6 @@ class FusedKernels:
         sides = () if small else self._lora_sides(x.device)  # the LoRA chains' streams (batched_projections)
         for i, blk in enumerate(model.blocks):
             first = i == 0
-            loras = []  # the LoRA second halves, when the time mix computes them (lora_second_halves)
             self.ln_shift_mix(x, blk.ln1_w, blk.ln1_b, state.att_shift[i], batch,
                               [blk.x_r, blk.x_w, blk.x_k, blk.x_v, blk.x_a, blk.x_g], [xr, xw, xk, xv, xa, xg])
             if small:
@@ -455,10 +431,7 @@ class FusedKernels:
                 if not first:
                     second.append((blk.v2, hv, dv, EPI_NONE, None))
                 tasks = [(lin, a, b, epi, None) for lin, a, b, epi in tasks]
-                loras = self.lora_second_halves(blk, batch, first, [hw, ha, hv, hg])
-                if loras:
-                    self.gemv(tasks)
-                elif self._stages_loras(blk) and len(tasks) + len(second) <= self._m.gemv_max_tasks():
+                if self._stages_loras(blk) and len(tasks) + len(second) <= self._m.gemv_max_tasks():
                     self.gemv(tasks, then=second)
                 else:
                     self.gemv(tasks)
@@ -472,7 +445,7 @@ class FusedKernels:
                 da = blk.a2(blk.a1(xa))
                 dv = _empty(x.device) if first else blk.v2(blk.v1(xv))
                 g = blk.g2(torch.sigmoid(blk.g1(xg)))
-            self.time_mix(state.wkv[i], batch, blk, first, [r, k, v, dw, da, dv, g, v_first, y], loras)
+            self.time_mix(state.wkv[i], batch, blk, first, [r, k, v, dw, da, dv, g, v_first, y])
             if i == len(model.blocks) - 1 and not all_logits and (tail := batch.readout_tail()) is not None:
                 # Only each row's last token is read out: the last block's output projection and FFN run on each
                 # row's last two tokens. A 7.2B prompt skips 1/32 of its FFN work, and that layer's shift state is

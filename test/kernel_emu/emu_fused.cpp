@@ -42,25 +42,20 @@ EMU_EXPORT int emu_ln_span_for(int64_t T, int64_t B, int64_t C) { return fused::
 // kTimeMixPipelined: time_mix_pipelined_kernel (CUDA only) on two blocks per head, each walking several rows (the
 // launcher's grid on a GPU is as many blocks as fit at once). max_len: the longest row (the split kernel's finishing
 // grid covers that many tokens per row). parts: the split kernel's blocks per (row, head), 2 or 4 (the launcher
-// picks it with split_parts, exported below). loras, lora_ranks: as the launcher's (then time_mix_kernel<S, true>,
-// whatever `kernel` says).
+// picks it with split_parts, exported below).
 constexpr int kTimeMixPipelined = 5;
 EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t num_slots, int64_t num_tokens,
                                   void* state, const int64_t* slots, const int64_t* starts, const int64_t* lasts,
                                   const void* const* tensors, const void* const* params, int first_layer,
-                                  int kernel, int64_t max_len, int parts, const void* const* loras,
-                                  const int64_t* lora_ranks) {
+                                  int kernel, int64_t max_len, int parts) {
     using namespace fused;
     if (B <= 0 || H <= 0 || max_len < 1 || (parts != 2 && parts != 4)) return -1;
-    TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
-    if (loras != nullptr && (max_len != 1 || !set_time_mix_loras(p, loras, lora_ranks))) return -1;
+    const TimeMixArgs p = make_time_mix_args(tensors, params, first_layer);
     const int h = static_cast<int>(H);
     const unsigned grid = static_cast<unsigned>(B * H);
     std::vector<float> scratch(static_cast<size_t>(split_scratch_floats(num_tokens, H)), __int_as_float(0x7fc00000));
-    auto run = [&](auto* pool, auto decode_kernel, auto lora_kernel, auto prefill_kernel, auto chunked_kernel,
-                   auto split2_kernel, auto split4_kernel) {
-        if (loras != nullptr)
-            return emu::run_grid(grid, N, [&] { lora_kernel(h, num_slots, num_tokens, pool, slots, starts, lasts, p); });
+    auto run = [&](auto* pool, auto decode_kernel, auto prefill_kernel, auto chunked_kernel, auto split2_kernel,
+                   auto split4_kernel) {
         if (kernel == kTimeMixSplit) {
             const int rc = emu::run_grid(grid * parts, split_threads(parts), [&] {
                 (parts == 2 ? split2_kernel : split4_kernel)(h, num_slots, num_tokens, pool, slots, starts, lasts, p,
@@ -97,12 +92,10 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
         });
     };
     if (state_dtype == wkv7::kFloat32)
-        return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_kernel<float, true>,
-                   time_mix_prefill_kernel<float>,
+        return run(static_cast<float*>(state), time_mix_kernel<float>, time_mix_prefill_kernel<float>,
                    time_mix_chunked_kernel<float>, time_mix_split_kernel<float, 2>, time_mix_split_kernel<float, 4>);
     if (state_dtype == wkv7::kFloat16)
-        return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_kernel<__half, true>,
-                   time_mix_prefill_kernel<__half>,
+        return run(static_cast<__half*>(state), time_mix_kernel<__half>, time_mix_prefill_kernel<__half>,
                    time_mix_chunked_kernel<__half>, time_mix_split_kernel<__half, 2>,
                    time_mix_split_kernel<__half, 4>);
     return -1;
