@@ -111,6 +111,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemv-stream-more  # its round 2, per-kernel steps without PDL
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify-fused  # builds, every fused/graph GPU test
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sse-json  # 1.5B serving, 256 streams: chunks by hand vs encoder
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-dequant-bound  # W4 batch 1 without most of its dequantization
+#                                                                   # (timing only, copies); fused/graph GPU tests
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -377,6 +379,34 @@ verify-fused)  # after a change to the fused kernels or their tests: both builds
     # graph GPU test (the 4-bit GemLite ones too, which tune their Triton kernels first)
     build
     step 420 "fused and graph GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
+        test/test_graphs_cuda.py
+    ;;
+w4-dequant-bound)  # TIMING ONLY in two copies of the tree (wrong results there): what the 4-bit bands' per-weight
+    # dequantization costs at batch 1, the bound on applying each group's scale and zero to the mma sums instead:
+    # 7.2B W4 decode at batch 1 and 2 on this tree, on a copy with bench/variants/uint4_no_scale.patch (one scale fma
+    # a word instead of four) and on one with uint4_no_bias.patch (the nibbles go to the mma as they are masked, one
+    # fma a word). Batch 2 takes the unchanged kernel in all three: the control. Then every fused and graph GPU test
+    # on this tree (the rejected experiments' removal)
+    tuning_cache
+    for v in no_scale no_bias; do
+        rm -rf "/tmp/w4_$v" && mkdir -p "/tmp/w4_$v"
+        tar --exclude=./.whl --exclude=./.cache --exclude=./.git -cf - . | tar -xf - -C "/tmp/w4_$v"
+        (cd "/tmp/w4_$v" && git apply "bench/variants/uint4_$v.patch") || echo "uint4_$v.patch does not apply" | log
+    done
+    step 420 "builds: this tree's extensions, the copies' fused kernels" bash -c 'for v in no_scale no_bias; do
+(cd /tmp/w4_$v && RWKV_SERVER_HOME=/tmp/w4_home_$v python -c "from infer.ops.fused import load_fused_kernels; \
+assert load_fused_kernels()") & done; python -c "from infer.ops.linear_w8a16 import load_w8a16_kernels; \
+assert load_w8a16_kernels()" & python -c "from infer.ops.fused import load_fused_kernels; assert load_fused_kernels()"
+f=$?; wait; exit $f'
+    for v in tree no_scale no_bias; do
+        out=$PWD/bench/results/experiment_w4_dequant_${v}_h200.json
+        dir=$PWD home=$RWKV_SERVER_HOME
+        [ $v = tree ] || dir=/tmp/w4_$v home=/tmp/w4_home_$v
+        step 90 "W4 decode, batch 1 and 2, $v" bash -c "cd $dir && RWKV_SERVER_HOME=$home python bench/bench_decode.py \
+--engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 1,2 --steps 30 --wkv cuda --no-checks --out $out"
+        copy "$out"
+    done
+    step 240 "fused and graph GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
         test/test_graphs_cuda.py
     ;;
 sse-json)  # streamed chunks' choices written out as JSON text (98d9890) against json's encoder (sse_json_before: carry
