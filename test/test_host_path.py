@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from infer.api.bridge import EventStream, RowGroup
+from infer.api.lightning import batch_delta_json, batch_finish_json
 from infer.api.openai import ChatDelta, completion_choice_json
 from infer.api.streaming import SseObjects, encode_json, sse
 from infer.engine import Engine, GenerationOptions, Request, RowFinished, RowText
@@ -290,6 +291,14 @@ def test_chat_delta_choice_json_is_the_encoders_text(index, reasoning, content, 
                                    "logprobs": {"content": logprobs} if logprobs else None, "finish_reason": None})
 
 
+@settings(max_examples=300, deadline=None)
+@given(index=st.integers(0, 4095), text=JSON_TEXT, reason=st.sampled_from(["stop", "length", "error"]))
+def test_batch_stream_json_is_the_encoders_text(index, text, reason):
+    """The lightning batch stream's row delta and finish chunk written out by hand are encode_json's text."""
+    assert batch_delta_json(index, text) == encode_json({"index": index, "delta": {"content": text}})
+    assert batch_finish_json(index, reason) == encode_json({"index": index, "delta": {}, "finish_reason": reason})
+
+
 def test_model_runner_calls_on_launched_once_before_a_cpu_forward():
     sd = random_state_dict(make_config(2, 64, 1024), seed=3, dtype=torch.float32)
     runner = ModelRunner(RWKV7.from_state_dict(sd, device="cpu"), 4)
@@ -320,3 +329,4 @@ def test_worker_thread_delivers_final_events_on_shutdown(tokenizer):
     assert done.wait(10)
     engine.shutdown()
     assert [type(e) for e in flushed] == [RowText, RowText, RowText, RowFinished]
+
