@@ -385,8 +385,8 @@ w4-dequant-bound)  # TIMING ONLY in two copies of the tree (wrong results there)
     # dequantization costs at batch 1, the bound on applying each group's scale and zero to the mma sums instead:
     # 7.2B W4 decode at batch 1 and 2 on this tree, on a copy with bench/variants/uint4_no_scale.patch (one scale fma
     # a word instead of four) and on one with uint4_no_bias.patch (the nibbles go to the mma as they are masked, one
-    # fma a word). Batch 2 takes the unchanged kernel in all three: the control. Then every fused and graph GPU test
-    # on this tree (the rejected experiments' removal)
+    # fma a word). Batch 2 takes the unchanged kernel in all three: the control. Then the decode GPU tests of this
+    # tree (fused and graph: the rejected experiments' removal)
     tuning_cache
     for v in no_scale no_bias; do
         rm -rf "/tmp/w4_$v" && mkdir -p "/tmp/w4_$v"
@@ -406,8 +406,8 @@ f=$?; wait; exit $f'
 --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 1,2 --steps 30 --wkv cuda --no-checks --out $out"
         copy "$out"
     done
-    step 240 "fused and graph GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
-        test/test_graphs_cuda.py
+    step 120 "fused and graph GPU tests of decode" python -m pytest -q -rf --tb=short -p no:cacheprovider \
+        test/test_fused_cuda.py test/test_graphs_cuda.py -k "staged or decode_matches or greedy or invariance or graph"
     ;;
 sse-json)  # streamed chunks' choices written out as JSON text (98d9890) against json's encoder (sse_json_before: carry
     # ab_before/): the 1.5B forward at 32 and 256 rows, then 1.5B serving at 256 streams before / after, twice
