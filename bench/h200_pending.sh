@@ -393,11 +393,10 @@ w4-dequant-bound)  # TIMING ONLY in two copies of the tree (wrong results there)
         tar --exclude=./.whl --exclude=./.cache --exclude=./.git -cf - . | tar -xf - -C "/tmp/w4_$v"
         (cd "/tmp/w4_$v" && git apply "bench/variants/uint4_$v.patch") || echo "uint4_$v.patch does not apply" | log
     done
-    step 420 "builds: this tree's extensions, the copies' fused kernels" bash -c 'for v in no_scale no_bias; do
+    step 420 "builds: the fused kernels of this tree and of the copies" bash -c 'for v in no_scale no_bias; do
 (cd /tmp/w4_$v && RWKV_SERVER_HOME=/tmp/w4_home_$v python -c "from infer.ops.fused import load_fused_kernels; \
-assert load_fused_kernels()") & done; python -c "from infer.ops.linear_w8a16 import load_w8a16_kernels; \
-assert load_w8a16_kernels()" & python -c "from infer.ops.fused import load_fused_kernels; assert load_fused_kernels()"
-f=$?; wait; exit $f'
+assert load_fused_kernels()") & done; python -c "from infer.ops.fused import load_fused_kernels; \
+assert load_fused_kernels()"; f=$?; wait; exit $f'
     for v in tree no_scale no_bias; do
         out=$PWD/bench/results/experiment_w4_dequant_${v}_h200.json
         dir=$PWD home=$RWKV_SERVER_HOME
@@ -406,6 +405,7 @@ f=$?; wait; exit $f'
 --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 1,2 --steps 30 --wkv cuda --no-checks --out $out"
         copy "$out"
     done
+    build
     step 120 "fused and graph GPU tests of decode" python -m pytest -q -rf --tb=short -p no:cacheprovider \
         test/test_fused_cuda.py test/test_graphs_cuda.py -k "staged or decode_matches or greedy or invariance or graph"
     ;;
