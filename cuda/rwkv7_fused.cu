@@ -1775,7 +1775,8 @@ constexpr int kGemvMaxRows = 8;
 
 // kWeightInt8Band is the launcher's own: int8 weights read by gemv_int8_band (tensor cores) instead of the
 // per-thread int8 code (which the HIP port and RWKV_GEMV_INT8_TC=0 keep). kWeightUint4Sums too: 4-bit weights at
-// one row with each group's scale and zero applied to the mma sums (gemv_uint4_band's kSums, RWKV_UINT4_SUMS=1).
+// one or two rows with each group's scale and zero applied to the mma sums (gemv_uint4_band's kSums,
+// RWKV_UINT4_SUMS=1).
 enum WeightType : int {
     kWeightHalf = 0, kWeightInt8 = 1, kWeightUint4 = 2, kWeightInt8Band = 3, kWeightUint4Sums = 4
 };
@@ -2164,22 +2165,23 @@ __device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int
     }
 }
 
-// ---- 4-bit bands at one row with each group's scale and zero applied to the mma sums (kWeightUint4Sums: the
-// launcher's own with RWKV_UINT4_SUMS=1; off until timed). The bands above rebuild GemLite's fp16 weights, ~13
+// ---- 4-bit bands at one or two rows with each group's scale and zero applied to the mma sums (kWeightUint4Sums:
+// the launcher's own with RWKV_UINT4_SUMS=1; off until timed). The bands above rebuild GemLite's fp16 weights, ~13
 // instructions a word (nibbles to fp16, one fma by the group's scale and zero per pair), and at one row they issue
 // on 54-58 % of cycles while DRAM runs at a third of its peak (twenty-second session's Nsight Compute): bound by
 // instructions. Here the mma takes the nibbles as exact fp16 integers (uint4x8_pairs: 9 instructions a word) and
-// each group adds s (q . x) + z (1 . x) once per channel. At one row B's 8 columns are free: lane (g, t) puts x of
-// its slice's rows in column t only (the lanes g == t load it), so the four k-slices of a warp (each in a group of
-// its own) keep their sums apart in columns 0-3, and an mma of ones beside them gives each slice's sum of x. The
-// slices have whole groups and move in step, so every lane ends a group at the same batch. The result is the
-// product of the unrounded weights q s + z in fp32 (not of GemLite's fp16-rounded ones): a row alone and in a
-// batch (whose bands multiply the rounded weights) may differ in the last bits.
+// each group adds s (q . x) + z (1 . x) once per channel. At M <= 2 rows B's 8 columns have room for the four
+// k-slices of a warp (each in a group of its own) apart: x row m of slice t goes to column 2t + m (lane g = 2t + m
+// loads it, zeros elsewhere), so lane (g, t) holds in its columns 2t, 2t + 1 the sums of its own slice, whose scale
+// and zero it loaded; an mma of ones beside them gives the slices' sums of x. The slices have whole groups and move
+// in step, so every lane ends a group at the same batch. The result is the product of the unrounded weights
+// q s + z in fp32 (not of GemLite's fp16-rounded ones): rows in batches of 3-8 (whose bands multiply the rounded
+// weights) may differ in the last bits from the same rows alone or in pairs.
 
-// d[h] += the batch's q . x of the lane's channel pair h, xs += the batch's sums of x, per column (slice; see
-// above), `count` rows from c on; next >= 0: b's words refilled from row `next` on as in mma_uint4_batch (its scale
-// and zero stay: the caller needs them at the group's end, then loads the next group's).
-template <int kWords, int kBytes>
+// d[h] += the batch's q . x of the lane's channel pair h, xs += the batch's sums of x, per column (slice and row;
+// see above), `count` rows from c on; next >= 0: b's words refilled from row `next` on as in mma_uint4_batch (its
+// scale and zero stay: the caller needs them at the group's end, then loads the next group's).
+template <int M, int kWords, int kBytes>
 __device__ __forceinline__ void mma_uint4_sums_batch(const GemvTask& task, int c, int count, int end, int g, int t,
                                                      int col, int next, Uint4Batch<kWords, kBytes>& b,
                                                      float (&d)[kWords / 2][4], float (&xs)[4]) {
@@ -2188,8 +2190,9 @@ __device__ __forceinline__ void mma_uint4_sums_batch(const GemvTask& task, int c
 #pragma unroll
     for (int j = 0; j < b.kLoads; ++j) {
         if (j >= count) break;  // block-uniform
-        uint32_t x[4] = {0u, 0u, 0u, 0u};  // slice t's x in column t only
-        if (g == t && c + j < end) load_x_pairs(task.x + (c + j) * 8, x);
+        uint32_t x[4] = {0u, 0u, 0u, 0u};  // x row m of slice t in column 2t + m only
+        const int m = g & 1;
+        if (g >> 1 == t && m < M && c + j < end) load_x_pairs(task.x + int64_t(m) * task.k + (c + j) * 8, x);
 #pragma unroll
         for (int h = 0; h < kWords / 2; ++h) {
             __half2 lo[4], hi[4];  // channels 2h (A's row g) and 2h + 1 (row g + 8)
@@ -2206,22 +2209,19 @@ __device__ __forceinline__ void mma_uint4_sums_batch(const GemvTask& task, int c
     }
 }
 
-// The end of a group: acc += s d + z xs for each of the lane's channels and columns 2t + e (slices; lanes t = 2, 3
-// hold the empty columns 4-7), with the scale and zero of column n's slice, which lane (g, n) loaded; d, xs zeroed.
-template <int kWords>
+// The end of a group: acc += s d + z xs for each of the lane's channels and rows m (its columns 2t + m), with the
+// scale and zero of the lane's own slice's group; d, xs zeroed.
+template <int M, int kWords>
 __device__ __forceinline__ void add_uint4_group_sums(typename Uint4Lane<kWords>::Meta scale,
-                                                     typename Uint4Lane<kWords>::Meta zero, int g, int t,
-                                                     float (&d)[kWords / 2][4], float (&xs)[4],
-                                                     float (&acc)[kWords / 2][4]) {
+                                                     typename Uint4Lane<kWords>::Meta zero, float (&d)[kWords / 2][4],
+                                                     float (&xs)[4], float (&acc)[kWords / 2][4]) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-        const int src = 4 * g + ((2 * t + e) & 3);
+    for (int h = 0; h < kWords / 2; ++h) {  // meta word h: channels 2h (low half, row g), 2h + 1 (row g + 8)
+        const __half2 s = as_half2(word_of(scale, h)), z = as_half2(word_of(zero, h));
 #pragma unroll
-        for (int h = 0; h < kWords / 2; ++h) {  // meta word h: channels 2h (low half, row g), 2h + 1 (row g + 8)
-            const __half2 s = as_half2(__shfl_sync(0xffffffffu, word_of(scale, h), src));
-            const __half2 z = as_half2(__shfl_sync(0xffffffffu, word_of(zero, h), src));
-            acc[h][e] = fmaf(__low2float(s), d[h][e], fmaf(__low2float(z), xs[e], acc[h][e]));
-            acc[h][2 + e] = fmaf(__high2float(s), d[h][2 + e], fmaf(__high2float(z), xs[e], acc[h][2 + e]));
+        for (int m = 0; m < M; ++m) {
+            acc[h][m] = fmaf(__low2float(s), d[h][m], fmaf(__low2float(z), xs[m], acc[h][m]));
+            acc[h][2 + m] = fmaf(__high2float(s), d[h][2 + m], fmaf(__high2float(z), xs[m], acc[h][2 + m]));
         }
     }
 #pragma unroll
@@ -2233,8 +2233,8 @@ __device__ __forceinline__ void add_uint4_group_sums(typename Uint4Lane<kWords>:
     for (int e = 0; e < 4; ++e) xs[e] = 0.0f;
 }
 
-// One block of WARPS warps of a 4-bit task with kWords channels per lane (see above; kSums: at one row, the group
-// sums of kWeightUint4Sums). Every thread reaches the barrier.
+// One block of WARPS warps of a 4-bit task with kWords channels per lane (see above; kSums: at one or two rows, the
+// group sums of kWeightUint4Sums). Every thread reaches the barrier.
 template <int M, int kWords, int WARPS, bool kSums = false>
 __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&band_sum)[WARPS][M][kUint4Band],
                                                 BandOutput (&out)[M][kUint4Band]) {
@@ -2246,8 +2246,9 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
     // 4 * WARPS slices of whole groups; a batch of rows divides a group (the largest power of two that does)
     const int slice = (rows + 4 * WARPS * group_rows - 1) / (4 * WARPS * group_rows) * group_rows;
     const int begin = min((4 * warp + t) * slice, rows), end = min(begin + slice, rows);
-    // the group sums hold 12 more accumulators: half the words in flight (64 registers, no spills)
-    using Batch = Uint4Batch<kWords, kSums ? kUint4LaneBytes / 2 : kUint4LaneBytes>;
+    // the group sums hold 12 more accumulators: half the words in flight at one row, a quarter at two (64 registers
+    // in the wide-band kernel without spills)
+    using Batch = Uint4Batch<kWords, kSums ? kUint4LaneBytes / (2 * M) : kUint4LaneBytes>;
     const int count = min(Batch::kLoads, group_rows & -group_rows);
     const bool busy = 4 * warp * slice < rows;  // warp-uniform: a warp past the last row has nothing to add
     // the group of the batch's rows, counted as the batches go at one row (a batch lies in one group)
@@ -2257,7 +2258,7 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
     if (busy) load_uint4_batch(task, col, begin, group, count, end, b);  // weights: load before the wait
     load_band_output<M>(task, kBand, first_col, false, out);
 
-    static_assert(!kSums || M == 1, "the group sums take B's columns for the slices: one row of x");
+    static_assert(!kSums || M <= 2, "the group sums take B's columns for the slices: one or two rows of x");
     float d[kWords / 2][4], acc[kWords / 2][4], xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // acc, xs: kSums only
 #pragma unroll
     for (int h = 0; h < kWords / 2; ++h) {
@@ -2278,9 +2279,9 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
             // counted at one row; a division at more rows, whose 16-warp kernels spill with the counters held
             const int next_group = M == 1 ? (new_group ? group + 1 : group) : next / group_rows;
             if constexpr (kSums) {
-                mma_uint4_sums_batch(task, c, count, end, g, t, col, next < last ? next : -1, b, d, xs);
+                mma_uint4_sums_batch<M>(task, c, count, end, g, t, col, next < last ? next : -1, b, d, xs);
                 if (new_group) {
-                    add_uint4_group_sums<kWords>(b.scale, b.zero, g, t, d, xs, acc);
+                    add_uint4_group_sums<M, kWords>(b.scale, b.zero, d, xs, acc);
                     if (next < last) load_uint4_meta(task, col, next, next_group, end, b);
                 }
             } else {
@@ -2294,12 +2295,16 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
         }
     }
     if constexpr (kSums) {
-        // The four slices' sums of channel col + i: columns 2t, 2t + 1 of lanes t = 0, 1 (acc[i / 2][i % 2 * 2 + e])
+        // Row m of channel col + i: the four slices' sums, acc[i / 2][i % 2 * 2 + m] of lanes (g, 0..3)
 #pragma unroll
-        for (int i = 0; i < kWords; ++i) {
-            float v = acc[i / 2][i % 2 * 2] + acc[i / 2][i % 2 * 2 + 1];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            if (t == 0) band_sum[warp][0][kWords * g + i] = v;
+        for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int i = 0; i < kWords; ++i) {
+                float v = acc[i / 2][i % 2 * 2 + m];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                if (t == 0) band_sum[warp][m][kWords * g + i] = v;
+            }
         }
     } else {
         // Lane (g, t) holds rows m = 2t, 2t + 1 of x for channels col + i (d[i / 2][i % 2 * 2 + m % 2]).
@@ -2319,7 +2324,7 @@ template <int M, int WARPS>
 __device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
     __shared__ float band_sum[WARPS][M][kUint4Band];
     __shared__ BandOutput out[M][kUint4Band];
-    if constexpr (M == 1) {
+    if constexpr (M <= 2) {
         if (task.weight_type == kWeightUint4Sums) {  // block-uniform
             if (task.splits == 1) {
                 gemv_uint4_band<M, 4, WARPS, true>(task, band_sum, out);
@@ -3557,12 +3562,13 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
     // vector; RWKV_GEMV_INT8_TC=0: the per-thread code, 2: bands summed in the tensor cores' accumulators
     // throughout (both for A/B runs)
     static const int64_t int8_mode = env_int("RWKV_GEMV_INT8_TC", 1);
-    // 4-bit tasks at one row: RWKV_UINT4_SUMS=1 applies each group's scale and zero to the mma sums (off until timed)
+    // 4-bit tasks at one or two rows: RWKV_UINT4_SUMS=1 applies each group's scale and zero to the mma sums (off until
+    // timed)
     static const bool uint4_sums = env_flag("RWKV_UINT4_SUMS", false);
     int types[kMaxTasks];
     for (int i = 0; i < count; ++i)
         types[i] = weight_type[i] == kWeightInt8 && int8_mode != 0     ? kWeightInt8Band
-                   : weight_type[i] == kWeightUint4 && uint4_sums && M == 1 ? kWeightUint4Sums
+                   : weight_type[i] == kWeightUint4 && uint4_sums && M <= 2 ? kWeightUint4Sums
                                                                             : weight_type[i];
     GemvArgs args{};
     const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, types, epilogue);

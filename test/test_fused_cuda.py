@@ -818,29 +818,30 @@ def test_gemv_uint4_tasks_match_gemlite(kernels, uint4_layer, rows):
     torch.testing.assert_close(y, lin(x), atol=1e-2, rtol=1e-2)
 
 
-# One 4-bit task at one row through the binding, in a child process (the launcher reads RWKV_UINT4_SUMS once)
+# One 4-bit task at one or two rows through the binding, in a child process (the launcher reads RWKV_UINT4_SUMS once)
 UINT4_ONE_ROW = """
 import sys, torch
 from infer.ops.fused import load_fused_kernels
 kernels = load_fused_kernels()
 words, scale, zero, x, group = torch.load(sys.argv[1])
-y = torch.full((1, words.shape[1]), float("nan"), device="cuda", dtype=torch.float16)
+y = torch.full((x.shape[0], words.shape[1]), float("nan"), device="cuda", dtype=torch.float16)
 none = torch.empty(0, device="cuda", dtype=torch.float16)
 kernels._m.gemv([words], [scale], [zero], [x], [y], [none], [group], [0], torch.cuda.current_stream().cuda_stream)
 torch.save(y, sys.argv[2])
 """
 
 
+@pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("n,k,group", [(4096, 4096, 64), (1024, 16384, 128)])
-def test_uint4_group_sums_at_one_row(kernels, tmp_path, n, k, group):
-    """RWKV_UINT4_SUMS=1: a 4-bit task at one row (a 7.2B-shaped band of 32 channels; a 16,384-deep one, halved to
-    16) within the fp32 bound of the exact product of the unrounded weights q s + z, and not the default path's
-    bits (which multiply GemLite's fp16-rounded weights)."""
+def test_uint4_group_sums_at_one_or_two_rows(kernels, tmp_path, n, k, group, rows):
+    """RWKV_UINT4_SUMS=1: a 4-bit task at one or two rows (a 7.2B-shaped band of 32 channels; a 16,384-deep one,
+    halved to 16) within the fp32 bound of the exact product of the unrounded weights q s + z, and not the default
+    path's bits (which multiply GemLite's fp16-rounded weights)."""
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     words = torch.randint(-2 ** 31, 2 ** 31, (k // 8, n), generator=gen, device="cuda", dtype=torch.int64).int()
     scale = ((torch.rand(k // group, n, generator=gen, device="cuda") + 0.5) * k ** -0.5 / 4).half()
     zero = (-torch.rand(k // group, n, generator=gen, device="cuda") * 15 * scale.float()).half()
-    x = torch.randn(1, k, generator=gen, device="cuda").half()
+    x = torch.randn(rows, k, generator=gen, device="cuda").half()
     torch.save((words, scale, zero, x, group), tmp_path / "task.pt")
     results = {}
     for sums in ("0", "1"):

@@ -646,7 +646,8 @@ def U4(group: int) -> tuple[str, int]:  # noqa: N802 - reads as a weight kind be
 
 
 def U4_SUMS(group: int) -> tuple[str, int]:  # noqa: N802
-    """The same layout at one row with the group's scale and zero applied to the mma sums (kWeightUint4Sums; CUDA)."""
+    """The same layout at one or two rows with the group's scale and zero applied to the mma sums (kWeightUint4Sums;
+    CUDA)."""
     return "u4-sums", group
 
 
@@ -904,7 +905,7 @@ def check_bands(so, tasks, M, wide):
     check_launch(lambda ts, m: run_gemv(so, ts, m, wide), tasks, M)
 
 
-# 4-bit bands at one row with the group sums (CUDA only): the shapes of the u4 cases above at one row
+# 4-bit bands at one or two rows with the group sums (CUDA only): the shapes of the u4 cases above
 GEMV_UINT4_SUMS_CASES = {
     # a partly idle band; groups of 2 rows of words (batches of 2) and of 8 (4 batches of 2 per group); k = 64:
     # fewer rows of words than slices
@@ -921,20 +922,19 @@ GEMV_UINT4_SUMS_CASES = {
 }
 
 
+@pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("case", GEMV_UINT4_SUMS_CASES)
-def test_gemv_uint4_sums(case, wide, libs):
-    """4-bit tasks at one row with each group's scale and zero applied to the mma sums: every output within
+def test_gemv_uint4_sums(case, wide, rows, libs):
+    """4-bit tasks at one or two rows with each group's scale and zero applied to the mma sums: every output within
     check_gemv's bound of the exact product of the unrounded weights q s + z (the fp32 sums of q x and of x),
-    mostly the rounded exact value; partial bands, idle slices, groups of 1-16 rows of words, halved bands; on
-    gemv_kernel and on the 16-warp wide-band kernel (bands alone)."""
+    mostly the rounded exact value, and the last row alone the same bits as in the pair; partial bands, idle slices,
+    groups of 1-16 rows of words, halved bands; on gemv_kernel and on the 16-warp wide-band kernel (bands alone)."""
     specs = GEMV_UINT4_SUMS_CASES[case]
     if wide and any(kind not in (I8_BAND,) and not isinstance(kind, tuple) for _, _, kind, _, _ in specs):
         pytest.skip("the wide-band kernel takes bands only")
-    gen = torch.Generator().manual_seed(len(case) * 13 + 1)
-    tasks = [gemv_task(gen, 1, *spec) for spec in specs]
-    for i, (t, y) in enumerate(zip(tasks, run_gemv(libs["fused-cuda"], tasks, 1, wide))):
-        check_gemv(t, y, f"task {i}")
+    gen = torch.Generator().manual_seed(len(case) * 13 + rows)
+    check_bands(libs["fused-cuda"], [gemv_task(gen, rows, *spec) for spec in specs], rows, wide)
 
 
 def test_gemv_uint4_sums_one_hot_rows(libs):
