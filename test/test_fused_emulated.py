@@ -32,7 +32,8 @@ References and tolerances (ulp: the spacing of fp16 numbers at the magnitude com
   rebuild it from its packed layout (fp16(q * scale + zero), rounded once; the test packs and unpacks
   that layout itself, without gemlite) and sum on the (emulated) tensor cores, whose operands are fp16:
   an activated x is rounded to fp16 first, within one ulp. One-hot rows of x check every rebuilt weight
-  bit for bit.
+  bit for bit. 4-bit tasks on the group sums (RWKV_UINT4_SUMS, one or two rows) take W as q * scale + zero
+  unrounded, the bound over q |scale| + |zero| (their fp32 sums of q x and of x).
 - wkv7_slots: TorchWKV (fp32 math): y within 3e-5 (+1e-5 relative) and an fp32 state within 1e-5
   (+1e-5 relative): summation order (seen: 8e-6, 1e-6); an fp16 state pool within 1 ulp (+2^-20),
   >99% identical.
