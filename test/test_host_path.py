@@ -254,6 +254,8 @@ def test_sse_objects_match_sse(head, tail):
     for value in ([], [{"index": 0, "text": "h\u00e9 \"x\"\n\u2028", "logprobs": None, "finish_reason": None}], None):
         text = chunk(value)
         assert text == sse({**head, "choices": value, **(tail or {})})
+        if value is not None:
+            assert chunk.encoded_array(encode_json(item) for item in value) == text
         assert json.loads(text.removeprefix("data: ")) == {**head, "choices": value, **(tail or {})}
     with pytest.raises(ValueError):
         SseObjects({"choices": 1}, "choices")

@@ -86,9 +86,9 @@ async def batch_sse(stream: EventStream, chunk_size: int, head: dict,
                 flushed[i] = flushed.get(i, "") + buffers[i]
                 buffers[i], counts[i] = "", 0
         if flushed:
-            yield chunk.encoded(f"[{','.join(batch_delta_json(i, t) for i, t in flushed.items())}]")
+            yield chunk.encoded_array(batch_delta_json(i, t) for i, t in flushed.items())
         for event in finished:
-            yield chunk.encoded(f"[{batch_finish_json(event.index, event.finish_reason)}]")
+            yield chunk.encoded_array([batch_finish_json(event.index, event.finish_reason)])
     for extra in trailer() if trailer is not None else ():
         yield sse(extra)
     yield DONE

@@ -222,7 +222,7 @@ async def _chat_sse(stream: EventStream, rows: list[ChatRow], head: dict, with_u
                 completion_tokens += event.completion_tokens
         choices = [c for i, d in merged.items() if (c := d.choice_json(i))]
         if choices:
-            yield chunk.encoded(f"[{','.join(choices)}]")
+            yield chunk.encoded_array(choices)
         for event in finished:
             yield chunk([{"index": event.index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}])
     if with_usage:
@@ -356,7 +356,7 @@ async def _completion_sse(stream: EventStream, rows: list[CompletionRow], head: 
             if text or reasons.get(i) or (legacy and legacy["tokens"]):
                 choices.append(completion_choice_json(i, text, legacy, reasons.get(i)))
         if choices:
-            yield chunk.encoded(f"[{','.join(choices)}]")
+            yield chunk.encoded_array(choices)
     if with_usage:
         yield sse({**head, "choices": [], "usage": Usage.of(prompt_tokens, completion_tokens).model_dump()})
     yield DONE

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from json.encoder import encode_basestring
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, TypeVar
 
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
@@ -68,6 +68,11 @@ class SseObjects:
     def encoded(self, value_json: str) -> str:
         """The event whose changing field is ``value_json``, JSON text already."""
         return f"{self._prefix}{value_json}{self._suffix}"
+
+    def encoded_array(self, items_json: Iterable[str]) -> str:
+        """The event whose changing field is the array of ``items_json``, each JSON text already (a chunk's choices
+        written out by hand)."""
+        return self.encoded(f"[{','.join(items_json)}]")
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
