@@ -112,8 +112,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh verify-fused  # builds, every fused/graph GPU test
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sse-json  # 1.5B serving, 256 streams: chunks by hand vs encoder
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-dequant-bound  # W4 batch 1 without most of its dequantization
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-sums  # W4 batch 1-2 with the group's scale on the mma sums
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-sums-quick  # its first look in ~5 min: 7.2B batch 1, its test
 #                                                                   # (timing only, copies); fused/graph GPU tests
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
@@ -410,37 +408,6 @@ assert load_fused_kernels()"; f=$?; wait; exit $f'
     build
     step 120 "fused and graph GPU tests of decode" python -m pytest -q -rf --tb=short -p no:cacheprovider \
         test/test_fused_cuda.py test/test_graphs_cuda.py -k "staged or decode_matches or greedy or invariance or graph"
-    ;;
-w4-sums)  # 4-bit bands at one or two rows with each group's scale and zero applied to the mma sums (RWKV_UINT4_SUMS=1;
-    # off by default until it wins here): the fused build, its GPU test, the 4-bit GPU tests with it on, then 7.2B and
-    # 1.5B W4 decode at batch 1 and 2 (and 4: the control, unchanged) with it and without, two rounds. Make it the
-    # default if it wins (w4-dequant-bound says what its premise is worth)
-    tuning_cache
-    build_fused
-    step 150 "4-bit GPU tests, RWKV_UINT4_SUMS=1" env RWKV_UINT4_SUMS=1 python -m pytest -q -rf --tb=short \
-        -p no:cacheprovider test/test_fused_cuda.py -k "uint4 or group_sums"
-    for round in 1 2; do
-        for sums in 1 0; do
-            out=bench/results/experiment_w4_sums${sums}_${round}_h200.json
-            step 90 "W4 decode, RWKV_UINT4_SUMS=$sums, round $round" env RWKV_UINT4_SUMS=$sums python \
-                bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 1,2,4 --steps 30 \
-                --wkv cuda --no-checks --out "$out"
-            copy "$out"
-        done
-    done
-    ;;
-w4-sums-quick)  # w4-sums' first look when little device time is left: the fused build, 7.2B W4 decode at batch 1
-    # with RWKV_UINT4_SUMS=1 and without, then its GPU test
-    tuning_cache
-    build_fused
-    for sums in 1 0; do
-        out=bench/results/experiment_w4_sums${sums}_quick_h200.json
-        step 100 "W4 decode, 7.2B batch 1, RWKV_UINT4_SUMS=$sums" env RWKV_UINT4_SUMS=$sums python bench/bench_decode.py \
-            --engine gemlite:A16W4_HQQ_INT --sizes 7.2b --batches 1 --steps 30 --wkv cuda --no-checks --out "$out"
-        copy "$out"
-    done
-    step 60 "the group sums' GPU test" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_fused_cuda.py \
-        -k group_sums
     ;;
 sse-json)  # streamed chunks' choices written out as JSON text (98d9890) against json's encoder (sse_json_before: carry
     # ab_before/): the 1.5B forward at 32 and 256 rows, then 1.5B serving at 256 streams before / after, twice

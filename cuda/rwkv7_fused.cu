@@ -1774,15 +1774,8 @@ constexpr int kMaxTasks = 12;
 constexpr int kGemvMaxRows = 8;
 
 // kWeightInt8Band is the launcher's own: int8 weights read by gemv_int8_band (tensor cores) instead of the
-// per-thread int8 code (which the HIP port and RWKV_GEMV_INT8_TC=0 keep). kWeightUint4Sums too: 4-bit weights at
-// one or two rows with each group's scale and zero applied to the mma sums (gemv_uint4_band's kSums,
-// RWKV_UINT4_SUMS=1).
-enum WeightType : int {
-    kWeightHalf = 0, kWeightInt8 = 1, kWeightUint4 = 2, kWeightInt8Band = 3, kWeightUint4Sums = 4
-};
-__host__ __device__ __forceinline__ bool is_uint4(int weight_type) {
-    return weight_type == kWeightUint4 || weight_type == kWeightUint4Sums;
-}
+// per-thread int8 code (which the HIP port and RWKV_GEMV_INT8_TC=0 keep).
+enum WeightType : int { kWeightHalf = 0, kWeightInt8 = 1, kWeightUint4 = 2, kWeightInt8Band = 3 };
 enum Epilogue : int { kEpiNone = 0, kEpiReluSquare = 1, kEpiTanh = 2, kEpiSigmoid = 3 };
 
 struct GemvTask {
@@ -2059,25 +2052,20 @@ __device__ __forceinline__ void dequant_uint4x8(uint32_t word, __half2 scale, __
     }
 }
 
-// The nibble pairs (q_i, q_i+4) of one word as exact fp16 numbers, with one shift per word instead of three: the odd
-// nibbles are masked where they lie (bits 4-7 of each half: exactly 1024 + 16q), and one __hfma2 by 1/16 and -64
-// makes q of them exactly.
-__device__ __forceinline__ void uint4x8_pairs(uint32_t word, __half2 (&q)[4]) {
-    const __half2 bias = as_half2(0x64006400u), sixteenth = as_half2(0x2C002C00u), minus64 = as_half2(0xD400D400u);
-    const uint32_t high = word >> 8;
-    q[0] = __hsub2(as_half2(under_1024<0x000F000Fu>(word)), bias);
-    q[1] = __hfma2(as_half2(under_1024<0x00F000F0u>(word)), sixteenth, minus64);
-    q[2] = __hsub2(as_half2(under_1024<0x000F000Fu>(high)), bias);
-    q[3] = __hfma2(as_half2(under_1024<0x00F000F0u>(high)), sixteenth, minus64);
-}
-
-// dequant_uint4x8's pairs through uint4x8_pairs, then the same fma.
+// The same pairs with one shift per word instead of three: the odd nibbles are masked where they lie (bits 4-7 of
+// each half: exactly 1024 + 16q), and one __hfma2 by 1/16 and -64 makes q of them exactly; then the same fma.
 __device__ __forceinline__ void dequant_uint4x8_one_shift(uint32_t word, __half2 scale, __half2 zero,
                                                           uint32_t (&pair)[4]) {
-    __half2 q[4];
-    uint4x8_pairs(word, q);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) pair[i] = half2_bits(__hfma2(q[i], scale, zero));
+    const __half2 bias = as_half2(0x64006400u), sixteenth = as_half2(0x2C002C00u), minus64 = as_half2(0xD400D400u);
+    const uint32_t high = word >> 8;
+    const __half2 q0 = __hsub2(as_half2(under_1024<0x000F000Fu>(word)), bias);
+    const __half2 q1 = __hfma2(as_half2(under_1024<0x00F000F0u>(word)), sixteenth, minus64);
+    const __half2 q2 = __hsub2(as_half2(under_1024<0x000F000Fu>(high)), bias);
+    const __half2 q3 = __hfma2(as_half2(under_1024<0x00F000F0u>(high)), sixteenth, minus64);
+    pair[0] = half2_bits(__hfma2(q0, scale, zero));
+    pair[1] = half2_bits(__hfma2(q1, scale, zero));
+    pair[2] = half2_bits(__hfma2(q2, scale, zero));
+    pair[3] = half2_bits(__hfma2(q3, scale, zero));
 }
 
 // x[m][8c .. 8c + 7] as the B pairs of one row of words: pair i = (x[8c + i], x[8c + i + 4]) (the tensor cores'
@@ -2093,16 +2081,16 @@ __device__ __forceinline__ void load_x_pairs(const __half* p, uint32_t (&pair)[4
 // Up to kLoads rows of words from row c on (all in one group), with the group's scales and zeros;
 // rows at or past end, and a lane past the band's channels, read zero words and scales (weights 0: finite
 // beside a zero x). Read once per step: streamed past the caches.
-template <int kWords, int kBytes = kUint4LaneBytes>
+template <int kWords>
 struct Uint4Batch {
-    static constexpr int kLoads = kBytes / (4 * kWords);
+    static constexpr int kLoads = kUint4LaneBytes / (4 * kWords);
     typename Uint4Lane<kWords>::Words w[kLoads];
     typename Uint4Lane<kWords>::Meta scale, zero;
 };
 
-template <int kWords, int kBytes>
+template <int kWords>
 __device__ __forceinline__ void load_uint4_words(const GemvTask& task, int col, int c, int j, int count, int end,
-                                                 Uint4Batch<kWords, kBytes>& b) {
+                                                 Uint4Batch<kWords>& b) {
     using Words = typename Uint4Lane<kWords>::Words;
     const bool mine = col < task.n;  // n % 4 == 0: a lane's channels are all in or all out
     const Words* w = reinterpret_cast<const Words*>(static_cast<const uint32_t*>(task.w) + int64_t(c + j) * task.n + col);
@@ -2110,9 +2098,9 @@ __device__ __forceinline__ void load_uint4_words(const GemvTask& task, int col, 
 }
 
 // The scales and zeros of group `group` (the caller's count of row c's group: no division per batch).
-template <int kWords, int kBytes>
+template <int kWords>
 __device__ __forceinline__ void load_uint4_meta(const GemvTask& task, int col, int c, int group, int end,
-                                                Uint4Batch<kWords, kBytes>& b) {
+                                                Uint4Batch<kWords>& b) {
     using Meta = typename Uint4Lane<kWords>::Meta;
     const bool mine = col < task.n;
     const int64_t meta = int64_t(group) * task.n + col;
@@ -2120,9 +2108,9 @@ __device__ __forceinline__ void load_uint4_meta(const GemvTask& task, int col, i
     b.zero = mine && c < end ? __ldcs(reinterpret_cast<const Meta*>(task.zero + meta)) : Meta{};
 }
 
-template <int kWords, int kBytes>
+template <int kWords>
 __device__ __forceinline__ void load_uint4_batch(const GemvTask& task, int col, int c, int group, int count, int end,
-                                                 Uint4Batch<kWords, kBytes>& b) {
+                                                 Uint4Batch<kWords>& b) {
 #pragma unroll
     for (int j = 0; j < b.kLoads; ++j) load_uint4_words(task, col, c, j, count, end, b);
     load_uint4_meta(task, col, c, group, end, b);
@@ -2165,77 +2153,9 @@ __device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int
     }
 }
 
-// ---- 4-bit bands at one or two rows with each group's scale and zero applied to the mma sums (kWeightUint4Sums:
-// the launcher's own with RWKV_UINT4_SUMS=1; off until timed). The bands above rebuild GemLite's fp16 weights, ~13
-// instructions a word (nibbles to fp16, one fma by the group's scale and zero per pair), and at one row they issue
-// on 54-58 % of cycles while DRAM runs at a third of its peak (twenty-second session's Nsight Compute): bound by
-// instructions. Here the mma takes the nibbles as exact fp16 integers (uint4x8_pairs: 9 instructions a word) and
-// each group adds s (q . x) + z (1 . x) once per channel. At M <= 2 rows B's 8 columns have room for the four
-// k-slices of a warp (each in a group of its own) apart: x row m of slice t goes to column 2t + m (lane g = 2t + m
-// loads it, zeros elsewhere), so lane (g, t) holds in its columns 2t, 2t + 1 the sums of its own slice, whose scale
-// and zero it loaded; an mma of ones beside them gives the slices' sums of x. The slices have whole groups and move
-// in step, so every lane ends a group at the same batch. The result is the product of the unrounded weights
-// q s + z in fp32 (not of GemLite's fp16-rounded ones): rows in batches of 3-8 (whose bands multiply the rounded
-// weights) may differ in the last bits from the same rows alone or in pairs.
-
-// d[h] += the batch's q . x of the lane's channel pair h, xs += the batch's sums of x, per column (slice and row;
-// see above), `count` rows from c on; next >= 0: b's words refilled from row `next` on as in mma_uint4_batch (its
-// scale and zero stay: the caller needs them at the group's end, then loads the next group's).
-template <int M, int kWords, int kBytes>
-__device__ __forceinline__ void mma_uint4_sums_batch(const GemvTask& task, int c, int count, int end, int g, int t,
-                                                     int col, int next, Uint4Batch<kWords, kBytes>& b,
-                                                     float (&d)[kWords / 2][4], float (&xs)[4]) {
-    constexpr uint32_t kOnes = 0x3C003C00u;  // fp16 1.0 in both halves
-    const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
-#pragma unroll
-    for (int j = 0; j < b.kLoads; ++j) {
-        if (j >= count) break;  // block-uniform
-        uint32_t x[4] = {0u, 0u, 0u, 0u};  // x row m of slice t in column 2t + m only
-        const int m = g & 1;
-        if (g >> 1 == t && m < M && c + j < end) load_x_pairs(task.x + int64_t(m) * task.k + (c + j) * 8, x);
-#pragma unroll
-        for (int h = 0; h < kWords / 2; ++h) {
-            __half2 lo[4], hi[4];  // channels 2h (A's row g) and 2h + 1 (row g + 8)
-            uint4x8_pairs(word_of(b.w[j], 2 * h), lo);
-            uint4x8_pairs(word_of(b.w[j], 2 * h + 1), hi);
-            const uint32_t a0[4] = {half2_bits(lo[0]), half2_bits(hi[0]), half2_bits(lo[1]), half2_bits(hi[1])};
-            const uint32_t a1[4] = {half2_bits(lo[2]), half2_bits(hi[2]), half2_bits(lo[3]), half2_bits(hi[3])};
-            mma_16x8x16(d[h], a0, x[0], x[1]);
-            mma_16x8x16(d[h], a1, x[2], x[3]);
-        }
-        mma_16x8x16(xs, ones, x[0], x[1]);
-        mma_16x8x16(xs, ones, x[2], x[3]);
-        if (next >= 0) load_uint4_words(task, col, next, j, count, end, b);
-    }
-}
-
-// The end of a group: acc += s d + z xs for each of the lane's channels and rows m (its columns 2t + m), with the
-// scale and zero of the lane's own slice's group; d, xs zeroed.
-template <int M, int kWords>
-__device__ __forceinline__ void add_uint4_group_sums(typename Uint4Lane<kWords>::Meta scale,
-                                                     typename Uint4Lane<kWords>::Meta zero, float (&d)[kWords / 2][4],
-                                                     float (&xs)[4], float (&acc)[kWords / 2][4]) {
-#pragma unroll
-    for (int h = 0; h < kWords / 2; ++h) {  // meta word h: channels 2h (low half, row g), 2h + 1 (row g + 8)
-        const __half2 s = as_half2(word_of(scale, h)), z = as_half2(word_of(zero, h));
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            acc[h][m] = fmaf(__low2float(s), d[h][m], fmaf(__low2float(z), xs[m], acc[h][m]));
-            acc[h][2 + m] = fmaf(__high2float(s), d[h][2 + m], fmaf(__high2float(z), xs[m], acc[h][2 + m]));
-        }
-    }
-#pragma unroll
-    for (int h = 0; h < kWords / 2; ++h) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) d[h][e] = 0.0f;
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) xs[e] = 0.0f;
-}
-
-// One block of WARPS warps of a 4-bit task with kWords channels per lane (see above; kSums: at one or two rows, the
-// group sums of kWeightUint4Sums). Every thread reaches the barrier.
-template <int M, int kWords, int WARPS, bool kSums = false>
+// One block of WARPS warps of a 4-bit task with kWords channels per lane (see above). Every thread reaches the
+// barrier.
+template <int M, int kWords, int WARPS>
 __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&band_sum)[WARPS][M][kUint4Band],
                                                 BandOutput (&out)[M][kUint4Band]) {
     constexpr int kBand = 8 * kWords;
@@ -2246,24 +2166,20 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
     // 4 * WARPS slices of whole groups; a batch of rows divides a group (the largest power of two that does)
     const int slice = (rows + 4 * WARPS * group_rows - 1) / (4 * WARPS * group_rows) * group_rows;
     const int begin = min((4 * warp + t) * slice, rows), end = min(begin + slice, rows);
-    // the group sums hold 12 more accumulators: half the words in flight at one row, a quarter at two (64 registers
-    // in the wide-band kernel without spills)
-    using Batch = Uint4Batch<kWords, kSums ? kUint4LaneBytes / (2 * M) : kUint4LaneBytes>;
-    const int count = min(Batch::kLoads, group_rows & -group_rows);
+    const int count = min(Uint4Batch<kWords>::kLoads, group_rows & -group_rows);
     const bool busy = 4 * warp * slice < rows;  // warp-uniform: a warp past the last row has nothing to add
     // the group of the batch's rows, counted as the batches go at one row (a batch lies in one group)
     const int batches_per_group = group_rows / count;
     int group = begin / group_rows, batches_left = batches_per_group;
-    Batch b;
+    Uint4Batch<kWords> b;
     if (busy) load_uint4_batch(task, col, begin, group, count, end, b);  // weights: load before the wait
     load_band_output<M>(task, kBand, first_col, false, out);
 
-    static_assert(!kSums || M <= 2, "the group sums take B's columns for the slices: one or two rows of x");
-    float d[kWords / 2][4], acc[kWords / 2][4], xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // acc, xs: kSums only
+    float d[kWords / 2][4];
 #pragma unroll
     for (int h = 0; h < kWords / 2; ++h) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) d[h][e] = acc[h][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) d[h][e] = 0.0f;
     }
     if (busy) {
         // Rolling loads: each word of the next batch is asked for as soon as the word it replaces is rebuilt, so a
@@ -2278,43 +2194,21 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
             const bool new_group = batches_left == 1;
             // counted at one row; a division at more rows, whose 16-warp kernels spill with the counters held
             const int next_group = M == 1 ? (new_group ? group + 1 : group) : next / group_rows;
-            if constexpr (kSums) {
-                mma_uint4_sums_batch<M>(task, c, count, end, g, t, col, next < last ? next : -1, b, d, xs);
-                if (new_group) {
-                    add_uint4_group_sums<M, kWords>(b.scale, b.zero, d, xs, acc);
-                    if (next < last) load_uint4_meta(task, col, next, next_group, end, b);
-                }
-            } else {
-                mma_uint4_batch<M, kWords>(task, c, count, end, g, col, rolling && next < last ? next : -1,
-                                           next_group, b, d);
-                if (!rolling && next < last) load_uint4_batch(task, col, next, next_group, count, end, b);
-            }
+            mma_uint4_batch<M, kWords>(task, c, count, end, g, col, rolling && next < last ? next : -1, next_group, b,
+                                       d);
+            if (!rolling && next < last) load_uint4_batch(task, col, next, next_group, count, end, b);
             c = next;
             group = next_group;
             batches_left = new_group ? batches_per_group : batches_left - 1;
         }
     }
-    if constexpr (kSums) {
-        // Row m of channel col + i: the four slices' sums, acc[i / 2][i % 2 * 2 + m] of lanes (g, 0..3)
+    // Lane (g, t) holds rows m = 2t, 2t + 1 of x for channels col + i (d[i / 2][i % 2 * 2 + m % 2]).
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
+    for (int e = 0; e < 2; ++e) {
+        const int m = 2 * t + e;
+        if (m >= M) break;
 #pragma unroll
-            for (int i = 0; i < kWords; ++i) {
-                float v = acc[i / 2][i % 2 * 2 + m];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                if (t == 0) band_sum[warp][m][kWords * g + i] = v;
-            }
-        }
-    } else {
-        // Lane (g, t) holds rows m = 2t, 2t + 1 of x for channels col + i (d[i / 2][i % 2 * 2 + m % 2]).
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int m = 2 * t + e;
-            if (m >= M) break;
-#pragma unroll
-            for (int i = 0; i < kWords; ++i) band_sum[warp][m][kWords * g + i] = d[i / 2][i % 2 * 2 + e];
-        }
+        for (int i = 0; i < kWords; ++i) band_sum[warp][m][kWords * g + i] = d[i / 2][i % 2 * 2 + e];
     }
     __syncthreads();
     store_band_sums<M>(task, band_sum, kBand, first_col, out);
@@ -2324,16 +2218,6 @@ template <int M, int WARPS>
 __device__ __forceinline__ void gemv_uint4_block(const GemvTask& task) {
     __shared__ float band_sum[WARPS][M][kUint4Band];
     __shared__ BandOutput out[M][kUint4Band];
-    if constexpr (M <= 2) {
-        if (task.weight_type == kWeightUint4Sums) {  // block-uniform
-            if (task.splits == 1) {
-                gemv_uint4_band<M, 4, WARPS, true>(task, band_sum, out);
-            } else {
-                gemv_uint4_band<M, 2, WARPS, true>(task, band_sum, out);
-            }
-            return;
-        }
-    }
     if (task.splits == 1) {
         gemv_uint4_band<M, 4, WARPS>(task, band_sum, out);
     } else {
@@ -2462,7 +2346,7 @@ __device__ __forceinline__ const GemvTask& task_of_block(const GemvArgs& args) {
 // One block of gemv_kernel's grid: its part of `task` (4-bit and int8 bands, or warps of fp16/int8 rows).
 template <int M>
 __device__ __forceinline__ void gemv_block(const GemvTask& task) {
-    if (is_uint4(task.weight_type)) {  // block-uniform
+    if (task.weight_type == kWeightUint4) {  // block-uniform
         gemv_uint4_block<M, kGemvWarps>(task);
         return;
     }
@@ -2572,7 +2456,7 @@ template <int M>
 __global__ void __launch_bounds__(kWideBandWarps * 32, 32 / kWideBandWarps)
     gemv_wide_band_kernel(GemvArgs args) {
     const GemvTask& task = task_of_block(args);
-    if (is_uint4(task.weight_type)) {  // block-uniform; the launcher sends bands only
+    if (task.weight_type == kWeightUint4) {  // block-uniform; the launcher sends bands only
         gemv_uint4_block<M, kWideBandWarps>(task);
     } else {
         gemv_int8_band<M, kWideBandWarps>(task);
@@ -3140,7 +3024,7 @@ int64_t pipelined_blocks(Kernel kernel, int device, unsigned grid, int H, bool f
 // whole 16-byte vectors of 4 channels (n % 4 == 0) and whole groups of whole words.
 inline bool gemv_takes(int64_t n, int64_t k, int weight_type, int64_t group) {
     if (n <= 0 || k <= 0 || n > INT_MAX / 2 || k > INT_MAX / 2) return false;
-    if (is_uint4(weight_type)) return n % 4 == 0 && group > 0 && group % 8 == 0 && k % group == 0;
+    if (weight_type == kWeightUint4) return n % 4 == 0 && group > 0 && group % 8 == 0 && k % group == 0;
     return (weight_type == kWeightHalf && k % 8 == 0) ||
            ((weight_type == kWeightInt8 || weight_type == kWeightInt8Band) && k % 16 == 0);
 }
@@ -3152,7 +3036,7 @@ inline int gemv_vectors(const GemvTask& t) { return t.weight_type == kWeightHalf
 // Warps of work (kGemvWarps per block) of a task split `splits` ways: one per (row, slice) for fp16 and
 // int8, whole blocks of kUint4Band / splits channels for 4-bit weights.
 inline int64_t gemv_units(const GemvTask& t, int splits) {
-    if (is_uint4(t.weight_type)) return (int64_t(t.n) * splits + kUint4Band - 1) / kUint4Band * kGemvWarps;
+    if (t.weight_type == kWeightUint4) return (int64_t(t.n) * splits + kUint4Band - 1) / kUint4Band * kGemvWarps;
     if (t.weight_type == kWeightInt8Band) return (int64_t(t.n) + kInt8Band - 1) / kInt8Band * kGemvWarps;
     return (int64_t(t.n) + t.rows_per_warp - 1) / t.rows_per_warp * splits;
 }
@@ -3168,7 +3052,7 @@ inline int gemv_task_blocks(const GemvTask& t) {
 // Such a row gets the fewest lanes (a power of two) that keep each lane within one batch of kGemvLoads
 // loads, and a warp takes 32 / lanes rows.
 inline int gemv_rows_per_warp(const GemvTask& t) {
-    if (is_uint4(t.weight_type) || t.weight_type == kWeightInt8Band) return 1;
+    if (t.weight_type == kWeightUint4 || t.weight_type == kWeightInt8Band) return 1;
     int lanes = 1;
     while (lanes < 32 && lanes * kGemvLoads < gemv_vectors(t)) lanes *= 2;
     return 32 / lanes;
@@ -3205,7 +3089,7 @@ inline void plan_gemv_splits(GemvArgs& args) {
         for (int i = 0; i < args.count; ++i) {
             const GemvTask& t = args.task[i];
             const int slice = gemv_vectors(t) / t.splits;
-            const bool splittable = is_uint4(t.weight_type)
+            const bool splittable = t.weight_type == kWeightUint4
                                         ? t.splits < kUint4MaxSplits && t.k >= kUint4SplitMinK
                                         : t.weight_type != kWeightInt8Band && t.splits < kGemvWarps &&
                                               t.rows_per_warp == 1 && slice % 2 == 0 && slice / 2 >= kGemvMinSlice;
@@ -3288,7 +3172,7 @@ inline bool gemv_staged(const GemvArgs& args) { return args.count > 0 && args.ta
 inline bool gemv_all_bands(const GemvArgs& args) {
     for (int i = 0; i < args.count; ++i) {
         const int type = args.task[i].weight_type;
-        if (!is_uint4(type) && type != kWeightInt8Band) return false;
+        if (type != kWeightUint4 && type != kWeightInt8Band) return false;
     }
     return true;
 }
@@ -3562,14 +3446,11 @@ extern "C" int fused_gemv_launch(int device, int64_t stream, int64_t M, int coun
     // vector; RWKV_GEMV_INT8_TC=0: the per-thread code, 2: bands summed in the tensor cores' accumulators
     // throughout (both for A/B runs)
     static const int64_t int8_mode = env_int("RWKV_GEMV_INT8_TC", 1);
-    // 4-bit tasks at one or two rows: RWKV_UINT4_SUMS=1 applies each group's scale and zero to the mma sums (off until
-    // timed)
-    static const bool uint4_sums = env_flag("RWKV_UINT4_SUMS", false);
     int types[kMaxTasks];
     for (int i = 0; i < count; ++i)
-        types[i] = weight_type[i] == kWeightInt8 && int8_mode != 0     ? kWeightInt8Band
-                   : weight_type[i] == kWeightUint4 && uint4_sums && M <= 2 ? kWeightUint4Sums
-                                                                            : weight_type[i];
+        types[i] = weight_type[i] == kWeightInt8 && int8_mode != 0
+                       ? kWeightInt8Band
+                       : weight_type[i];
     GemvArgs args{};
     const int blocks = pack_gemv(args, count, w, scale, zero, x, y, residual, n, k, group, types, epilogue);
     if (!stage_gemv(args, stage, static_cast<unsigned*>(sync))) return cudaErrorInvalidValue;

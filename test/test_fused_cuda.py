@@ -4,9 +4,6 @@ and is the `--check` for any CUDA machine: ``python -m pytest -q test/test_fused
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -816,49 +813,6 @@ def test_gemv_uint4_tasks_match_gemlite(kernels, uint4_layer, rows):
     torch.testing.assert_close(z.double(), res.double() + relu2, atol=2e-2, rtol=2e-3)
     torch.testing.assert_close(h, x @ w16.T, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(y, lin(x), atol=1e-2, rtol=1e-2)
-
-
-# One 4-bit task at one or two rows through the binding, in a child process (the launcher reads RWKV_UINT4_SUMS once)
-UINT4_ONE_ROW = """
-import sys, torch
-from infer.ops.fused import load_fused_kernels
-kernels = load_fused_kernels()
-words, scale, zero, x, group = torch.load(sys.argv[1])
-y = torch.full((x.shape[0], words.shape[1]), float("nan"), device="cuda", dtype=torch.float16)
-none = torch.empty(0, device="cuda", dtype=torch.float16)
-kernels._m.gemv([words], [scale], [zero], [x], [y], [none], [group], [0], torch.cuda.current_stream().cuda_stream)
-torch.save(y, sys.argv[2])
-"""
-
-
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("n,k,group", [(4096, 4096, 64), (1024, 16384, 128)])
-def test_uint4_group_sums_at_one_or_two_rows(kernels, tmp_path, n, k, group, rows):
-    """RWKV_UINT4_SUMS=1: a 4-bit task at one or two rows (a 7.2B-shaped band of 32 channels; a 16,384-deep one,
-    halved to 16) within the fp32 bound of the exact product of the unrounded weights q s + z, and not the default
-    path's bits (which multiply GemLite's fp16-rounded weights)."""
-    gen = torch.Generator(device="cuda").manual_seed(n + k)
-    words = torch.randint(-2 ** 31, 2 ** 31, (k // 8, n), generator=gen, device="cuda", dtype=torch.int64).int()
-    scale = ((torch.rand(k // group, n, generator=gen, device="cuda") + 0.5) * k ** -0.5 / 4).half()
-    zero = (-torch.rand(k // group, n, generator=gen, device="cuda") * 15 * scale.float()).half()
-    x = torch.randn(rows, k, generator=gen, device="cuda").half()
-    torch.save((words, scale, zero, x, group), tmp_path / "task.pt")
-    results = {}
-    for sums in ("0", "1"):
-        env = {**os.environ, "RWKV_UINT4_SUMS": sums}
-        done = subprocess.run([sys.executable, "-c", UINT4_ONE_ROW, str(tmp_path / "task.pt"), str(tmp_path / "y.pt")],
-                              env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        results[sums] = torch.load(tmp_path / "y.pt").double()
-    shifts = 4 * torch.arange(8, device="cuda")
-    q = ((words.long() & 0xFFFFFFFF)[:, :, None] >> shifts) & 0xF  # [K/8, N, 8]
-    q = q.permute(1, 0, 2).reshape(n, k).double()
-    s, z = (t.t().double().repeat_interleave(group, dim=1) for t in (scale, zero))
-    exact = x.double() @ (q * s + z).T
-    bound = (x.double().abs() @ (q * s.abs() + z.abs()).T) * (k + 4) * 2.0 ** -23 + exact.abs() * 2.0 ** -11
-    got = results["1"]
-    assert ((got - exact).abs() <= bound + 1e-6).all()
-    assert not torch.equal(got, results["0"]), "RWKV_UINT4_SUMS=1 gave the default path's bits"
 
 
 def test_uint4_matmul_rebuilds_gemlite_weights_bit_for_bit(kernels, uint4_layer, monkeypatch):

@@ -32,8 +32,7 @@ References and tolerances (ulp: the spacing of fp16 numbers at the magnitude com
   rebuild it from its packed layout (fp16(q * scale + zero), rounded once; the test packs and unpacks
   that layout itself, without gemlite) and sum on the (emulated) tensor cores, whose operands are fp16:
   an activated x is rounded to fp16 first, within one ulp. One-hot rows of x check every rebuilt weight
-  bit for bit. 4-bit tasks on the group sums (RWKV_UINT4_SUMS, one or two rows) take W as q * scale + zero
-  unrounded, the bound over q |scale| + |zero| (their fp32 sums of q x and of x).
+  bit for bit.
 - wkv7_slots: TorchWKV (fp32 math): y within 3e-5 (+1e-5 relative) and an fp32 state within 1e-5
   (+1e-5 relative): summation order (seen: 8e-6, 1e-6); an fp16 state pool within 1 ulp (+2^-20),
   >99% identical.
@@ -638,18 +637,12 @@ def test_relu_square_matches_torch(variant, n, libs):
 # --------------------------------------------------------------------------------------------- gemv
 F16, I8, I8_BAND = "f16", "i8", "i8-band"
 # I8_BAND: int8 weights on the tensor cores (gemv_int8_band); the CUDA launcher gives int8 tasks this type
-WEIGHT_TYPE = {F16: 0, I8: 1, "u4": 2, I8_BAND: 3, "u4-sums": 4}
+WEIGHT_TYPE = {F16: 0, I8: 1, "u4": 2, I8_BAND: 3}
 
 
 def U4(group: int) -> tuple[str, int]:  # noqa: N802 - reads as a weight kind beside F16 and I8
     """GemLite's 4-bit layout with a scale and zero per `group` input columns."""
     return "u4", group
-
-
-def U4_SUMS(group: int) -> tuple[str, int]:  # noqa: N802
-    """The same layout at one or two rows with the group's scale and zero applied to the mma sums (kWeightUint4Sums;
-    CUDA)."""
-    return "u4-sums", group
 
 
 def f16_round(x: torch.Tensor) -> torch.Tensor:
@@ -675,11 +668,9 @@ def pack_gemlite_uint4(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     return words.t().contiguous(), scale.t().contiguous(), zero.t().contiguous()
 
 
-def dequantize_gemlite_uint4(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                             rounded: bool = True) -> torch.Tensor:
+def dequantize_gemlite_uint4(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """GemLite's W [N, K] from its packed tensors: fp16(q * scale + zero) rounded once (its fp16 fma), as
-    float64 (rounded=False: q * scale + zero itself, the weights the group-sums path multiplies). The packer above
-    is not read back: the bits are unpacked here independently."""
+    float64. The packer above is not read back: the bits are unpacked here independently."""
     rows, N = words.shape
     group = rows * 8 // scale.shape[0]
     shifts = 4 * torch.arange(8, dtype=torch.int64)
@@ -687,8 +678,7 @@ def dequantize_gemlite_uint4(words: torch.Tensor, scale: torch.Tensor, zero: tor
     q = q.permute(1, 0, 2).reshape(N, rows * 8).double()
     s = scale.t().double().repeat_interleave(group, dim=1)
     z = zero.t().double().repeat_interleave(group, dim=1)
-    w = q * s + z  # exact in float64 (at most 44 significant bits)
-    return f16_round(w).double() if rounded else w
+    return f16_round(q * s + z).double()  # q * s + z is exact in float64 (at most 44 significant bits)
 
 
 def uint4_layer(gen, n: int, k: int, group: int) -> tuple[torch.Tensor, ...]:
@@ -704,7 +694,7 @@ def uint4_layer(gen, n: int, k: int, group: int) -> tuple[torch.Tensor, ...]:
 
 
 def gemv_task(gen, M, n, k, kind=F16, epi=EPI_NONE, residual=False) -> dict:
-    zero, dense, group, magnitude = None, None, 0, None
+    zero, dense, group = None, None, 0
     if kind in (I8, I8_BAND):
         w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
         scale = (torch.rand(n, generator=gen) * 0.02 + 0.001).half()
@@ -713,13 +703,10 @@ def gemv_task(gen, M, n, k, kind=F16, epi=EPI_NONE, residual=False) -> dict:
     else:
         kind, group = kind
         w, scale, zero, dense = uint4_layer(gen, n, k, group)
-        if kind == "u4-sums":  # its fp32 sums of q x and of x, then s and z: bounded by q |s| + |z|
-            dense = dequantize_gemlite_uint4(w, scale, zero, rounded=False)
-            magnitude = dequantize_gemlite_uint4(w, scale.abs(), zero.abs(), rounded=False)
     x = torch.randn(M, k, generator=gen).half()
     res = torch.randn(M, n, generator=gen).half() if residual else None
     return dict(w=w, scale=scale, zero=zero, dense=dense, n=n, k=k, group=group, type=WEIGHT_TYPE[kind], x=x,
-                residual=res, epi=epi, magnitude=magnitude)
+                residual=res, epi=epi)
 
 
 def run_gemv(so, tasks, M, wide=False):
@@ -742,17 +729,14 @@ def run_gemv(so, tasks, M, wide=False):
 def check_gemv(t: dict, y: torch.Tensor, what: str) -> None:
     """y = fp16(epi(fp16(x W^T * scale)) + residual), the inner fp16 product being one of the fp16 numbers
     around the exact product +- a bound on the fp32 accumulation error. 4-bit weights: W is GemLite's
-    dequantized matrix (dequantize_gemlite_uint4; the group-sums path: its unrounded weights, the sums bounded by
-    the terms' magnitudes ``t["magnitude"]``)."""
+    dequantized matrix (dequantize_gemlite_uint4)."""
     x = t["x"].double()
     w = t["dense"] if t["dense"] is not None else t["w"].double()
     int8 = t["type"] in (WEIGHT_TYPE[I8], WEIGHT_TYPE[I8_BAND])
     scale = t["scale"].double() if int8 else torch.ones(w.shape[0], dtype=torch.float64)
     exact = (x @ w.T) * scale
     K = w.shape[1]
-    magnitude = t.get("magnitude")
-    magnitude = w.abs() if magnitude is None else magnitude
-    err = (x.abs() @ magnitude.T) * scale * (K + 4) * 2.0 ** -23 + 1e-30
+    err = (x.abs() @ w.abs().T) * scale * (K + 4) * 2.0 ** -23 + 1e-30
 
     def finish(val16: torch.Tensor) -> torch.Tensor:
         val = val16.float()
@@ -904,58 +888,6 @@ def check_launch(launch, tasks, M):
 
 def check_bands(so, tasks, M, wide):
     check_launch(lambda ts, m: run_gemv(so, ts, m, wide), tasks, M)
-
-
-# 4-bit bands at one or two rows with the group sums (CUDA only): the shapes of the u4 cases above
-GEMV_UINT4_SUMS_CASES = {
-    # a partly idle band; groups of 2 rows of words (batches of 2) and of 8 (4 batches of 2 per group); k = 64:
-    # fewer rows of words than slices
-    "bands": [(36, 64, U4_SUMS(16), EPI_NONE, False), (32, 128, U4_SUMS(64), EPI_NONE, True)],
-    # groups of 3 rows (batches of one row), of one row (8 columns), long groups (128)
-    "odd-groups": [(16, 960, U4_SUMS(24), EPI_NONE, False), (28, 136, U4_SUMS(8), EPI_RELU_SQUARE, True),
-                   (64, 1024, U4_SUMS(128), EPI_NONE, True)],
-    # 7.2B-like rows: a 4,096-deep matrix, bands halved to 16 channels for 8,192 and 16,384 (two channels a lane)
-    "long": [(64, 4096, U4_SUMS(64), EPI_NONE, True), (48, 8192, U4_SUMS(64), EPI_RELU_SQUARE, False),
-             (32, 16384, U4_SUMS(128), EPI_NONE, True)],
-    # beside fp16, int8 and int8-band tasks in one launch, with the LoRA epilogues
-    "mixed": [(37, 136, F16, EPI_NONE, False), (24, 512, I8, EPI_NONE, True), (20, 128, U4_SUMS(64), EPI_TANH, False),
-              (40, 4096, U4_SUMS(128), EPI_NONE, True), (16, 1024, I8_BAND, EPI_SIGMOID, False)],
-}
-
-
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("wide", [False, True])
-@pytest.mark.parametrize("case", GEMV_UINT4_SUMS_CASES)
-def test_gemv_uint4_sums(case, wide, rows, libs):
-    """4-bit tasks at one or two rows with each group's scale and zero applied to the mma sums: every output within
-    check_gemv's bound of the exact product of the unrounded weights q s + z (the fp32 sums of q x and of x),
-    mostly the rounded exact value, and the last row alone the same bits as in the pair; partial bands, idle slices,
-    groups of 1-16 rows of words, halved bands; on gemv_kernel and on the 16-warp wide-band kernel (bands alone)."""
-    specs = GEMV_UINT4_SUMS_CASES[case]
-    if wide and any(kind != I8_BAND and not isinstance(kind, tuple) for _, _, kind, _, _ in specs):
-        pytest.skip("the wide-band kernel takes bands only")
-    gen = torch.Generator().manual_seed(len(case) * 13 + rows)
-    check_bands(libs["fused-cuda"], [gemv_task(gen, rows, *spec) for spec in specs], rows, wide)
-
-
-def test_gemv_uint4_sums_one_hot_rows(libs):
-    """x one-hot picks single weights: y[n] = fp16(fp32(q s + z)) (one fma of the group's scale over the sum q, the
-    zero times the sum of x, 1), for every k of a task with the gemv_uint4_rebuilds_gemlite_weights_exactly
-    test's planted ties: where GemLite's single fp16 rounding and this double rounding differ, this path's."""
-    so = libs["fused-cuda"]
-    gen = torch.Generator().manual_seed(7)
-    n, k, group = 40, 96, 24
-    words, scale, zero, _ = uint4_layer(gen, n, k, group)
-    words[3:6, ::2] = 0x33333333
-    unrounded = dequantize_gemlite_uint4(words, scale, zero, rounded=False)
-    want = unrounded.float().half()  # fp32 of the exact q s + z (fmaf), then fp16
-    for j in range(k):
-        x = torch.zeros(1, k, dtype=torch.float16)
-        x[0, j] = 1.0
-        task = dict(w=words, scale=scale, zero=zero, dense=None, n=n, k=k, group=group,
-                    type=WEIGHT_TYPE["u4-sums"], x=x, residual=None, epi=EPI_NONE)
-        (y,) = run_gemv(so, [task], 1)
-        assert torch.equal(y[0].view(torch.int16), want[:, j].view(torch.int16)), f"column {j}"
 
 
 @pytest.mark.parametrize("case", GEMV_INT8_BAND_CASES)
