@@ -331,4 +331,3 @@ def test_worker_thread_delivers_final_events_on_shutdown(tokenizer):
     assert done.wait(10)
     engine.shutdown()
     assert [type(e) for e in flushed] == [RowText, RowText, RowText, RowFinished]
-
