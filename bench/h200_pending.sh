@@ -113,6 +113,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sse-json  # 1.5B serving, 256 streams: chunks by hand vs encoder
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-dequant-bound  # W4 batch 1 without most of its dequantization
 #                                                                   # (timing only, in a copy of the tree)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-probe  # ~1 min, no extensions: one persistent kernel
+#                                                                   # a step against one launch a phase (batch 1)
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -419,6 +421,13 @@ sse-json)  # streamed chunks' choices written out as JSON text (98d9890) against
         serving_ab "1.5b_ssejson_$round" 256 0 1.5b 24 2048 sse_json_before encoder written infer/api/openai.py \
             infer/api/streaming.py
     done
+    ;;
+persistent-probe)  # bench/probe_persistent.cu: a batch-1 decode step's phases (synthetic work, the real shapes'
+    # bytes) as one launch a phase under PDL against one persistent kernel with grid barriers, 1.5B and 7.2B; every
+    # variant's logits and x must be the same bits (exit 1 otherwise). Standalone: nvcc only, no torch extension
+    step 120 "build the probe" nvcc -O3 -arch=sm_90 -std=c++17 bench/probe_persistent.cu -o /tmp/probe_persistent
+    step 240 "persistent probe" /tmp/probe_persistent --json bench/results/probe_persistent_h200.json
+    copy bench/results/probe_persistent_h200.json
     ;;
 graphs-recheck)  # the graph GPU tests alone, then the sampler-capture test (it failed once after the fused tests
     # in one process, verify-fused) three times alone: order or chance?
