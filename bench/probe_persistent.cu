@@ -227,8 +227,11 @@ __device__ __forceinline__ void load_batch(const Task& tk, int row, int sub, int
     }
 }
 
-// One unit; `cur` holds its first batch already when `loaded`.
-__device__ void gemv_unit(const Task& tk, int local, const float* xs, uint4 (&cur)[kLoads], bool loaded) {
+// One unit; `cur` holds its first batch already when `loaded`. With the warp's next unit given (`has_after`:
+// `after`, local index `after_local`), its first batch is loaded into `cur` during this unit's last batch, so a
+// warp's loads never stop between its units.
+__device__ __forceinline__ void gemv_unit(const Task& tk, int local, const float* xs, uint4 (&cur)[kLoads],
+                                          bool loaded, bool has_after, const Task& after, int after_local) {
     int row, sub;
     unit_lane(tk, local, row, sub);
     const int chunks = tk.k >> 3;
@@ -237,7 +240,14 @@ __device__ void gemv_unit(const Task& tk, int local, const float* xs, uint4 (&cu
     float acc = 0.0f;
     for (int b = 0; b < batches; ++b) {
         uint4 next[kLoads];
-        if (b + 1 < batches) load_batch(tk, row, sub, b + 1, next);
+        const bool more = b + 1 < batches || has_after;
+        if (b + 1 < batches) {
+            load_batch(tk, row, sub, b + 1, next);
+        } else if (has_after) {
+            int next_row, next_sub;
+            unit_lane(after, after_local, next_row, next_sub);
+            load_batch(after, next_row, next_sub, 0, next);
+        }
 #pragma unroll
         for (int e = 0; e < kLoads; ++e) {
             const int c = sub + (b * kLoads + e) * tk.lanes;
@@ -256,7 +266,7 @@ __device__ void gemv_unit(const Task& tk, int local, const float* xs, uint4 (&cu
                 acc = fmaf(__half2float(h[7]), x1.w, acc);
             }
         }
-        if (b + 1 < batches) {
+        if (more) {
 #pragma unroll
             for (int e = 0; e < kLoads; ++e) cur[e] = next[e];
         }
@@ -281,11 +291,23 @@ __device__ void gemv_phase(const Phase* ph, float* xs, float* scratch, uint4 (&p
         }
     }
     __syncthreads();
-    const int first = blockIdx.x * kWarps + (threadIdx.x >> 5);
-    for (int u = first; u < units; u += gridDim.x * kWarps) {
-        const Unit un = find_unit(ph, u);
-        const Task tk = ph->t[un.task];
-        gemv_unit(tk, un.local, xs, pre, loaded && u == first);
+    const int stride = gridDim.x * kWarps;
+    int u = blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (u >= units) return;
+    Unit un = find_unit(ph, u);
+    Task tk = ph->t[un.task];
+    for (; u < units; u += stride) {
+        const bool last = u + stride >= units;
+        Unit next_un{0, 0};
+        Task next_tk = tk;
+        if (!last) {
+            next_un = find_unit(ph, u + stride);
+            next_tk = ph->t[next_un.task];
+        }
+        gemv_unit(tk, un.local, xs, pre, loaded, !last, next_tk, next_un.local);
+        loaded = !last;
+        un = next_un;
+        tk = next_tk;
     }
 }
 
