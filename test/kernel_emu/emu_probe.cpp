@@ -38,7 +38,7 @@ EMU_EXPORT int emu_probe_step(const int* dims, void* const* buffers, int fold, i
     std::vector<probe::Phase> phases(probe::max_phases(d));
     const int n = probe::build_phases(d, buffers, fold, phases.data());
     unsigned arrivals = 0;
-    const probe::Control ctl{&arrivals, prefetch};
+    const probe::Control ctl{&arrivals, prefetch, 0};
     if (persistent)
         return emu::run_grid(1, probe::kThreads, [&] { probe::probe_kernel(phases.data(), 0, n - 1, ctl); }, seed);
     for (int p = 0; p < n; ++p) {
