@@ -39,8 +39,8 @@
 //
 //   nvcc -O3 -arch=sm_90 -std=c++17 bench/probe_persistent.cu -o /tmp/probe && /tmp/probe --json out.json
 //
-// The part above the host driver (its C marker function) is also compiled for the CPU by test/kernel_emu (test_probe_emulated.py:
-// the phases against a float64 reference, both chainings bit for bit on a one-block grid).
+// The part above the host driver (its C marker function) is also compiled for the CPU by test/kernel_emu
+// (test_probe_emulated.py: the phases against a float64 reference, both chainings bit for bit on a one-block grid).
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -482,8 +482,8 @@ struct Dims {
     int L, C, F, V, rw, ra, rv, rg;
 };
 
-// The buffers of a model, in the order of `buffer_list`: per layer 14 fp16 matrices and the fp32 state, then the
-// head, then the fp32 activations.
+// The buffers of a model, numbered as `buffer_shape` lists them: per layer 14 fp16 matrices and the fp32 state,
+// then the head, then the fp32 activations.
 constexpr int kLayerBuffers = 15;
 constexpr int kActBuffers = 13;
 inline int buffer_count(const Dims& d) { return d.L * kLayerBuffers + 1 + kActBuffers; }
