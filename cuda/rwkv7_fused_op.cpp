@@ -6,6 +6,8 @@
 // dtypes, devices and contiguity are checked here; the launchers check the sizes they depend on.
 #include <torch/extension.h>
 
+#include "op_messages.h"
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -44,13 +46,8 @@ namespace {
 
 constexpr int64_t kHeadSize = 64;
 
-std::string num(int64_t x) { return std::to_string(x); }  // (see wkv7_slots_op.cpp: no ostream ints)
-
-std::string shape(const torch::Tensor& t) {
-    std::string out = "[";
-    for (int64_t d = 0; d < t.dim(); ++d) out += (d ? ", " : "") + num(t.size(d));
-    return out + "]";
-}
+using op_messages::num;  // numbers never streamed into messages (op_messages.h)
+using op_messages::shape;
 
 void check(const torch::Tensor& t, const torch::Device& device, torch::ScalarType dtype, std::vector<int64_t> dims,
            const char* op, const std::string& name) {

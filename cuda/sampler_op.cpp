@@ -7,6 +7,8 @@
 // look at shapes, dtypes and devices only: nothing is read back from the device.
 #include <torch/extension.h>
 
+#include "op_messages.h"
+
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -27,14 +29,8 @@ extern "C" const char* sampler_error_string(int code);
 
 namespace {
 
-// Numbers in error messages are formatted with std::to_string, not streamed (see wkv7_slots_op.cpp).
-std::string num(int64_t x) { return std::to_string(x); }
-
-std::string shape(const torch::Tensor& t) {
-    std::string out = "[";
-    for (int64_t d = 0; d < t.dim(); ++d) out += (d ? ", " : "") + num(t.size(d));
-    return out + "]";
-}
+using op_messages::num;  // numbers never streamed into messages (op_messages.h)
+using op_messages::shape;
 
 void check_row_vector(const torch::Tensor& t, const torch::Device& device, int64_t B, torch::ScalarType dtype,
                       const char* name) {

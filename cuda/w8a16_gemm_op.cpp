@@ -7,6 +7,8 @@
 // ops allocate nothing.
 #include <torch/extension.h>
 
+#include "op_messages.h"
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -31,15 +33,8 @@ extern "C" const char* w8a16_error_string(int code);
 
 namespace {
 
-// Numbers are formatted with std::to_string, never streamed into TORCH_CHECK messages (see
-// cuda/wkv7_slots_op.cpp: streaming an integer from an extension crashed one torch build).
-std::string num(int64_t x) { return std::to_string(x); }
-
-std::string shape(const torch::Tensor& t) {
-    std::string out = "[";
-    for (int64_t d = 0; d < t.dim(); ++d) out += (d ? ", " : "") + num(t.size(d));
-    return out + "]";
-}
+using op_messages::num;  // numbers never streamed into messages (op_messages.h)
+using op_messages::shape;
 
 void check(const torch::Tensor& t, const torch::Device& device, torch::ScalarType dtype, const char* op,
            const char* name) {

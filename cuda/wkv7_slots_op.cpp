@@ -6,6 +6,8 @@
 // launch on the current stream and makes the op safe to capture in a CUDA graph.
 #include <torch/extension.h>
 
+#include "op_messages.h"
+
 #include <cstdint>
 #include <string>
 
@@ -19,16 +21,8 @@ namespace {
 
 constexpr int64_t kHeadSize = 64;
 
-// Numbers in error messages are formatted with std::to_string, not streamed: on one CUDA image
-// (torch 2.11) streaming an integer into the message from an extension crashed with SIGSEGV
-// inside std::ostream::_M_insert<long>, turning a bad argument into a dead server.
-std::string num(int64_t x) { return std::to_string(x); }
-
-std::string shape(const torch::Tensor& t) {
-    std::string out = "[";
-    for (int64_t d = 0; d < t.dim(); ++d) out += (d ? ", " : "") + num(t.size(d));
-    return out + "]";
-}
+using op_messages::num;  // numbers never streamed into messages (op_messages.h)
+using op_messages::shape;
 
 // dtype codes of the launcher
 int act_code(const torch::Tensor& t) {
