@@ -69,6 +69,34 @@ def throughput(engine: Engine, prompts: list[list[int]], max_tokens: int, concur
     return sum(len(t.times) for t in trackers) / (time.perf_counter() - started)
 
 
+def engine_counts(engine: Engine) -> dict[str, float]:
+    """The engine's step counters so far (its Prometheus metrics)."""
+    value = engine.metrics.registry.get_sample_value
+    return {"steps": value("rwkv_step_seconds_count") or 0.0, "step_s": value("rwkv_step_seconds_sum") or 0.0,
+            "ahead": value("rwkv_decode_steps_ahead_total") or 0.0, "rows": value("rwkv_step_batch_rows_sum") or 0.0}
+
+
+def concurrent_breakdown(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """The concurrent run again, split into its ramp (until every request has its first token) and the steady
+    decode after it, with the engine's own steps: how many, their mean duration and rows, and how many were queued
+    ahead (--decode-ahead). Tells a host-bound engine (steps longer than the forward) from a slow ramp."""
+    before = engine_counts(engine)
+    started = time.perf_counter()
+    trackers = [submit(engine, p, max_tokens) for p in prompts]
+    for t in trackers:
+        t.done.wait()
+    ended = time.perf_counter()
+    delta = {k: v - before[k] for k, v in engine_counts(engine).items()}
+    all_started = max(t.times[0] for t in trackers)
+    steady = sum(1 for t in trackers for x in t.times if x > all_started)
+    steps = max(delta["steps"], 1.0)
+    return {"tok_s": round(sum(len(t.times) for t in trackers) / (ended - started), 1),
+            "last_first_token_ms": round(1000 * (all_started - started), 1),
+            "steady_tok_s": round(steady / max(ended - all_started, 1e-9), 1),
+            "steps": int(delta["steps"]), "step_ms_mean": round(1000 * delta["step_s"] / steps, 3),
+            "rows_per_step": round(delta["rows"] / steps, 1), "steps_ahead": int(delta["ahead"])}
+
+
 def gaps_ms(trackers: list[Tracker], start: float, end: float) -> list[float]:
     out = []
     for t in trackers:
@@ -122,7 +150,8 @@ def main() -> None:
         seq = throughput(engine, prompts[:8], args.max_tokens, concurrent=False)
         conc = throughput(engine, prompts, args.max_tokens, concurrent=True)
         rows.append({"requests": n, "sequential_tok_s": round(seq, 1), "concurrent_tok_s": round(conc, 1),
-                     "speedup": round(conc / seq, 2)})
+                     "speedup": round(conc / seq, 2),
+                     "concurrent_again": concurrent_breakdown(engine, prompts, args.max_tokens)})
 
     # Streams running while a long prompt arrives.
     streams = [submit(engine, prompt, 10_000) for _ in range(8)]
@@ -163,6 +192,11 @@ def main() -> None:
     print(f"{'requests':>8} {'sequential tok/s':>17} {'concurrent tok/s':>17} {'speedup':>8}")
     for r in rows:
         print(f"{r['requests']:>8} {r['sequential_tok_s']:>17} {r['concurrent_tok_s']:>17} {r['speedup']:>8}")
+    print("concurrent again: tok/s, last first token ms, steady tok/s; engine steps, mean ms, rows a step, ahead")
+    for r in rows:
+        c = r["concurrent_again"]
+        print(f"{r['requests']:>8} {c['tok_s']:>9} {c['last_first_token_ms']:>9} {c['steady_tok_s']:>9}   "
+              f"{c['steps']:>5} {c['step_ms_mean']:>8} {c['rows_per_step']:>6} {c['steps_ahead']:>5}")
     q, l = latency["itl_ms_without_long_prompt"], latency["itl_ms_during_long_prefill"]
     print(f"8 streams, inter-token ms p50/p99/max: alone {q['p50']}/{q['p99']}/{q['max']}; while a "
           f"{args.long_prompt}-token prompt prefills in chunks of {args.chunk}: {l['p50']}/{l['p99']}/{l['max']} "

@@ -115,6 +115,8 @@
 #                                                                   # (timing only, in a copy of the tree)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-probe  # ~1 min, no extensions: one persistent kernel
 #                                                                   # a step against one launch a phase (batch 1)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh engine-256  # ~6 min on a fresh machine: the 1.5B engine alone
+#                                                                   # at 256 requests (ramp, steady rate, its steps)
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -428,6 +430,22 @@ persistent-probe)  # bench/probe_persistent.cu: a batch-1 decode step's phases (
     step 120 "build the probe" nvcc -O3 -arch=sm_90 -std=c++17 bench/probe_persistent.cu -o /tmp/probe_persistent
     step 240 "persistent probe" /tmp/probe_persistent --json bench/results/probe_persistent_h200.json
     copy bench/results/probe_persistent_h200.json
+    ;;
+engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
+    # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them
+    # (twenty-sixth session). The engine alone (no HTTP, no event loop), 256 requests of 256 tokens, twice: its ramp
+    # (last first token), steady tok/s after it, its steps' mean duration and how many ran ahead; the forward at 256
+    # rows in the same call
+    build_fused
+    step 120 "1.5b decode, batch 256" python bench/bench_decode.py --sizes 1.5b --batches 256 --wkv cuda --no-checks \
+        --out bench/results/decode_h200_1.5b_b256_engine.json
+    copy bench/results/decode_h200_1.5b_b256_engine.json
+    for round in 1 2; do
+        step 150 "engine 1.5B, 256 requests, round $round" python bench/bench_engine.py --device cuda --n-layer 24 \
+            --n-embd 2048 --requests 1,256 --slots 256 --max-tokens 256 --graphs --decode-ahead --long-prompt 1024 \
+            --out "bench/results/engine_h200_1.5b_256_$round.json"
+        copy "bench/results/engine_h200_1.5b_256_$round.json"
+    done
     ;;
 graphs-recheck)  # the graph GPU tests alone, then the sampler-capture test (it failed once after the fused tests
     # in one process, verify-fused) three times alone: order or chance?
