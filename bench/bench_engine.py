@@ -1,7 +1,9 @@
 """Engine throughput and latency with a random model (no HTTP): CPU by default, or a GPU.
 
 1. Aggregate output tokens/s for N concurrent requests (continuous batching) versus the same
-   N requests run one after another.
+   N requests run one after another; the concurrent run once more, split into its ramp (until every
+   request has its first token) and the steady decode after it, with the engine's own step count,
+   mean step time, rows a step and steps queued ahead (its metrics).
 2. Inter-token latency of running streams while a long prompt is admitted (chunked prefill
    interleaved with decode), versus the same streams alone.
 
