@@ -522,7 +522,8 @@ def http_levels(args, levels: list[int]) -> tuple[list[dict], dict | None]:
                 **({"loop_profile": stats["loop_profile"]} if "loop_profile" in stats else {})})
             print(json.dumps(rows[-1]), flush=True)
         if args.profile:  # a separate, unmeasured run of the top level under py-spy (it slows the server)
-            profile = recorded(server.pid, lambda: run_clients(args, port, max(levels), args.max_tokens), args.label)
+            profile = recorded(server.pid, lambda: run_clients(args, port, max(levels), args.max_tokens), args.label,
+                               gil=True)
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -571,7 +572,8 @@ def main() -> None:
     ap.add_argument("--launch-ops", type=int, default=24, help="torch calls per step (each drops the GIL once)")
     ap.add_argument("--launch-op-us", type=float, default=10.0, help="Python time of one torch call")
     ap.add_argument("--sampler-ms", type=float, default=0.0, help="extra GPU time per step after the last launch")
-    ap.add_argument("--profile", action="store_true", help="py-spy the server at the largest http level")
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy --gil of the server at the largest http level (the GIL holder only)")
     ap.add_argument("--cprofile", action="store_true",
                     help="cProfile the engine-alone runs and the server's event loop thread (slows both)")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
