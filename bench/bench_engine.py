@@ -89,7 +89,7 @@ def concurrent_breakdown(engine: Engine, prompts: list[list[int]], max_tokens: i
         t.done.wait()
     ended = time.perf_counter()
     delta = {k: v - before[k] for k, v in engine_counts(engine).items()}
-    all_started = max(t.times[0] for t in trackers)
+    all_started = max((t.times[0] for t in trackers if t.times), default=started)  # a request may end at once
     steady = sum(1 for t in trackers for x in t.times if x > all_started)
     steps = max(delta["steps"], 1.0)
     return {"tok_s": round(sum(len(t.times) for t in trackers) / (ended - started), 1),
