@@ -795,6 +795,16 @@ void reset_states(const Model& m) {
                          cudaMemcpyDeviceToDevice));
 }
 
+// One step, waited for: the variant's launch error, if any (a cooperative grid the device refuses, a barrier that
+// trapped), so that it is reported and the other variants still run.
+cudaError_t try_step(const Runner& r, cudaStream_t s) {
+    cudaError_t e = r.step(s);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+    if (e == cudaSuccess) e = cudaGetLastError();
+    cudaGetLastError();  // clear what is not sticky
+    return e;
+}
+
 // After one step from the initial states: logits and x, for the bit-for-bit comparison of the variants.
 std::vector<float> one_step_outputs(const Model& m, const Runner& r, cudaStream_t s) {
     reset_states(m);
@@ -889,6 +899,13 @@ int main(int argc, char** argv) {
         for (size_t vi = 0; vi < sizeof(kVariants) / sizeof(kVariants[0]); ++vi) {
             const Variant& v = kVariants[vi];
             Runner r(m, v, sms);
+            if (const cudaError_t e = try_step(r, s); e != cudaSuccess) {
+                std::printf("%-6s %-42s FAILED: %s\n", sh.name, v.name, cudaGetErrorString(e));
+                json += std::string(vi ? "," : "") + "\n      {\"variant\": \"" + v.name + "\", \"error\": \"" +
+                        cudaGetErrorString(e) + "\"}";
+                all_equal = false;
+                continue;
+            }
             bool finite = true, equal = true;
             if (!v.timing) {  // a bound's results are wrong by design
                 const std::vector<float> out = one_step_outputs(m, r, s);
