@@ -31,7 +31,8 @@
 // unit, units are dealt to the grid's warps in turn, and a unit's sums do not depend on the warp or block
 // that computes it, so every variant gives the same bits (checked: logits and x after one step). The
 // variants differ only in how the phases are chained:
-//   launches    one launch per phase, each launch's warps loading their first weights before the PDL wait
+//   launches    one launch per phase (of the blocks that have work: one for a norm, one a head for the time mix),
+//               each launch's warps loading their first weights before the PDL wait
 //   persistent  one cooperative launch per step, a grid barrier (an arrival counter in global memory) between
 //               phases, the next phase's first weights (or a time-mix thread's state) loaded before it
 // and three bounds (timing only, wrong results): the persistent kernel without its grid barriers (each block
@@ -732,6 +733,7 @@ struct Runner {
     const Variant& v;
     Phase* phases = nullptr;
     int nphases = 0, grid = 0;
+    std::vector<int> phase_grid;  // one launch a phase: only the blocks with work (as the server sizes its launches)
     unsigned* barrier = nullptr;
     size_t smem = 0;
 
@@ -746,6 +748,11 @@ struct Runner {
         int per_sm = 0;
         CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, probe_kernel, kThreads, smem));
         grid = sms * std::min(per_sm, v.blocks_per_sm);
+        for (int p = 0; p < nphases; ++p) {
+            const Phase& ph = host[p];
+            const int want = ph.kind == kNorm ? 1 : ph.kind == kTimeMix ? ph.heads : (ph.units + kWarps - 1) / kWarps;
+            phase_grid.push_back(std::max(1, std::min(grid, want)));
+        }
     }
     ~Runner() {
         cudaFree(phases);
@@ -754,7 +761,7 @@ struct Runner {
 
     cudaError_t launch(int first, int last, cudaStream_t s) const {
         cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(grid);
+        cfg.gridDim = dim3(v.persistent ? grid : phase_grid[first]);
         cfg.blockDim = dim3(kThreads);
         cfg.dynamicSmemBytes = smem;
         cfg.stream = s;
