@@ -56,7 +56,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kLoads = 4;          // 16-byte weight loads a lane holds (and prefetches before a barrier); 8 spill
 constexpr int kMaxTasks = 8;
-constexpr int kMaxStages = 2;
 constexpr float kLnEps = 1e-5f;
 constexpr float kGroupNormEps = 64e-5f;
 #if defined(EMU_WARP)
@@ -74,14 +73,11 @@ struct Task {
     float* y;
     int rows, k, ld, x_off, act, accumulate, lanes, unit0;
 };
-struct Stage {  // n floats from src into shared memory at off (n a multiple of 4)
-    const float* src;
-    int n, off;
-};
 struct Phase {
-    int kind, ntasks, nstages, units;
+    int kind, ntasks, units;
     Task t[kMaxTasks];
-    Stage s[kMaxStages];
+    const float* staged;  // a GEMV phase without fold: its input, `staged_floats` (a multiple of 4) of them, is copied
+    int staged_floats;    // into shared memory first (the tasks' x_off index it)
     const float* norm_x;  // kNorm, or a GEMV phase with fold: LN(norm_x) and its mixes (width C, nmix of them)
     float* norm_out;      // kNorm: where block 0 writes the mixes
     int C, nmix, fold;
@@ -233,6 +229,13 @@ __device__ __forceinline__ void load_batch(const Task& tk, int row, int sub, int
     }
 }
 
+// Batch 0 of unit `local` of `tk`, this lane's part (a unit's first weights, loaded ahead of it).
+__device__ __forceinline__ void load_first_batch(const Task& tk, int local, uint4 (&buf)[kLoads]) {
+    int row, sub;
+    unit_lane(tk, local, row, sub);
+    load_batch(tk, row, sub, 0, buf);
+}
+
 // One unit; `cur` holds its first batch already when `loaded`. With the warp's next unit given (`has_after`:
 // `after`, local index `after_local`), its first batch is loaded into `cur` during this unit's last batch, so a
 // warp's loads never stop between its units.
@@ -250,9 +253,7 @@ __device__ __forceinline__ void gemv_unit(const Task& tk, int local, const float
         if (b + 1 < batches) {
             load_batch(tk, row, sub, b + 1, next);
         } else if (has_after) {
-            int next_row, next_sub;
-            unit_lane(after, after_local, next_row, next_sub);
-            load_batch(after, next_row, next_sub, 0, next);
+            load_first_batch(after, after_local, next);
         }
 #pragma unroll
         for (int e = 0; e < kLoads; ++e) {
@@ -290,11 +291,8 @@ __device__ void gemv_phase(const Phase* ph, float* xs, float* scratch, uint4 (&p
     if (ph->fold) {
         norm_mix(ph->norm_x, ph->C, ph->nmix, xs, scratch);
     } else {
-        for (int s = 0; s < ph->nstages; ++s) {
-            const Stage st = ph->s[s];
-            for (int i = threadIdx.x * 4; i < st.n; i += kThreads * 4)
-                *reinterpret_cast<float4*>(xs + st.off + i) = load_act4(st.src + i);
-        }
+        for (int i = threadIdx.x * 4; i < ph->staged_floats; i += kThreads * 4)
+            *reinterpret_cast<float4*>(xs + i) = load_act4(ph->staged + i);
     }
     __syncthreads();
     const int stride = gridDim.x * kWarps;
@@ -429,10 +427,7 @@ __device__ bool prefetch(const Phase* ph, uint4 (&pre)[kLoads]) {
         const int first = blockIdx.x * kWarps + (threadIdx.x >> 5);
         if (first >= ph->units) return false;
         const Unit un = find_unit(ph, first);
-        const Task tk = ph->t[un.task];
-        int row, sub;
-        unit_lane(tk, un.local, row, sub);
-        load_batch(tk, row, sub, 0, pre);
+        load_first_batch(ph->t[un.task], un.local, pre);
         return true;
     }
     if (ph->kind == kTimeMix) {
@@ -533,7 +528,7 @@ struct Builder {
         p.units += (rows + 32 / t.lanes - 1) / (32 / t.lanes);
         ++p.ntasks;
     }
-    static void stage(Phase& p, const float* src, int n, int off) { p.s[p.nstages++] = Stage{src, n, off}; }
+    static void stage(Phase& p, const float* src, int floats) { p.staged = src, p.staged_floats = floats; }
 };
 
 // The phases of one step into out (room for max_phases); returns their count.
@@ -556,7 +551,7 @@ inline int build_phases(const Dims& d, void* const* buf, int fold, Phase* out) {
         }
         Phase& p = b.add(kGemv);
         p.norm_x = x, p.C = C, p.nmix = nmix, p.fold = fold;
-        if (!fold) Builder::stage(p, mix, nmix * C, 0);
+        if (!fold) Builder::stage(p, mix, nmix * C);
         return p;
     };
     for (int l = 0; l < d.L; ++l) {
@@ -570,7 +565,7 @@ inline int build_phases(const Dims& d, void* const* buf, int fold, Phase* out) {
         Builder::task(rkv, w[5], h + d.rw + d.ra, d.rv, C, C, 3 * C, kNone, 0);
         Builder::task(rkv, w[6], h + d.rw + d.ra + d.rv, d.rg, C, C, 5 * C, kSigmoid, 0);
         Phase& lora = b.add(kGemv);
-        Builder::stage(lora, h, R, 0);
+        Builder::stage(lora, h, R);
         Builder::task(lora, w[7], dw, C, d.rw, d.rw, 0, kNone, 0);
         Builder::task(lora, w[8], da, C, d.ra, d.ra, d.rw, kNone, 0);
         Builder::task(lora, w[9], dv, C, d.rv, d.rv, d.rw + d.ra, kNone, 0);
@@ -579,12 +574,12 @@ inline int build_phases(const Dims& d, void* const* buf, int fold, Phase* out) {
         tm.r = r, tm.k = k, tm.v = v, tm.dw = dw, tm.da = da, tm.dv = dv, tm.g = g;
         tm.state = static_cast<float*>(w[14]), tm.y = y, tm.heads = H;
         Phase& o = b.add(kGemv);
-        Builder::stage(o, y, C, 0);
+        Builder::stage(o, y, C);
         Builder::task(o, w[11], x, C, C, C, 0, kNone, 1);
         Phase& fk = normed_gemv(1);
         Builder::task(fk, w[12], fh, F, C, C, 0, kRelu2, 0);
         Phase& fv = b.add(kGemv);
-        Builder::stage(fv, fh, F / 2, 0);
+        Builder::stage(fv, fh, F / 2);
         Builder::task(fv, w[13], x, C, F / 2, F, 0, kNone, 1);
     }
     Phase& head = normed_gemv(1);
