@@ -1,9 +1,9 @@
 """Engine throughput and latency with a random model (no HTTP): CPU by default, or a GPU.
 
 1. Aggregate output tokens/s for N concurrent requests (continuous batching) versus the same
-   N requests run one after another; the concurrent run once more, split into its ramp (until every
-   request has its first token) and the steady decode after it, with the engine's own step count,
-   mean step time, rows a step and steps queued ahead (its metrics).
+   N requests run one after another; the concurrent run split into its ramp (until every request has
+   its first token) and the steady decode after it, with the engine's own step count, mean step time,
+   rows a step and steps queued ahead (its metrics).
 2. Inter-token latency of running streams while a long prompt is admitted (chunked prefill
    interleaved with decode), versus the same streams alone.
 
@@ -35,21 +35,26 @@ from infer.tokenizer import load_world_tokenizer  # noqa: E402
 
 
 class Tracker:
-    """Records token arrival times of one request (called on the engine thread)."""
+    """Records token arrival times of one request (called on the engine thread). ``done``: the row has ended;
+    ``counted``: the engine has also finished the step that ended it (its next flush point), so that step is in
+    the engine's metrics."""
 
-    def __init__(self):
+    def __init__(self, engine: Engine):
+        self.engine = engine
         self.times: list[float] = []
         self.done = threading.Event()
+        self.counted = threading.Event()
 
     def __call__(self, event):
         if isinstance(event, RowText):
             self.times.append(time.perf_counter())
         elif isinstance(event, RowFinished):
             self.done.set()
+            self.engine.call_at_flush(self.counted.set)
 
 
 def submit(engine: Engine, prompt: list[int], max_tokens: int) -> Tracker:
-    tracker = Tracker()
+    tracker = Tracker(engine)
     # The random model may sample the end-of-document token; bias it away so every request runs full length.
     sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=1, logit_bias={0: -100.0})
     options = GenerationOptions(max_tokens=max_tokens, sampling=sampling)
@@ -57,17 +62,12 @@ def submit(engine: Engine, prompt: list[int], max_tokens: int) -> Tracker:
     return tracker
 
 
-def throughput(engine: Engine, prompts: list[list[int]], max_tokens: int, concurrent: bool) -> float:
+def sequential_throughput(engine: Engine, prompts: list[list[int]], max_tokens: int) -> float:
     started = time.perf_counter()
-    if concurrent:
-        trackers = [submit(engine, p, max_tokens) for p in prompts]
-        for t in trackers:
-            t.done.wait()
-    else:
-        trackers = []
-        for p in prompts:
-            trackers.append(submit(engine, p, max_tokens))
-            trackers[-1].done.wait()
+    trackers = []
+    for p in prompts:
+        trackers.append(submit(engine, p, max_tokens))
+        trackers[-1].done.wait()
     return sum(len(t.times) for t in trackers) / (time.perf_counter() - started)
 
 
@@ -79,15 +79,18 @@ def engine_counts(engine: Engine) -> dict[str, float]:
 
 
 def concurrent_breakdown(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """The concurrent run again, split into its ramp (until every request has its first token) and the steady
-    decode after it, with the engine's own steps: how many, their mean duration and rows, and how many were queued
-    ahead (--decode-ahead). Tells a host-bound engine (steps longer than the forward) from a slow ramp."""
+    """All of ``prompts`` submitted at once: tok/s, split into the ramp (until every request has its first token)
+    and the steady decode after it, with the engine's own steps: how many, their mean duration and rows, and how
+    many were queued ahead (--decode-ahead). Tells a host-bound engine (steps longer than the forward) from a slow
+    ramp."""
     before = engine_counts(engine)
     started = time.perf_counter()
     trackers = [submit(engine, p, max_tokens) for p in prompts]
     for t in trackers:
         t.done.wait()
     ended = time.perf_counter()
+    for t in trackers:  # the last step is observed after it ends its rows
+        t.counted.wait()
     delta = {k: v - before[k] for k, v in engine_counts(engine).items()}
     all_started = max((t.times[0] for t in trackers if t.times), default=started)  # a request may end at once
     steady = sum(1 for t in trackers for x in t.times if x > all_started)
@@ -143,17 +146,16 @@ def main() -> None:
     engine = Engine(runner, tokenizer, prefill_chunk_size=args.chunk, decode_ahead=args.decode_ahead)
     engine.start()
     prompt = tokenizer.encode("User: write a short story about a lighthouse keeper.\n\nAssistant:")
-    throughput(engine, [prompt] * 2, 4, concurrent=True)  # warm-up
+    concurrent_breakdown(engine, [prompt] * 2, 4)  # warm-up
 
     rows = []
     for n in [int(x) for x in args.requests.split(",")]:
         prompts = [prompt] * n
         # one after another the rate does not depend on how many: time at most 8 of them
-        seq = throughput(engine, prompts[:8], args.max_tokens, concurrent=False)
-        conc = throughput(engine, prompts, args.max_tokens, concurrent=True)
-        rows.append({"requests": n, "sequential_tok_s": round(seq, 1), "concurrent_tok_s": round(conc, 1),
-                     "speedup": round(conc / seq, 2),
-                     "concurrent_again": concurrent_breakdown(engine, prompts, args.max_tokens)})
+        seq = sequential_throughput(engine, prompts[:8], args.max_tokens)
+        conc = concurrent_breakdown(engine, prompts, args.max_tokens)
+        rows.append({"requests": n, "sequential_tok_s": round(seq, 1), "concurrent_tok_s": conc["tok_s"],
+                     "speedup": round(conc["tok_s"] / seq, 2), "concurrent": conc})
 
     # Streams running while a long prompt arrives.
     streams = [submit(engine, prompt, 10_000) for _ in range(8)]
@@ -194,9 +196,9 @@ def main() -> None:
     print(f"{'requests':>8} {'sequential tok/s':>17} {'concurrent tok/s':>17} {'speedup':>8}")
     for r in rows:
         print(f"{r['requests']:>8} {r['sequential_tok_s']:>17} {r['concurrent_tok_s']:>17} {r['speedup']:>8}")
-    print("concurrent again: tok/s, last first token ms, steady tok/s; engine steps, mean ms, rows a step, ahead")
+    print("concurrent: tok/s, last first token ms, steady tok/s; engine steps, mean ms, rows a step, ahead")
     for r in rows:
-        c = r["concurrent_again"]
+        c = r["concurrent"]
         print(f"{r['requests']:>8} {c['tok_s']:>9} {c['last_first_token_ms']:>9} {c['steady_tok_s']:>9}   "
               f"{c['steps']:>5} {c['step_ms_mean']:>8} {c['rows_per_step']:>6} {c['steps_ahead']:>5}")
     q, l = latency["itl_ms_without_long_prompt"], latency["itl_ms_during_long_prefill"]
