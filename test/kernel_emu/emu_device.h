@@ -174,7 +174,9 @@ struct Warp {
     alignas(16) unsigned char gathered[EMU_WARP][32];  // all_gather's
 };
 inline Barrier block_barrier;
+inline Barrier* active_barrier = &block_barrier;  // __syncthreads's: the running fiber's block's
 inline Warp* warps = nullptr;
+inline unsigned char* block_shared = nullptr;  // run_resident_grid: the running fiber's block's dynamic shared memory
 
 inline int lane() { return static_cast<int>(threadIdx.x) % EMU_WARP; }
 
@@ -319,6 +321,68 @@ inline int run_grid(unsigned grid, int threads, const std::function<void()>& ker
     return 0;
 }
 
+// Runs a 1-D grid with every block resident at once, as a cooperative launch guarantees: the fibers of all blocks
+// are swept together in a fresh random order, so a block may wait (yield in a loop) for another block's progress,
+// as a grid barrier does. Each block has its own __syncthreads barrier, warps and `shared_bytes` of dynamic shared
+// memory (emu::block_shared, to be read by the kernel when it starts; static __shared__ variables would be one
+// object for all blocks, so a kernel run here must not have any). Returns 0, or 1 + a block of a deadlock.
+inline int run_resident_grid(unsigned grid, int threads, size_t shared_bytes, const std::function<void()>& kernel,
+                             unsigned seed = 1) {
+    using namespace sched;
+    const int total = static_cast<int>(grid) * threads;
+    fibers.assign(total, ucontext_t{});
+    if (stacks.size() < static_cast<size_t>(total) * kStack) stacks.resize(static_cast<size_t>(total) * kStack);
+    finished.assign(total, 0);
+    const int per_block = (threads + EMU_WARP - 1) / EMU_WARP;
+    std::vector<Warp> all_warps(static_cast<size_t>(grid) * per_block);
+    std::vector<Barrier> barriers(grid);
+    std::vector<std::vector<float4>> shared(grid, std::vector<float4>((shared_bytes + 15) / 16));
+    for (unsigned b = 0; b < grid; ++b) {
+        barriers[b].expected = threads;
+        for (int w = 0; w < per_block; ++w)
+            all_warps[b * per_block + w].bar.expected = std::min(EMU_WARP, threads - w * EMU_WARP);
+    }
+    gridDim = dim3(grid);
+    blockDim = dim3(static_cast<unsigned>(threads));
+    body = &kernel;
+    for (int f = 0; f < total; ++f) {
+        getcontext(&fibers[f]);
+        fibers[f].uc_stack.ss_sp = &stacks[static_cast<size_t>(f) * kStack];
+        fibers[f].uc_stack.ss_size = kStack;
+        fibers[f].uc_link = &scheduler;
+        makecontext(&fibers[f], fiber_main, 0);
+    }
+    std::vector<int> order(total);
+    std::iota(order.begin(), order.end(), 0);
+    std::mt19937 rng(seed);
+    int stuck = 0;
+    for (int left = total; left > 0;) {
+        const unsigned long long before = progress;
+        left = 0;
+        std::shuffle(order.begin(), order.end(), rng);
+        for (const int f : order) {
+            if (finished[f]) continue;
+            const unsigned b = static_cast<unsigned>(f / threads);
+            current = f;
+            blockIdx = dim3(b);
+            threadIdx = dim3(static_cast<unsigned>(f % threads));
+            active_barrier = &barriers[b];
+            warps = &all_warps[b * per_block];
+            block_shared = reinterpret_cast<unsigned char*>(shared[b].data());
+            swapcontext(&scheduler, &fibers[f]);
+            left += !finished[f];
+            if (left > 0 && finished[f] == 0) stuck = static_cast<int>(b);
+        }
+        if (left > 0 && progress == before) {  // a whole sweep of waiting only
+            active_barrier = &block_barrier;
+            return 1 + stuck;
+        }
+    }
+    active_barrier = &block_barrier;
+    block_shared = nullptr;
+    return 0;
+}
+
 // What emu_build.py turns a `kernel<<<grid, block, smem, stream>>>(args...)` launch into (the launchers
 // are not run: the harnesses launch the kernels with run_grid): nothing is launched, and the runtime
 // stand-ins' cudaGetLastError()/hipGetLastError() report "not supported".
@@ -328,7 +392,7 @@ void no_launch(dim3, dim3, size_t, Stream, void (*)(KernelArgs...), Args&&...) {
 }  // namespace emu
 
 // ------------------------------------------------------------------------------------ device functions
-inline void __syncthreads() { emu::block_barrier.wait(); }
+inline void __syncthreads() { emu::active_barrier->wait(); }
 
 template <typename T>
 T __ldg(const T* p) { return *p; }

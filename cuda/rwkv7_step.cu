@@ -1,0 +1,823 @@
+// One decode step of one sequence (batch 1, fp16 weights) as ONE persistent kernel: every block of a
+// co-resident grid walks every phase of every layer, with a grid-wide barrier between phases, instead of the
+// fused path's ~8 launches a layer chained by PDL (cuda/rwkv7_fused.cu). Opt-in (RWKV_PERSISTENT=1,
+// infer/ops/persistent.py) until it is measured against that path on the GPU: bench/probe_persistent.cu
+// measures the design on synthetic work, this file is the real forward.
+//
+// Why: at batch 1 a 1.5B layer reads ~20 us of weights at 4.3 TB/s but takes ~48 us as launches, each
+// launch waiting for the whole of the one before (thirtieth session). A grid barrier costs ~1 us, and each
+// warp loads its first weights of the next phase (or a time-mix thread its state) before it waits, so the
+// memory stays busy across the barrier.
+//
+// The phases of a step (x: the residual stream, fp16, in a workspace; every intermediate rounded to fp16
+// where the fused path stores fp16, so both paths compute the same math in the same precision):
+//   embed      x = emb[token] (block 0)
+//   per layer:
+//   rkv        every block: LN1(x) and the six token-shift mixes into shared memory; r, k, v = W x_m and the
+//              LoRA first halves tanh(W1 x_w), W1 x_a, sigmoid(W1 x_g), W1 x_v (not in layer 0)
+//   lora       dw, da, g, dv = W2 h (the second halves); block 0 saves LN1(x) as the layer's att shift state
+//   tmix       per head (a block each): decay, gates, kk, the WKV update of the 64x64 state, y = S r, group
+//              norm, bonus, output gate -> y_att
+//   out        x += Wo y_att
+//   ffnk       every block: LN2(x) and its mix; hidden = relu(Fk x_k)^2
+//   ffnv       K-major FFN value: partial sums of the rows of hidden's nonzero entries (a warp: a 256-column
+//              tile over a chunk of rows); block 0 saves LN2(x) as the ffn shift state.
+//              Row-major FFN value: x += Fv hidden, one GEMV phase (and no reduce).
+//   reduce     x += the partial sums, each column's in chunk order (a fixed order: the same bits whatever the
+//              grid)
+//   head       every block: LN_out(x); logits = Head x (fp32 out, rounded to fp16 first, as the fused path)
+// A GEMV unit (one row, or a group of short rows) is one warp's; a unit's sums do not depend on the warp or
+// block that computes it, so the result is the same bits on any grid.
+//
+// The part above the C launchers (including the host-side program builder) is also compiled for the CPU by
+// test/kernel_emu (test_step_emulated.py runs the kernel on co-resident grids of a few blocks against the
+// readable forward).
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace step {
+
+constexpr int N = 64;  // head size
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kLoads = 4;  // 16-byte weight loads a lane holds (and prefetches before a barrier)
+constexpr int kMaxTasks = 7;
+constexpr int kMaxMix = 6;
+constexpr int kReduceLanes = 16;  // lanes summing one column's partial sums
+constexpr int kTile = 256;        // columns of a sparse FFN-value unit (8 a lane)
+constexpr float kLnEps = 1e-5f;
+constexpr float kExpMinusHalf = 0.606531f;
+constexpr float kGroupNormEps = 64e-5f;  // head_size * 1e-5
+
+enum Kind : int { kEmbed = 0, kGemv = 1, kTimeMix = 2, kSparse = 3, kReduce = 4 };
+enum Act : int { kNone = 0, kTanh = 1, kSigmoid = 2, kRelu2 = 3 };
+
+// One matrix of a GEMV phase: y[row] (+)= act(W[row, :k] . xs[x_off : x_off + k]) for row < rows (W row-major,
+// row stride ld; xs the phase's fp16 input in shared memory); `lanes` lanes share a row (a power of two), so a
+// unit is 32 / lanes rows. y32 (the head): fp32 outputs instead of y. unit0: the phase's index of its first unit.
+struct Task {
+    const __half* w;
+    __half* y;
+    float* y32;
+    int rows, k, ld, x_off, act, accumulate, lanes, unit0;
+};
+
+// A GEMV phase's input: a layer norm folded into every block (of x, with the token shift against `shift` and
+// nmix mixes: xs[m * C + i] = xn_i + (shift_i - xn_i) mix_m[i]; nmix 0: xs = xn), or fp16 values copied in.
+struct Stage {
+    const __half *ln_w, *ln_b;
+    const __half* shift;  // the layer's shift state of slot 0 (+ slot * C); null: no shift (the head)
+    const __half* mix[kMaxMix];
+    int nmix;
+    const __half* src;  // no norm: `halves` values (a multiple of 8) copied from src
+    int halves;
+};
+
+struct Phase {
+    int kind, ntasks, units;
+    Task t[kMaxTasks];
+    Stage stage;
+    __half* save_shift;  // block 0 first writes the previous phase's LN(x) here (slot 0; + slot * C)
+    // time mix (per channel [C] unless said)
+    const __half *r, *k, *v, *dw, *da, *dv, *g;
+    __half *v_first, *out;
+    const float *w0, *r_k, *lnx_w, *lnx_b;
+    const __half *a0, *v0, *k_k, *k_a;
+    void* state;  // the layer's WKV states of slot 0 (+ slot * H * N * N), fp32 or fp16
+    int first_layer, heads;
+    // sparse FFN value (fv [F, C] K-major, hidden [F]) and its reduce into x
+    const __half *fv, *hidden;
+    float* partial;  // [C][chunks]
+    __half* x;
+    int F, chunks, chunk_rows, tiles;
+    int C;
+};
+
+struct StepArgs {
+    const Phase* phases;
+    int nphases;
+    const int64_t* token;  // device scalars: graph replays read the current ones
+    const int64_t* slot;
+    int64_t num_slots, vocab;
+    const __half* emb;
+    __half* x;
+    float* logits;
+    unsigned* sync;  // [2]: grid-barrier arrivals, blocks done (both zero between launches)
+    int prefetch;    // load the next phase's first weights (or state) before waiting at the barrier
+};
+
+// ---------------------------------------------------------------------------------------------- helpers
+__device__ __forceinline__ uint4 load_weights(const __half* p) {
+#if defined(__CUDA_ARCH__)
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+#else
+    return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+
+// Values written by other blocks of this launch: read at L2, never a stale L1 line.
+__device__ __forceinline__ float load_act(const __half* p) { return __half2float(__ldcg(p)); }
+__device__ __forceinline__ uint4 load_act8(const __half* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+#if defined(__CUDA_ARCH__)
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+#else
+    return *static_cast<const volatile unsigned*>(p);
+#endif
+}
+
+// Every block of the (co-resident) grid arrives once per barrier; the n-th barrier of a launch completes when
+// the arrivals reach n * gridDim.x. One that waits ~seconds traps instead of hanging the device.
+__device__ __forceinline__ void grid_barrier(unsigned* arrivals, unsigned target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(arrivals, 1u);
+        for (unsigned spins = 0; load_acquire(arrivals) < target; ++spins) {
+#if defined(EMU_WARP)
+            emu::yield();  // the emulation's blocks are fibers of one thread
+#elif defined(__CUDA_ARCH__)
+            if (spins > (1u << 24)) __trap();
+#endif
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float round_half(float x) { return __half2float(__float2half_rn(x)); }
+
+__device__ __forceinline__ float activate(float v, int act) {
+    switch (act) {
+        case kTanh: return tanhf(v);
+        case kSigmoid: return sigmoid(v);
+        case kRelu2: {
+            const float r = fmaxf(v, 0.0f);
+            return r * r;
+        }
+        default: return v;
+    }
+}
+
+__device__ __forceinline__ void unpack8(uint4 u, float (&out)[8]) {
+    __half h[8];
+    memcpy(h, &u, sizeof(h));
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = __half2float(h[e]);
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&in)[8]) {
+    __half h[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) h[e] = __float2half_rn(in[e]);
+    uint4 u;
+    memcpy(&u, h, sizeof(u));
+    return u;
+}
+
+// The block's sum of v, in a fixed order (scratch: kWarps floats, free again when this returns).
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += scratch[w];
+    __syncthreads();
+    return s;
+}
+
+// Shared memory of a block: the LN(x) kept for the next phase's shift-state save (C halves), the staged input
+// (staged_halves), then fp32 scratch (kScratch floats: reductions, and the time mix's per-head vectors).
+constexpr int kScratch = 5 * N + 4 * kWarps;
+
+struct Shared {
+    __half* saved;
+    __half* xs;
+    float* scratch;
+};
+
+// ---------------------------------------------------------------------------------------------- staging
+// LN(x) of the block (rounded to fp16, as the stored shift state is) into sh.saved, then the mixes into sh.xs.
+__device__ void stage_norm(const Stage& st, const __half* x, int C, int64_t slot, const Shared& sh) {
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < C; i += kThreads) s += load_act(x + i);
+    const float mean = block_sum(s, sh.scratch) / C;
+    float q = 0.0f;
+    for (int i = threadIdx.x; i < C; i += kThreads) {
+        const float d = load_act(x + i) - mean;
+        q = fmaf(d, d, q);
+    }
+    const float rstd = rsqrtf(block_sum(q, sh.scratch) / C + kLnEps);
+    const __half* shift = st.shift ? st.shift + slot * C : nullptr;
+    for (int i = threadIdx.x; i < C; i += kThreads) {
+        const float xn = round_half((load_act(x + i) - mean) * rstd * __half2float(st.ln_w[i]) +
+                                    __half2float(st.ln_b[i]));
+        sh.saved[i] = __float2half_rn(xn);
+        if (st.nmix == 0) {
+            sh.xs[i] = __float2half_rn(xn);
+            continue;
+        }
+        const float d = load_act(shift + i) - xn;
+        for (int m = 0; m < st.nmix; ++m) sh.xs[m * C + i] = __float2half_rn(fmaf(d, __half2float(st.mix[m][i]), xn));
+    }
+}
+
+__device__ void stage_input(const Phase& ph, const __half* x, int64_t slot, const Shared& sh) {
+    if (ph.stage.ln_w) {
+        stage_norm(ph.stage, x, ph.C, slot, sh);
+    } else {
+        for (int i = threadIdx.x * 8; i < ph.stage.halves; i += kThreads * 8)
+            *reinterpret_cast<uint4*>(sh.xs + i) = load_act8(ph.stage.src + i);
+    }
+    __syncthreads();
+}
+
+// ---------------------------------------------------------------------------------------------- GEMV
+struct Unit {
+    int task, local;
+};
+
+__device__ __forceinline__ Unit find_unit(const Phase& ph, int u) {
+    int t = 0;
+    while (t + 1 < ph.ntasks && u >= ph.t[t + 1].unit0) ++t;
+    return {t, u - ph.t[t].unit0};
+}
+
+// This lane's row of a unit and its place among the row's lanes.
+__device__ __forceinline__ void unit_lane(const Task& tk, int local, int& row, int& sub) {
+    const int lane = threadIdx.x & 31;
+    row = local * (32 / tk.lanes) + lane / tk.lanes;
+    sub = lane % tk.lanes;
+}
+
+// Batch b of the lane's 16-byte pieces of its row: piece c = sub + (b * kLoads + e) * lanes (zero past the row).
+__device__ __forceinline__ void load_batch(const Task& tk, int row, int sub, int b, uint4 (&buf)[kLoads]) {
+    const int chunks = tk.k >> 3;
+    const __half* w = tk.w + static_cast<size_t>(row) * tk.ld;
+#pragma unroll
+    for (int e = 0; e < kLoads; ++e) {
+        const int c = sub + (b * kLoads + e) * tk.lanes;
+        buf[e] = row < tk.rows && c < chunks ? load_weights(w + static_cast<size_t>(c) * 8) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+__device__ __forceinline__ void load_first_batch(const Task& tk, int local, uint4 (&buf)[kLoads]) {
+    int row, sub;
+    unit_lane(tk, local, row, sub);
+    load_batch(tk, row, sub, 0, buf);
+}
+
+// One unit; `cur` holds its first batch already when `loaded`. With the warp's next unit given (`has_after`), its
+// first batch is loaded into `cur` during this unit's last batch, so a warp's loads never stop between units.
+__device__ __forceinline__ void gemv_unit(const Task& tk, int local, const __half* xs, uint4 (&cur)[kLoads],
+                                          bool loaded, bool has_after, const Task& after, int after_local) {
+    int row, sub;
+    unit_lane(tk, local, row, sub);
+    const int chunks = tk.k >> 3;
+    const int batches = ((chunks + tk.lanes - 1) / tk.lanes + kLoads - 1) / kLoads;  // the same for every lane
+    if (!loaded) load_batch(tk, row, sub, 0, cur);
+    float acc = 0.0f;
+    for (int b = 0; b < batches; ++b) {
+        uint4 next[kLoads];
+        const bool more = b + 1 < batches || has_after;
+        if (b + 1 < batches) {
+            load_batch(tk, row, sub, b + 1, next);
+        } else if (has_after) {
+            load_first_batch(after, after_local, next);
+        }
+#pragma unroll
+        for (int e = 0; e < kLoads; ++e) {
+            const int c = sub + (b * kLoads + e) * tk.lanes;
+            if (c < chunks) {
+                float w[8], xv[8];
+                unpack8(cur[e], w);
+                unpack8(*reinterpret_cast<const uint4*>(xs + tk.x_off + c * 8), xv);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc = fmaf(w[j], xv[j], acc);
+            }
+        }
+        if (more) {
+#pragma unroll
+            for (int e = 0; e < kLoads; ++e) cur[e] = next[e];
+        }
+    }
+    for (int o = tk.lanes >> 1; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (sub == 0 && row < tk.rows) {
+        const float v = activate(acc, tk.act);
+        if (tk.y32) {
+            tk.y32[row] = round_half(v);
+        } else {
+            tk.y[row] = __float2half_rn(tk.accumulate ? load_act(tk.y + row) + v : v);
+        }
+    }
+}
+
+__device__ void gemv_phase(const Phase& ph, const __half* x, int64_t slot, const Shared& sh, uint4 (&pre)[kLoads],
+                           bool loaded) {
+    const int units = ph.units;
+    if (static_cast<int>(blockIdx.x) * kWarps >= units) return;  // no unit for this block: nothing to stage
+    stage_input(ph, x, slot, sh);
+    const int stride = gridDim.x * kWarps;
+    int u = blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (u >= units) return;
+    Unit un = find_unit(ph, u);
+    Task tk = ph.t[un.task];
+    for (; u < units; u += stride) {
+        const bool last = u + stride >= units;
+        Unit next_un{0, 0};
+        Task next_tk = tk;
+        if (!last) {
+            next_un = find_unit(ph, u + stride);
+            next_tk = ph.t[next_un.task];
+        }
+        gemv_unit(tk, un.local, sh.xs, pre, loaded, !last, next_tk, next_un.local);
+        loaded = !last;
+        un = next_un;
+        tk = next_tk;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------- time mix
+// Block b takes heads b, b + gridDim.x, ...; thread t owns state row t / 4 (a value channel) and its 16 columns
+// 16 (t % 4) + j (key channels).
+template <typename S>
+__device__ __forceinline__ const S* state_of(const Phase& ph, int64_t slot, int head) {
+    const S* base = static_cast<const S*>(ph.state) + slot * static_cast<int64_t>(ph.heads) * N * N;
+    return base + (static_cast<int64_t>(head) * N + (threadIdx.x >> 2)) * N + (threadIdx.x & 3) * 16;
+}
+
+// The thread's 16 state values as raw 16-byte pieces (fp32: four; fp16: two).
+template <typename S>
+__device__ __forceinline__ void load_state(const Phase& ph, int64_t slot, int head, uint4 (&buf)[kLoads]) {
+    const S* s = state_of<S>(ph, slot, head);
+    constexpr int pieces = 16 * static_cast<int>(sizeof(S)) / 16;
+#pragma unroll
+    for (int e = 0; e < pieces; ++e) buf[e] = __ldcg(reinterpret_cast<const uint4*>(s) + e);
+}
+
+__device__ __forceinline__ void unpack_state(const uint4 (&buf)[kLoads], float (&s)[16], float) { memcpy(s, buf, 64); }
+__device__ __forceinline__ void unpack_state(const uint4 (&buf)[kLoads], float (&s)[16], __half) {
+    unpack8(buf[0], *reinterpret_cast<float(*)[8]>(s));
+    unpack8(buf[1], *reinterpret_cast<float(*)[8]>(s + 8));
+}
+
+__device__ __forceinline__ void store_state(float* dst, const float (&s)[16]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+        reinterpret_cast<float4*>(dst)[e] = make_float4(s[4 * e], s[4 * e + 1], s[4 * e + 2], s[4 * e + 3]);
+}
+__device__ __forceinline__ void store_state(__half* dst, const float (&s)[16]) {
+    reinterpret_cast<uint4*>(dst)[0] = pack8(*reinterpret_cast<const float(*)[8]>(s));
+    reinterpret_cast<uint4*>(dst)[1] = pack8(*reinterpret_cast<const float(*)[8]>(s + 8));
+}
+
+// Sums of the values of the threads t % 4 == 0 (one per state row), over the block (fixed order).
+__device__ __forceinline__ float rows_sum(float v, float* part) {
+    return block_sum((threadIdx.x & 3) ? 0.0f : v, part);
+}
+
+template <typename S>
+__device__ void time_mix_head(const Phase& ph, int64_t slot, int head, float* sh, uint4 (&pre)[kLoads], bool loaded) {
+    const int t = threadIdx.x, row = t >> 2, col0 = (t & 3) * 16;
+    float *rr = sh, *ww = sh + N, *kn = sh + 2 * N, *aa = sh + 3 * N, *bb = sh + 4 * N, *part = sh + 5 * N;
+    // 1. the head's key-axis vectors (thread t < 64: channel t), kk's norm and the bonus sum
+    float kkr = 0.0f, a = 0.0f, bonus_part = 0.0f;
+    if (t < N) {
+        const int c = head * N + t;
+        const float r = load_act(ph.r + c), k = load_act(ph.k + c);
+        a = sigmoid(__half2float(ph.a0[c]) + load_act(ph.da + c));
+        kkr = k * __half2float(ph.k_k[c]);
+        const float knv = k * (1.0f + (a - 1.0f) * __half2float(ph.k_a[c]));
+        rr[t] = r;
+        ww[t] = __expf(-kExpMinusHalf * sigmoid(ph.w0[c] + load_act(ph.dw + c)));
+        kn[t] = knv;
+        bonus_part = r * knv * ph.r_k[c];
+    }
+    const float norm = sqrtf(block_sum(kkr * kkr, part));
+    const float bonus = block_sum(bonus_part, part);
+    if (t < N) {
+        const float kk = kkr / fmaxf(norm, 1e-12f);
+        aa[t] = -kk;
+        bb[t] = kk * a;
+    }
+    __syncthreads();
+    // 2. this row's value, the state update and y = S r (a row's four threads sum by shuffles)
+    const int c = head * N + row;
+    float v = load_act(ph.v + c);
+    if (ph.first_layer) {
+        if ((t & 3) == 0) ph.v_first[c] = __float2half_rn(v);
+    } else {
+        v = v + (load_act(ph.v_first + c) - v) * sigmoid(__half2float(ph.v0[c]) + load_act(ph.dv + c));
+    }
+    if (!loaded) load_state<S>(ph, slot, head, pre);
+    float s[16];
+    unpack_state(pre, s, S{});
+    float sa = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) sa = fmaf(s[j], aa[col0 + j], sa);
+    sa += __shfl_xor_sync(0xffffffffu, sa, 1);
+    sa += __shfl_xor_sync(0xffffffffu, sa, 2);
+    float y = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        s[j] = fmaf(s[j], ww[col0 + j], fmaf(sa, bb[col0 + j], v * kn[col0 + j]));
+        y = fmaf(s[j], rr[col0 + j], y);
+    }
+    store_state(const_cast<S*>(state_of<S>(ph, slot, head)), s);
+    y += __shfl_xor_sync(0xffffffffu, y, 1);
+    y += __shfl_xor_sync(0xffffffffu, y, 2);
+    // 3. group norm over the head's 64 rows, the bonus, the gate
+    const float mean = rows_sum(y, part) * (1.0f / N);
+    const float var = rows_sum((y - mean) * (y - mean), part) * (1.0f / N);
+    if ((t & 3) == 0) {
+        const float yn = (y - mean) * rsqrtf(var + kGroupNormEps) * ph.lnx_w[c] + ph.lnx_b[c];
+        ph.out[c] = __float2half_rn(round_half(yn + bonus * v) * load_act(ph.g + c));
+    }
+}
+
+template <typename S>
+__device__ void time_mix_phase(const Phase& ph, int64_t slot, const Shared& sh, uint4 (&pre)[kLoads], bool loaded) {
+    for (int head = blockIdx.x; head < ph.heads; head += gridDim.x) {
+        time_mix_head<S>(ph, slot, head, sh.scratch, pre, loaded && head == static_cast<int>(blockIdx.x));
+        __syncthreads();  // the next head reuses the shared vectors
+    }
+}
+
+// ---------------------------------------------------------------------------------------------- FFN value
+// Unit u: columns [kTile * (u % tiles), + kTile) (8 a lane) over rows [chunk_rows * (u / tiles), + chunk_rows) of
+// the K-major matrix, reading only the rows whose hidden value is nonzero; the unit's sums go to
+// partial[column][chunk].
+__device__ void sparse_phase(const Phase& ph) {
+    const int units = ph.tiles * ph.chunks, lane = threadIdx.x & 31;
+    for (int u = blockIdx.x * kWarps + (threadIdx.x >> 5); u < units; u += gridDim.x * kWarps) {
+        const int chunk = u / ph.tiles, col = (u % ph.tiles) * kTile + lane * 8;
+        const int j0 = chunk * ph.chunk_rows, j1 = min(j0 + ph.chunk_rows, ph.F);
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        if (col < ph.C) {
+            for (int j = j0; j < j1; j += 4) {
+                float h[4];
+                uint4 w[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {  // the four rows' loads in flight together
+                    h[e] = j + e < j1 ? load_act(ph.hidden + j + e) : 0.0f;
+                    if (h[e] != 0.0f) w[e] = load_weights(ph.fv + static_cast<size_t>(j + e) * ph.C + col);
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if (h[e] == 0.0f) continue;
+                    float wf[8];
+                    unpack8(w[e], wf);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) acc[q] = fmaf(h[e], wf[q], acc[q]);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < 8; ++q) ph.partial[static_cast<size_t>(col + q) * ph.chunks + chunk] = acc[q];
+        }
+    }
+}
+
+// x[c] += the sum of column c's partial sums: kReduceLanes lanes a column, each summing chunks lane, lane + lanes,
+// ... in order, then a fixed butterfly.
+__device__ void reduce_phase(const Phase& ph) {
+    constexpr int per_warp = 32 / kReduceLanes;
+    const int lane = threadIdx.x & 31, sub = lane % kReduceLanes;
+    const int groups = (ph.C + per_warp - 1) / per_warp;
+    for (int u = blockIdx.x * kWarps + (threadIdx.x >> 5); u < groups; u += gridDim.x * kWarps) {
+        const int c = u * per_warp + lane / kReduceLanes;
+        float s = 0.0f;
+        if (c < ph.C) {
+            const float* p = ph.partial + static_cast<size_t>(c) * ph.chunks;
+            for (int q = sub; q < ph.chunks; q += kReduceLanes) s += __ldcg(p + q);
+        }
+#pragma unroll
+        for (int o = kReduceLanes / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (sub == 0 && c < ph.C) ph.x[c] = __float2half_rn(load_act(ph.x + c) + s);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------- the kernel
+// The next phase's first weights (GEMV) or this block's first head's state (time mix), loaded before the barrier
+// that starts it: constant weights, and a state only that phase touches. Returns whether `pre` holds them.
+template <typename S>
+__device__ bool prefetch(const Phase& ph, int64_t slot, uint4 (&pre)[kLoads]) {
+    if (ph.kind == kGemv) {
+        const int first = blockIdx.x * kWarps + (threadIdx.x >> 5);
+        if (first >= ph.units) return false;
+        const Unit un = find_unit(ph, first);
+        load_first_batch(ph.t[un.task], un.local, pre);
+        return true;
+    }
+    if (ph.kind == kTimeMix && static_cast<int>(blockIdx.x) < ph.heads) {
+        load_state<S>(ph, slot, blockIdx.x, pre);
+        return true;
+    }
+    return false;
+}
+
+template <typename S>
+__device__ void run_phase(const Phase& ph, const StepArgs& a, int64_t token, int64_t slot, const Shared& sh,
+                          uint4 (&pre)[kLoads], bool loaded) {
+    if (ph.save_shift && blockIdx.x == 0) {
+        __half* dst = ph.save_shift + slot * ph.C;
+        for (int i = threadIdx.x; i < ph.C; i += kThreads) dst[i] = sh.saved[i];
+    }
+    switch (ph.kind) {
+        case kEmbed:
+            if (blockIdx.x == 0) {
+                for (int i = threadIdx.x; i < ph.C; i += kThreads)
+                    a.x[i] = token >= 0 && token < a.vocab ? a.emb[token * ph.C + i]
+                                                           : __float2half_rn(__int_as_float(0x7fc00000));
+            }
+            break;
+        case kTimeMix: time_mix_phase<S>(ph, slot, sh, pre, loaded); break;
+        case kSparse: sparse_phase(ph); break;
+        case kReduce: reduce_phase(ph); break;
+        default: gemv_phase(ph, a.x, slot, sh, pre, loaded); break;
+    }
+}
+
+template <typename S>
+__global__ void __launch_bounds__(kThreads, 2) step_kernel(StepArgs a, int staged_halves) {
+#if defined(EMU_WARP)
+    unsigned char* smem = emu::block_shared;
+#else
+    extern __shared__ __align__(16) unsigned char smem[];
+#endif
+    const int C = a.phases[0].C;
+    const Shared sh{reinterpret_cast<__half*>(smem), reinterpret_cast<__half*>(smem) + C,
+                    reinterpret_cast<float*>(reinterpret_cast<__half*>(smem) + C + staged_halves)};
+    const int64_t token = *a.token, slot = *a.slot;
+    if (slot < 0 || slot >= a.num_slots) {  // the same for every block: none reaches a barrier
+        if (blockIdx.x == 0) {
+            const int V = a.phases[a.nphases - 1].t[0].rows;
+            for (int i = threadIdx.x; i < V; i += kThreads) a.logits[i] = __int_as_float(0x7fc00000);
+        }
+        return;
+    }
+    uint4 pre[kLoads];
+    for (int p = 0; p < a.nphases; ++p) {
+        const Phase& ph = a.phases[p];
+        const bool loaded = a.prefetch && prefetch<S>(ph, slot, pre);
+        if (p > 0) grid_barrier(a.sync, static_cast<unsigned>(p) * gridDim.x);
+        run_phase<S>(ph, a, token, slot, sh, pre, loaded);
+    }
+    // The last block out zeroes the counters for the next launch: every block is past its last barrier.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(a.sync + 1, 1u) == gridDim.x - 1) {
+            a.sync[0] = 0;
+            a.sync[1] = 0;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------- the program
+// What the host passes for a model: dims, the model-wide pointers and per layer kLayerEntries int64 entries
+// (pointers, and each matrix's row stride after its pointer), in these orders (infer/ops/persistent.py builds
+// them from the same lists).
+struct Dims {
+    int L, C, F, V, rw, ra, rv, rg, ffn_k_major, state_half;
+    int64_t num_slots;
+};
+enum ModelEntry : int { kEmb, kLnOutW, kLnOutB, kHead, kHeadLd, kAttShift, kFfnShift, kWkv, kX, kLoraH, kR, kK, kV,
+                        kDw, kDa, kDv, kG, kVFirst, kY, kHidden, kPartial, kLogits, kModelEntries };
+enum LayerEntry : int {
+    kLn1W, kLn1B, kLn2W, kLn2B, kMixR, kMixW, kMixK, kMixV, kMixA, kMixG, kFfnMix, kA0, kV0, kKK, kKA, kW0, kRK, kLnxW,
+    kLnxB, kWr, kWrLd, kWk, kWkLd, kWv, kWvLd, kWo, kWoLd, kW1, kW1Ld, kA1, kA1Ld, kV1, kV1Ld, kG1, kG1Ld, kW2, kW2Ld,
+    kA2, kA2Ld, kV2, kV2Ld, kG2, kG2Ld, kFk, kFkLd, kFv, kFvLd, kLayerEntries
+};
+
+inline int lanes_for(int k) {
+    int lanes = 1;
+    while (lanes < 32 && lanes * 8 < k) lanes *= 2;
+    return lanes;
+}
+
+// The chunking of the sparse FFN value: a function of the shape only (the sums' order must not depend on the grid).
+inline int sparse_tiles(const Dims& d) { return (d.C + kTile - 1) / kTile; }
+inline int sparse_chunk_rows(const Dims& d) { return sparse_tiles(d) > 8 ? 128 : 64; }
+inline int sparse_chunks(const Dims& d) { return (d.F + sparse_chunk_rows(d) - 1) / sparse_chunk_rows(d); }
+
+inline int max_phases(const Dims& d) { return 1 + 7 * d.L + 1; }
+inline int staged_halves(const Dims& d) {
+    int h = kMaxMix * d.C;
+    if (!d.ffn_k_major && d.F > h) h = d.F;
+    const int R = d.rw + d.ra + d.rv + d.rg;
+    return R > h ? R : h;
+}
+inline size_t shared_bytes(const Dims& d) {
+    return static_cast<size_t>(d.C + staged_halves(d)) * sizeof(__half) + kScratch * sizeof(float);
+}
+// Workspace elements the model entries point to: x..hidden (fp16), partial (fp32), logits (fp32).
+inline int64_t partial_floats(const Dims& d) { return d.ffn_k_major ? static_cast<int64_t>(d.C) * sparse_chunks(d) : 0; }
+
+// Whether the builder can take these dims (nonzero: which rule fails).
+inline int dims_unsupported(const Dims& d) {
+    if (d.C % N || d.C % 8 || d.L < 1 || d.V < 1) return 1;
+    if (d.rw % 8 || d.ra % 8 || d.rv % 8 || d.rg % 8 || d.F % 8) return 2;  // staged 16 bytes at a time
+    return 0;
+}
+
+// The phases of one step into out (room for max_phases(d)); returns their count.
+inline int build_program(const Dims& d, const int64_t* model, const int64_t* layers, Phase* out) {
+    const int C = d.C, F = d.F, R = d.rw + d.ra + d.rv + d.rg;
+    auto half_at = [](int64_t p) { return reinterpret_cast<__half*>(static_cast<intptr_t>(p)); };
+    auto float_at = [](int64_t p) { return reinterpret_cast<float*>(static_cast<intptr_t>(p)); };
+    __half *x = half_at(model[kX]), *h = half_at(model[kLoraH]);
+    int n = 0;
+    auto add = [&](int kind) -> Phase& {
+        Phase& p = out[n++];
+        memset(&p, 0, sizeof(p));
+        p.kind = kind;
+        p.C = C;
+        return p;
+    };
+    auto task = [](Phase& p, int64_t w, int64_t ld, __half* y, float* y32, int rows, int k, int x_off, int act,
+                   int accumulate) {
+        Task& t = p.t[p.ntasks++];
+        t = Task{reinterpret_cast<const __half*>(static_cast<intptr_t>(w)), y, y32, rows, k, static_cast<int>(ld),
+                 x_off, act, accumulate, lanes_for(k), p.units};
+        p.units += (rows + 32 / t.lanes - 1) / (32 / t.lanes);
+    };
+    auto norm = [&](Phase& p, int64_t w, int64_t b, int64_t shift) {
+        p.stage.ln_w = half_at(w), p.stage.ln_b = half_at(b), p.stage.shift = half_at(shift);
+    };
+    add(kEmbed);
+    for (int l = 0; l < d.L; ++l) {
+        const int64_t* e = layers + static_cast<int64_t>(l) * kLayerEntries;
+        const bool first = l == 0;
+        const int64_t att_shift = model[kAttShift] + static_cast<int64_t>(l) * d.num_slots * C * 2;
+        const int64_t ffn_shift = model[kFfnShift] + static_cast<int64_t>(l) * d.num_slots * C * 2;
+        // mixes staged in the order r, w, k, v, a, g (the checkpoint's)
+        Phase& rkv = add(kGemv);
+        norm(rkv, e[kLn1W], e[kLn1B], att_shift);
+        rkv.stage.nmix = 6;
+        for (int m = 0; m < 6; ++m) rkv.stage.mix[m] = half_at(e[kMixR + m]);
+        task(rkv, e[kW1], e[kW1Ld], h, nullptr, d.rw, C, 1 * C, kTanh, 0);
+        task(rkv, e[kA1], e[kA1Ld], h + d.rw, nullptr, d.ra, C, 4 * C, kNone, 0);
+        task(rkv, e[kG1], e[kG1Ld], h + d.rw + d.ra + d.rv, nullptr, d.rg, C, 5 * C, kSigmoid, 0);
+        if (!first) task(rkv, e[kV1], e[kV1Ld], h + d.rw + d.ra, nullptr, d.rv, C, 3 * C, kNone, 0);
+        task(rkv, e[kWr], e[kWrLd], half_at(model[kR]), nullptr, C, C, 0 * C, kNone, 0);
+        task(rkv, e[kWk], e[kWkLd], half_at(model[kK]), nullptr, C, C, 2 * C, kNone, 0);
+        task(rkv, e[kWv], e[kWvLd], half_at(model[kV]), nullptr, C, C, 3 * C, kNone, 0);
+
+        Phase& lora = add(kGemv);
+        lora.stage.src = h, lora.stage.halves = R;
+        lora.save_shift = half_at(att_shift);
+        task(lora, e[kW2], e[kW2Ld], half_at(model[kDw]), nullptr, C, d.rw, 0, kNone, 0);
+        task(lora, e[kA2], e[kA2Ld], half_at(model[kDa]), nullptr, C, d.ra, d.rw, kNone, 0);
+        task(lora, e[kG2], e[kG2Ld], half_at(model[kG]), nullptr, C, d.rg, d.rw + d.ra + d.rv, kNone, 0);
+        if (!first) task(lora, e[kV2], e[kV2Ld], half_at(model[kDv]), nullptr, C, d.rv, d.rw + d.ra, kNone, 0);
+
+        Phase& tm = add(kTimeMix);
+        tm.r = half_at(model[kR]), tm.k = half_at(model[kK]), tm.v = half_at(model[kV]);
+        tm.dw = half_at(model[kDw]), tm.da = half_at(model[kDa]), tm.dv = half_at(model[kDv]), tm.g = half_at(model[kG]);
+        tm.v_first = half_at(model[kVFirst]), tm.out = half_at(model[kY]);
+        tm.w0 = float_at(e[kW0]), tm.r_k = float_at(e[kRK]), tm.lnx_w = float_at(e[kLnxW]), tm.lnx_b = float_at(e[kLnxB]);
+        tm.a0 = half_at(e[kA0]), tm.v0 = half_at(e[kV0]), tm.k_k = half_at(e[kKK]), tm.k_a = half_at(e[kKA]);
+        tm.state = reinterpret_cast<void*>(static_cast<intptr_t>(
+            model[kWkv] + static_cast<int64_t>(l) * d.num_slots * C * N * (d.state_half ? 2 : 4)));
+        tm.first_layer = first, tm.heads = C / N;
+
+        Phase& o = add(kGemv);
+        o.stage.src = half_at(model[kY]), o.stage.halves = C;
+        task(o, e[kWo], e[kWoLd], x, nullptr, C, C, 0, kNone, 1);
+
+        Phase& fk = add(kGemv);
+        norm(fk, e[kLn2W], e[kLn2B], ffn_shift);
+        fk.stage.nmix = 1, fk.stage.mix[0] = half_at(e[kFfnMix]);
+        task(fk, e[kFk], e[kFkLd], half_at(model[kHidden]), nullptr, F, C, 0, kRelu2, 0);
+
+        if (d.ffn_k_major) {
+            Phase& fv = add(kSparse);
+            fv.save_shift = half_at(ffn_shift);
+            fv.fv = half_at(e[kFv]), fv.hidden = half_at(model[kHidden]), fv.partial = float_at(model[kPartial]);
+            fv.F = F, fv.tiles = sparse_tiles(d), fv.chunk_rows = sparse_chunk_rows(d), fv.chunks = sparse_chunks(d);
+            Phase& red = add(kReduce);
+            red.partial = fv.partial, red.x = x, red.chunks = fv.chunks;
+        } else {
+            Phase& fv = add(kGemv);
+            fv.save_shift = half_at(ffn_shift);
+            fv.stage.src = half_at(model[kHidden]), fv.stage.halves = F;
+            task(fv, e[kFv], e[kFvLd], x, nullptr, C, F, 0, kNone, 1);
+        }
+    }
+    Phase& head = add(kGemv);
+    norm(head, model[kLnOutW], model[kLnOutB], 0);
+    task(head, model[kHead], model[kHeadLd], nullptr, float_at(model[kLogits]), d.V, C, 0, kNone, 0);
+    return n;
+}
+
+}  // namespace step
+
+// ================================================================================================== launchers
+extern "C" {
+
+int rwkv7_step_entry_marker() { return 0; }  // the emulation cuts the file here
+
+}
+
+namespace {
+
+// dims: L, C, F, V, rw, ra, rv, rg, ffn_k_major, state_half, num_slots (infer/ops/persistent.py's order)
+step::Dims dims_from(const int64_t* d) {
+    return step::Dims{static_cast<int>(d[0]), static_cast<int>(d[1]), static_cast<int>(d[2]), static_cast<int>(d[3]),
+                      static_cast<int>(d[4]), static_cast<int>(d[5]), static_cast<int>(d[6]), static_cast<int>(d[7]),
+                      static_cast<int>(d[8]), static_cast<int>(d[9]), d[10]};
+}
+
+constexpr int kErrUnsupported = -1000;  // dims the builder cannot take
+constexpr int kErrEntries = -1001;      // the model or layer entries do not match this build's
+
+}  // namespace
+
+extern "C" {
+
+int rwkv7_step_entries(int which) {
+    return which == 0 ? static_cast<int>(step::kModelEntries) : static_cast<int>(step::kLayerEntries);
+}
+int64_t rwkv7_step_phase_bytes() { return sizeof(step::Phase); }
+int64_t rwkv7_step_max_phases(const int64_t* dims) { return step::max_phases(dims_from(dims)); }
+int64_t rwkv7_step_partial_floats(const int64_t* dims) { return step::partial_floats(dims_from(dims)); }
+
+// The phases of one step into `out` (host memory, rwkv7_step_max_phases * rwkv7_step_phase_bytes bytes); returns
+// their count, or a negative error (rwkv7_step_error_string). model_entries/layer_entries: the counts the caller
+// built its entries for (a mismatch with this build is an error, not a misread).
+int64_t rwkv7_step_build(const int64_t* dims, const int64_t* model, int model_entries, const int64_t* layers,
+                         int layer_entries, void* out) {
+    const step::Dims d = dims_from(dims);
+    if (model_entries != step::kModelEntries || layer_entries != step::kLayerEntries) return kErrEntries;
+    if (step::dims_unsupported(d)) return kErrUnsupported;
+    return step::build_program(d, model, layers, static_cast<step::Phase*>(out));
+}
+
+// One step: `phases` (device memory, as built), token and slot device scalars (int64), emb [V, C], x [C] and
+// logits [V] as in the model entries, sync: two zeroed unsigned (the kernel leaves them zero). The grid is every
+// multiprocessor times blocks_per_sm (at most what fits), launched cooperatively (all blocks resident).
+int rwkv7_step_launch(int device, int64_t stream, const void* phases, int nphases, const int64_t* dims,
+                      const int64_t* token, const int64_t* slot, const void* emb, void* x, float* logits,
+                      unsigned* sync, int prefetch, int blocks_per_sm) {
+    const step::Dims d = dims_from(dims);
+    if (step::dims_unsupported(d)) return kErrUnsupported;
+    if (nphases < 2 || blocks_per_sm < 1) return cudaErrorInvalidValue;
+    int previous = 0;
+    cudaError_t err = cudaGetDevice(&previous);
+    if (err == cudaSuccess && previous != device) err = cudaSetDevice(device);
+    if (err != cudaSuccess) return err;
+    auto kernel = d.state_half ? step::step_kernel<__half> : step::step_kernel<float>;
+    const size_t smem = step::shared_bytes(d);
+    int sms = 0, resident = 0;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, step::kThreads, smem);
+    if (err == cudaSuccess && resident < 1) err = cudaErrorCooperativeLaunchTooLarge;
+    if (err == cudaSuccess) {
+        const int per_sm = blocks_per_sm < resident ? blocks_per_sm : resident;
+        step::StepArgs args{static_cast<const step::Phase*>(phases), nphases, token, slot, d.num_slots, d.V,
+                            static_cast<const __half*>(emb), static_cast<__half*>(x), logits, sync, prefetch};
+        const int staged = step::staged_halves(d);
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(static_cast<unsigned>(sms * per_sm));
+        cfg.blockDim = dim3(step::kThreads);
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = reinterpret_cast<cudaStream_t>(stream);
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeCooperative;
+        attr[0].val.cooperative = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        err = cudaLaunchKernelEx(&cfg, kernel, args, staged);
+    }
+    if (previous != device) cudaSetDevice(previous);
+    return err;
+}
+
+const char* rwkv7_step_error_string(int code) {
+    if (code == kErrUnsupported) return "the model's shape is not supported by the persistent step kernel";
+    if (code == kErrEntries) return "the model/layer entry counts do not match the persistent step kernel's build";
+    return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+}  // extern "C"

@@ -1,0 +1,40 @@
+// CPU harness for cuda/rwkv7_step.cu (KERNEL_SOURCE: the file cut before its launchers, see emu_build.py): builds a
+// step's program with the file's own builder from the caller's entries (infer/ops/persistent.py's) and runs the
+// persistent kernel on a co-resident grid of `grid` blocks (emu::run_resident_grid: the blocks' threads
+// interleaved, so its grid barriers really wait). Host memory stands in for device memory.
+// Returns 0, -1 for dims the builder refuses, or 1 + a block of a deadlock.
+#include "emu_device.h"
+
+#include KERNEL_SOURCE
+
+#include <vector>
+
+namespace {
+step::Dims dims_from(const int64_t* d) {
+    return step::Dims{static_cast<int>(d[0]), static_cast<int>(d[1]), static_cast<int>(d[2]), static_cast<int>(d[3]),
+                      static_cast<int>(d[4]), static_cast<int>(d[5]), static_cast<int>(d[6]), static_cast<int>(d[7]),
+                      static_cast<int>(d[8]), static_cast<int>(d[9]), d[10]};
+}
+}  // namespace
+
+EMU_EXPORT int emu_step_entries(int which) {
+    return which == 0 ? static_cast<int>(step::kModelEntries) : static_cast<int>(step::kLayerEntries);
+}
+EMU_EXPORT int64_t emu_step_partial_floats(const int64_t* dims) { return step::partial_floats(dims_from(dims)); }
+
+EMU_EXPORT int emu_step_run(const int64_t* dims, const int64_t* model, const int64_t* layers, const int64_t* token,
+                            const int64_t* slot, unsigned* sync, int prefetch, int grid, unsigned seed) {
+    const step::Dims d = dims_from(dims);
+    if (step::dims_unsupported(d) || grid <= 0) return -1;
+    std::vector<step::Phase> phases(step::max_phases(d));
+    const int n = step::build_program(d, model, layers, phases.data());
+    const auto ptr = [](int64_t p) { return reinterpret_cast<void*>(static_cast<intptr_t>(p)); };
+    const step::StepArgs args{phases.data(), n, token, slot, d.num_slots, d.V,
+                              static_cast<const __half*>(ptr(model[step::kEmb])), static_cast<__half*>(ptr(model[step::kX])),
+                              static_cast<float*>(ptr(model[step::kLogits])), sync, prefetch};
+    const int staged = step::staged_halves(d);
+    const size_t smem = step::shared_bytes(d);
+    if (d.state_half)
+        return emu::run_resident_grid(grid, step::kThreads, smem, [&] { step::step_kernel<__half>(args, staged); }, seed);
+    return emu::run_resident_grid(grid, step::kThreads, smem, [&] { step::step_kernel<float>(args, staged); }, seed);
+}
