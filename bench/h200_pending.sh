@@ -117,6 +117,8 @@
 #                                                                   # a step against one launch a phase (batch 1)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engine-256  # ~6 min on a fresh machine: the 1.5B engine alone
 #                                                                   # at 256 requests (ramp, steady rate, its steps)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-step  # ~9 min on a fresh machine: the persistent
+#                                                                   # batch-1 step (RWKV_PERSISTENT=1) against the launches
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -430,6 +432,22 @@ persistent-probe)  # bench/probe_persistent.cu: a batch-1 decode step's phases (
     step 120 "build the probe" nvcc -O3 -arch=sm_90 -std=c++17 bench/probe_persistent.cu -o /tmp/probe_persistent
     step 240 "persistent probe" /tmp/probe_persistent --json bench/results/probe_persistent_h200.json
     copy bench/results/probe_persistent_h200.json
+    ;;
+persistent-step)  # the batch-1 decode step as one persistent kernel (cuda/rwkv7_step.cu, RWKV_PERSISTENT=1) against the
+    # fused launches: its GPU tests, then 1.5B and 7.2B batch 1 (CUDA graphs) with the launches, the persistent kernel on
+    # 2 and 1 blocks a multiprocessor and without its loads ahead of the barriers; the launches and 2 blocks twice
+    build_fused
+    step 240 "build the persistent step" env RWKV_PERSISTENT=1 python -c \
+        "from infer.ops.persistent import load_persistent_step; assert load_persistent_step()"
+    step 200 "persistent step GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_step_cuda.py
+    for variant in launches:0:2:1 blocks2:1:2:1 blocks1:1:1:1 noprefetch:1:2:0 launches_2:0:2:1 blocks2_2:1:2:1; do
+        IFS=: read -r tag on blocks prefetch <<<"$variant"
+        out=bench/results/experiment_persistent_${tag}_h200.json
+        step 120 "batch 1, $tag" env RWKV_PERSISTENT="$on" RWKV_PERSISTENT_BLOCKS="$blocks" \
+            RWKV_PERSISTENT_PREFETCH="$prefetch" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1 --steps 40 \
+            --wkv cuda --no-checks --out "$out"
+        copy "$out"
+    done
     ;;
 engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
     # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them

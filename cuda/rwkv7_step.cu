@@ -631,7 +631,9 @@ inline size_t shared_bytes(const Dims& d) {
     return static_cast<size_t>(d.C + staged_halves(d)) * sizeof(__half) + kScratch * sizeof(float);
 }
 // Workspace elements the model entries point to: x..hidden (fp16), partial (fp32), logits (fp32).
-inline int64_t partial_floats(const Dims& d) { return d.ffn_k_major ? static_cast<int64_t>(d.C) * sparse_chunks(d) : 0; }
+inline int64_t partial_floats(const Dims& d) {
+    return d.ffn_k_major ? static_cast<int64_t>(d.C) * sparse_chunks(d) : 0;
+}
 
 // Whether the builder can take these dims (nonzero: which rule fails).
 inline int dims_unsupported(const Dims& d) {
@@ -693,9 +695,11 @@ inline int build_program(const Dims& d, const int64_t* model, const int64_t* lay
 
         Phase& tm = add(kTimeMix);
         tm.r = half_at(model[kR]), tm.k = half_at(model[kK]), tm.v = half_at(model[kV]);
-        tm.dw = half_at(model[kDw]), tm.da = half_at(model[kDa]), tm.dv = half_at(model[kDv]), tm.g = half_at(model[kG]);
+        tm.dw = half_at(model[kDw]), tm.da = half_at(model[kDa]), tm.dv = half_at(model[kDv]);
+        tm.g = half_at(model[kG]);
         tm.v_first = half_at(model[kVFirst]), tm.out = half_at(model[kY]);
-        tm.w0 = float_at(e[kW0]), tm.r_k = float_at(e[kRK]), tm.lnx_w = float_at(e[kLnxW]), tm.lnx_b = float_at(e[kLnxB]);
+        tm.w0 = float_at(e[kW0]), tm.r_k = float_at(e[kRK]);
+        tm.lnx_w = float_at(e[kLnxW]), tm.lnx_b = float_at(e[kLnxB]);
         tm.a0 = half_at(e[kA0]), tm.v0 = half_at(e[kV0]), tm.k_k = half_at(e[kKK]), tm.k_a = half_at(e[kKA]);
         tm.state = reinterpret_cast<void*>(static_cast<intptr_t>(
             model[kWkv] + static_cast<int64_t>(l) * d.num_slots * C * N * (d.state_half ? 2 : 4)));
@@ -733,11 +737,7 @@ inline int build_program(const Dims& d, const int64_t* model, const int64_t* lay
 }  // namespace step
 
 // ================================================================================================== launchers
-extern "C" {
-
-int rwkv7_step_entry_marker() { return 0; }  // the emulation cuts the file here
-
-}
+extern "C" int rwkv7_step_entry_marker() { return 0; }  // the emulation cuts the file here
 
 namespace {
 
@@ -753,19 +753,17 @@ constexpr int kErrEntries = -1001;      // the model or layer entries do not mat
 
 }  // namespace
 
-extern "C" {
-
-int rwkv7_step_entries(int which) {
+extern "C" int rwkv7_step_entries(int which) {
     return which == 0 ? static_cast<int>(step::kModelEntries) : static_cast<int>(step::kLayerEntries);
 }
-int64_t rwkv7_step_phase_bytes() { return sizeof(step::Phase); }
-int64_t rwkv7_step_max_phases(const int64_t* dims) { return step::max_phases(dims_from(dims)); }
-int64_t rwkv7_step_partial_floats(const int64_t* dims) { return step::partial_floats(dims_from(dims)); }
+extern "C" int64_t rwkv7_step_phase_bytes() { return sizeof(step::Phase); }
+extern "C" int64_t rwkv7_step_max_phases(const int64_t* dims) { return step::max_phases(dims_from(dims)); }
+extern "C" int64_t rwkv7_step_partial_floats(const int64_t* dims) { return step::partial_floats(dims_from(dims)); }
 
 // The phases of one step into `out` (host memory, rwkv7_step_max_phases * rwkv7_step_phase_bytes bytes); returns
 // their count, or a negative error (rwkv7_step_error_string). model_entries/layer_entries: the counts the caller
 // built its entries for (a mismatch with this build is an error, not a misread).
-int64_t rwkv7_step_build(const int64_t* dims, const int64_t* model, int model_entries, const int64_t* layers,
+extern "C" int64_t rwkv7_step_build(const int64_t* dims, const int64_t* model, int model_entries, const int64_t* layers,
                          int layer_entries, void* out) {
     const step::Dims d = dims_from(dims);
     if (model_entries != step::kModelEntries || layer_entries != step::kLayerEntries) return kErrEntries;
@@ -776,7 +774,7 @@ int64_t rwkv7_step_build(const int64_t* dims, const int64_t* model, int model_en
 // One step: `phases` (device memory, as built), token and slot device scalars (int64), emb [V, C], x [C] and
 // logits [V] as in the model entries, sync: two zeroed unsigned (the kernel leaves them zero). The grid is every
 // multiprocessor times blocks_per_sm (at most what fits), launched cooperatively (all blocks resident).
-int rwkv7_step_launch(int device, int64_t stream, const void* phases, int nphases, const int64_t* dims,
+extern "C" int rwkv7_step_launch(int device, int64_t stream, const void* phases, int nphases, const int64_t* dims,
                       const int64_t* token, const int64_t* slot, const void* emb, void* x, float* logits,
                       unsigned* sync, int prefetch, int blocks_per_sm) {
     const step::Dims d = dims_from(dims);
@@ -791,7 +789,8 @@ int rwkv7_step_launch(int device, int64_t stream, const void* phases, int nphase
     int sms = 0, resident = 0;
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, step::kThreads, smem);
+    if (err == cudaSuccess)
+        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, step::kThreads, smem);
     if (err == cudaSuccess && resident < 1) err = cudaErrorCooperativeLaunchTooLarge;
     if (err == cudaSuccess) {
         const int per_sm = blocks_per_sm < resident ? blocks_per_sm : resident;
@@ -814,10 +813,9 @@ int rwkv7_step_launch(int device, int64_t stream, const void* phases, int nphase
     return err;
 }
 
-const char* rwkv7_step_error_string(int code) {
+extern "C" const char* rwkv7_step_error_string(int code) {
     if (code == kErrUnsupported) return "the model's shape is not supported by the persistent step kernel";
     if (code == kErrEntries) return "the model/layer entry counts do not match the persistent step kernel's build";
     return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
-}  // extern "C"

@@ -95,5 +95,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("entries", &entries, "entries(which): the model (0) or per-layer (1) entry count of this build");
     m.def("partial_floats", &partial_floats, "partial_floats(dims): fp32 workspace of the sparse FFN value");
     m.def("build", &build, "build(dims, model, layers): the step's program (host bytes)");
-    m.def("launch", &launch, "launch(program, dims, token, slot, emb, x, logits, sync, prefetch, blocks_per_sm, stream)");
+    m.def("launch", &launch,
+          "launch(program, dims, token, slot, emb, x, logits, sync, prefetch, blocks_per_sm, stream)");
 }

@@ -16,6 +16,7 @@ BINDINGS = {
     "wkv7_slots_op.cpp": ("cuda/wkv7_slots.cu", "hip/wkv7_slots.hip"),
     "sampler_op.cpp": ("cuda/sampler.cu", "hip/sampler.hip"),
     "w8a16_gemm_op.cpp": ("cuda/w8a16_gemm.cu", "hip/w8a16_gemm.hip"),
+    "rwkv7_step_op.cpp": ("cuda/rwkv7_step.cu",),  # CUDA only (infer/ops/persistent.py)
 }
 # extern "C" RESULT NAME(PARAMETERS) followed by ';' (a declaration) or '{' (a definition)
 EXTERN_C = re.compile(r'extern "C"\s+([\w\s*]+?)\s*\b(\w+)\s*\(([^)]*)\)\s*([;{])')

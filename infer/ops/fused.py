@@ -39,6 +39,7 @@ from infer.batch import PackedBatch
 from infer.ops.cuda_ext import BuildOnce, compile_kernels, env_flag, env_int
 from infer.ops.linear import DenseLinear
 from infer.ops.linear_w8a16 import W8A16Linear, uint4_weights
+from infer.ops.persistent import PersistentStep, load_persistent_step
 from infer.state import StatePool
 
 if TYPE_CHECKING:
@@ -283,6 +284,9 @@ class FusedKernels:
         self.lora_streams: int = min(max(env_int("RWKV_LORA_STREAM", 2), 0), 2)
         self._side_streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
         self._forward_stream: int | None = None  # the stream handle of the forward running (forward)
+        # Steps of one token of one row as one persistent kernel (infer.ops.persistent; RWKV_PERSISTENT=1, set by
+        # select_fused), where it covers the model; None: the launches below.
+        self.persistent: PersistentStep | None = None
 
     # -------------------------------------------------------------- ops
     def _stream(self, t: torch.Tensor) -> int:
@@ -401,6 +405,8 @@ class FusedKernels:
             self._forward_stream = None
 
     def _forward(self, model: "RWKV7", batch: PackedBatch, state: StatePool, all_logits: bool) -> torch.Tensor:
+        if self.persistent is not None and self.persistent.covers(model, batch, state):
+            return self.persistent.logits(model, batch, state)
         T, C = batch.num_tokens, model.config.n_embd
         small = T <= self.rows_for(model) and all(self._gemv_ok(b) for b in model.blocks)
         cfg = model.config
@@ -695,6 +701,7 @@ def select_fused(model: "RWKV7", prefer: str = "auto") -> FusedKernels | None:
             log.info("fused kernels not used: %s", probe)
     model.fused = chosen
     if chosen is not None:
+        chosen.persistent = load_persistent_step()
         for blk in model.blocks:
             if blk.batched is None:
                 blk.batched = batch_weights(blk)
@@ -704,5 +711,6 @@ def select_fused(model: "RWKV7", prefer: str = "auto") -> FusedKernels | None:
             for lin in model.projections():
                 if getattr(lin, "uint4_groups", None) is not None:
                     lin.large_batch = (chosen.uint4_cublas_rows, chosen.uint4_matmul)
-    log.info("forward on %s: %s", model.device, chosen.name if chosen else "readable (per-op) forward")
+    log.info("forward on %s: %s%s", model.device, chosen.name if chosen else "readable (per-op) forward",
+             f"; one-token steps: {chosen.persistent.name}" if chosen and chosen.persistent else "")
     return chosen

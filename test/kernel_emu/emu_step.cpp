@@ -30,11 +30,11 @@ EMU_EXPORT int emu_step_run(const int64_t* dims, const int64_t* model, const int
     const int n = step::build_program(d, model, layers, phases.data());
     const auto ptr = [](int64_t p) { return reinterpret_cast<void*>(static_cast<intptr_t>(p)); };
     const step::StepArgs args{phases.data(), n, token, slot, d.num_slots, d.V,
-                              static_cast<const __half*>(ptr(model[step::kEmb])), static_cast<__half*>(ptr(model[step::kX])),
+                              static_cast<const __half*>(ptr(model[step::kEmb])),
+                              static_cast<__half*>(ptr(model[step::kX])),
                               static_cast<float*>(ptr(model[step::kLogits])), sync, prefetch};
     const int staged = step::staged_halves(d);
     const size_t smem = step::shared_bytes(d);
-    if (d.state_half)
-        return emu::run_resident_grid(grid, step::kThreads, smem, [&] { step::step_kernel<__half>(args, staged); }, seed);
-    return emu::run_resident_grid(grid, step::kThreads, smem, [&] { step::step_kernel<float>(args, staged); }, seed);
+    const auto kernel = d.state_half ? step::step_kernel<__half> : step::step_kernel<float>;
+    return emu::run_resident_grid(grid, step::kThreads, smem, [&] { kernel(args, staged); }, seed);
 }
