@@ -217,28 +217,63 @@ struct Shared {
 };
 
 // ---------------------------------------------------------------------------------------------- staging
-// LN(x) of the block (rounded to fp16, as the stored shift state is) into sh.saved, then the mixes into sh.xs.
+// LN(x) of the block (rounded to fp16, as the stored shift state is) into sh.saved, then the mixes into sh.xs. A
+// thread holds 8-vectors v = threadIdx.x + j * kThreads of x in registers (one trip to L2 for x, with the norm's and
+// mixes' parameters and the shift state loaded beside it): the fold is on the critical path of two phases a layer.
+constexpr int kNormVecs = 2;  // C <= kNormVecs * kThreads * 8 = 4096 (dims_unsupported)
+
 __device__ void stage_norm(const Stage& st, const __half* x, int C, int64_t slot, const Shared& sh) {
+    const int vecs = C / 8;
+    const __half* shift = st.shift ? st.shift + slot * C : nullptr;
+    float xv[kNormVecs][8];
+    uint4 prev[kNormVecs];
     float s = 0.0f;
-    for (int i = threadIdx.x; i < C; i += kThreads) s += load_act(x + i);
+#pragma unroll
+    for (int j = 0; j < kNormVecs; ++j) {
+        const int v = threadIdx.x + j * kThreads;
+        if (v < vecs) {
+            unpack8(load_act8(x + v * 8), xv[j]);
+            if (shift) prev[j] = load_act8(shift + v * 8);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s += xv[j][e];
+        }
+    }
     const float mean = block_sum(s, sh.scratch) / C;
     float q = 0.0f;
-    for (int i = threadIdx.x; i < C; i += kThreads) {
-        const float d = load_act(x + i) - mean;
-        q = fmaf(d, d, q);
+#pragma unroll
+    for (int j = 0; j < kNormVecs; ++j) {
+        if (threadIdx.x + j * kThreads < vecs) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) q = fmaf(xv[j][e] - mean, xv[j][e] - mean, q);
+        }
     }
     const float rstd = rsqrtf(block_sum(q, sh.scratch) / C + kLnEps);
-    const __half* shift = st.shift ? st.shift + slot * C : nullptr;
-    for (int i = threadIdx.x; i < C; i += kThreads) {
-        const float xn = round_half((load_act(x + i) - mean) * rstd * __half2float(st.ln_w[i]) +
-                                    __half2float(st.ln_b[i]));
-        sh.saved[i] = __float2half_rn(xn);
+#pragma unroll
+    for (int j = 0; j < kNormVecs; ++j) {
+        const int v = threadIdx.x + j * kThreads;
+        if (v >= vecs) continue;
+        float w[8], b[8], xn[8];
+        unpack8(__ldg(reinterpret_cast<const uint4*>(st.ln_w) + v), w);
+        unpack8(__ldg(reinterpret_cast<const uint4*>(st.ln_b) + v), b);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xn[e] = round_half((xv[j][e] - mean) * rstd * w[e] + b[e]);
+        const uint4 packed = pack8(xn);
+        *reinterpret_cast<uint4*>(sh.saved + v * 8) = packed;
         if (st.nmix == 0) {
-            sh.xs[i] = __float2half_rn(xn);
+            *reinterpret_cast<uint4*>(sh.xs + v * 8) = packed;
             continue;
         }
-        const float d = load_act(shift + i) - xn;
-        for (int m = 0; m < st.nmix; ++m) sh.xs[m * C + i] = __float2half_rn(fmaf(d, __half2float(st.mix[m][i]), xn));
+        float d[8];
+        unpack8(prev[j], d);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d[e] -= xn[e];
+        for (int m = 0; m < st.nmix; ++m) {
+            float mix[8], out[8];
+            unpack8(__ldg(reinterpret_cast<const uint4*>(st.mix[m]) + v), mix);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) out[e] = fmaf(d[e], mix[e], xn[e]);
+            *reinterpret_cast<uint4*>(sh.xs + m * C + v * 8) = pack8(out);
+        }
     }
 }
 
@@ -466,31 +501,43 @@ __device__ void time_mix_phase(const Phase& ph, int64_t slot, const Shared& sh, 
 // ---------------------------------------------------------------------------------------------- FFN value
 // Unit u: columns [kTile * (u % tiles), + kTile) (8 a lane) over rows [chunk_rows * (u / tiles), + chunk_rows) of
 // the K-major matrix, reading only the rows whose hidden value is nonzero; the unit's sums go to
-// partial[column][chunk].
+// partial[column][chunk]. The hidden values of 64 rows come in one load a lane (two each, handed round by
+// shuffles), and the weight rows of kSparseBatch of them are in flight together.
+constexpr int kSparseBatch = 4;  // 8 spill (the kernel's registers are capped at 128 for 2 blocks a multiprocessor)
+
 __device__ void sparse_phase(const Phase& ph) {
     const int units = ph.tiles * ph.chunks, lane = threadIdx.x & 31;
     for (int u = blockIdx.x * kWarps + (threadIdx.x >> 5); u < units; u += gridDim.x * kWarps) {
         const int chunk = u / ph.tiles, col = (u % ph.tiles) * kTile + lane * 8;
-        const int j0 = chunk * ph.chunk_rows, j1 = min(j0 + ph.chunk_rows, ph.F);
+        const int j1 = min((chunk + 1) * ph.chunk_rows, ph.F);
+        const bool mine = col < ph.C;  // lanes past the width still take part in the shuffles
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (col < ph.C) {
-            for (int j = j0; j < j1; j += 4) {
-                float h[4];
-                uint4 w[4];
+        for (int j0 = chunk * ph.chunk_rows; j0 < j1; j0 += 64) {
+            __half2 pair = __floats2half2_rn(0.0f, 0.0f);  // rows j0 + 2 lane, + 1 (F % 8 == 0: both or neither)
+            if (j0 + 2 * lane < j1) pair = __ldcg(reinterpret_cast<const __half2*>(ph.hidden + j0) + lane);
+            const float h_even = __low2float(pair), h_odd = __high2float(pair);
+            for (int b = 0; b < 64 && j0 + b < j1; b += kSparseBatch) {
+                float h[kSparseBatch];
+                uint4 w[kSparseBatch];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {  // the four rows' loads in flight together
-                    h[e] = j + e < j1 ? load_act(ph.hidden + j + e) : 0.0f;
-                    if (h[e] != 0.0f) w[e] = load_weights(ph.fv + static_cast<size_t>(j + e) * ph.C + col);
+                for (int e = 0; e < kSparseBatch; ++e) {
+                    const int r = b + e;  // a row of this 64: lane r / 2 holds it
+                    const float he = __shfl_sync(0xffffffffu, h_even, r >> 1);
+                    const float ho = __shfl_sync(0xffffffffu, h_odd, r >> 1);
+                    h[e] = j0 + r < j1 ? (r & 1 ? ho : he) : 0.0f;
+                    if (h[e] != 0.0f && mine) w[e] = load_weights(ph.fv + static_cast<size_t>(j0 + r) * ph.C + col);
                 }
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    if (h[e] == 0.0f) continue;
+                for (int e = 0; e < kSparseBatch; ++e) {
+                    if (h[e] == 0.0f || !mine) continue;
                     float wf[8];
                     unpack8(w[e], wf);
 #pragma unroll
                     for (int q = 0; q < 8; ++q) acc[q] = fmaf(h[e], wf[q], acc[q]);
                 }
             }
+        }
+        if (mine) {
 #pragma unroll
             for (int q = 0; q < 8; ++q) ph.partial[static_cast<size_t>(col + q) * ph.chunks + chunk] = acc[q];
         }
@@ -508,6 +555,7 @@ __device__ void reduce_phase(const Phase& ph) {
         float s = 0.0f;
         if (c < ph.C) {
             const float* p = ph.partial + static_cast<size_t>(c) * ph.chunks;
+#pragma unroll 8
             for (int q = sub; q < ph.chunks; q += kReduceLanes) s += __ldcg(p + q);
         }
 #pragma unroll
@@ -637,7 +685,7 @@ inline int64_t partial_floats(const Dims& d) {
 
 // Whether the builder can take these dims (nonzero: which rule fails).
 inline int dims_unsupported(const Dims& d) {
-    if (d.C % N || d.C % 8 || d.L < 1 || d.V < 1) return 1;
+    if (d.C % N || d.C > kNormVecs * kThreads * 8 || d.L < 1 || d.V < 1) return 1;
     if (d.rw % 8 || d.ra % 8 || d.rv % 8 || d.rg % 8 || d.F % 8) return 2;  // staged 16 bytes at a time
     return 0;
 }

@@ -39,6 +39,7 @@ LAYER_VECTORS = ("ln1_w", "ln1_b", "ln2_w", "ln2_b", "x_r", "x_w", "x_k", "x_v",
 LAYER_MATRICES = ("receptance", "key", "value", "output", "w1", "a1", "v1", "g1", "w2", "a2", "v2", "g2", "ffn_key",
                   "ffn_value")
 LAYER_ENTRIES = LAYER_VECTORS + tuple(e for name in LAYER_MATRICES for e in (name, name + "_ld"))
+MAX_WIDTH = 4096  # the folded layer norm holds x in registers (cuda/rwkv7_step.cu: kNormVecs)
 # the per-step vectors of the workspace, fp16 [C] unless listed
 WORKSPACE_HALF = ("x", "r", "k", "v", "dw", "da", "dv", "g", "v_first", "y")
 
@@ -56,8 +57,9 @@ def unsupported(model: "RWKV7", state: StatePool) -> str | None:
     cfg = model.config
     if model.dtype != torch.float16:
         return f"activations are {model.dtype}, the step kernel takes float16"
-    if cfg.head_size != 64 or cfg.n_embd % 64:
-        return f"head size {cfg.head_size}, width {cfg.n_embd} (the kernel takes 64 and multiples of 64)"
+    if cfg.head_size != 64 or cfg.n_embd % 64 or cfg.n_embd > MAX_WIDTH:
+        return (f"head size {cfg.head_size}, width {cfg.n_embd} (the kernel takes 64, and multiples of 64 up to "
+                f"{MAX_WIDTH})")
     if any(r % 8 for r in (cfg.rank_w, cfg.rank_a, cfg.rank_v, cfg.rank_g)) or cfg.ffn_dim % 8:
         return "LoRA ranks and the FFN width must be multiples of 8"
     if state.wkv.dtype not in (torch.float32, torch.float16):
