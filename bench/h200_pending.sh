@@ -117,7 +117,7 @@
 #                                                                   # a step against one launch a phase (batch 1)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engine-256  # ~6 min on a fresh machine: the 1.5B engine alone
 #                                                                   # at 256 requests (ramp, steady rate, its steps)
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-step  # ~9 min on a fresh machine: the persistent
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-step  # ~7 min on a fresh machine: the persistent
 #                                                                   # batch-1 step (RWKV_PERSISTENT=1) against the launches
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
@@ -436,9 +436,9 @@ persistent-probe)  # bench/probe_persistent.cu: a batch-1 decode step's phases (
 persistent-step)  # the batch-1 decode step as one persistent kernel (cuda/rwkv7_step.cu, RWKV_PERSISTENT=1) against the
     # fused launches: its GPU tests, then 1.5B and 7.2B batch 1 (CUDA graphs) with the launches, the persistent kernel on
     # 2 and 1 blocks a multiprocessor and without its loads ahead of the barriers; the launches and 2 blocks twice
-    build_fused
-    step 240 "build the persistent step" env RWKV_PERSISTENT=1 python -c \
-        "from infer.ops.persistent import load_persistent_step; assert load_persistent_step()"
+    step 300 "build the fused kernels and the persistent step" bash -c 'python -c "from infer.ops.fused import \
+load_fused_kernels; assert load_fused_kernels()" & f=$!; RWKV_PERSISTENT=1 python -c "from infer.ops.persistent import \
+load_persistent_step; assert load_persistent_step()"; p=$?; wait $f && exit $p'
     step 200 "persistent step GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_step_cuda.py
     for variant in launches:0:2:1 blocks2:1:2:1 blocks1:1:1:1 noprefetch:1:2:0 launches_2:0:2:1 blocks2_2:1:2:1; do
         IFS=: read -r tag on blocks prefetch <<<"$variant"

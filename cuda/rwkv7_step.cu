@@ -435,18 +435,27 @@ template <typename S>
 __device__ void time_mix_head(const Phase& ph, int64_t slot, int head, float* sh, uint4 (&pre)[kLoads], bool loaded) {
     const int t = threadIdx.x, row = t >> 2, col0 = (t & 3) * 16;
     float *rr = sh, *ww = sh + N, *kn = sh + 2 * N, *aa = sh + 3 * N, *bb = sh + 4 * N, *part = sh + 5 * N;
+    // Every load of the head first, in one trip (a barrier keeps the compiler from moving loads across it): thread
+    // t < 64 channel t's key-axis inputs, every thread its row's value inputs (and its state, unless prefetched).
+    const int c = head * N + row;
+    const int ck = head * N + (t & (N - 1));
+    const float r_in = load_act(ph.r + ck), k_in = load_act(ph.k + ck), da = load_act(ph.da + ck);
+    const float dw = load_act(ph.dw + ck);
+    float v = load_act(ph.v + c);
+    const float v_first = ph.first_layer ? 0.0f : load_act(ph.v_first + c);
+    const float dv = ph.first_layer ? 0.0f : load_act(ph.dv + c);
+    const float g = load_act(ph.g + c);
+    if (!loaded) load_state<S>(ph, slot, head, pre);
     // 1. the head's key-axis vectors (thread t < 64: channel t), kk's norm and the bonus sum
     float kkr = 0.0f, a = 0.0f, bonus_part = 0.0f;
     if (t < N) {
-        const int c = head * N + t;
-        const float r = load_act(ph.r + c), k = load_act(ph.k + c);
-        a = sigmoid(__half2float(ph.a0[c]) + load_act(ph.da + c));
-        kkr = k * __half2float(ph.k_k[c]);
-        const float knv = k * (1.0f + (a - 1.0f) * __half2float(ph.k_a[c]));
-        rr[t] = r;
-        ww[t] = __expf(-kExpMinusHalf * sigmoid(ph.w0[c] + load_act(ph.dw + c)));
+        a = sigmoid(__half2float(ph.a0[ck]) + da);
+        kkr = k_in * __half2float(ph.k_k[ck]);
+        const float knv = k_in * (1.0f + (a - 1.0f) * __half2float(ph.k_a[ck]));
+        rr[t] = r_in;
+        ww[t] = __expf(-kExpMinusHalf * sigmoid(ph.w0[ck] + dw));
         kn[t] = knv;
-        bonus_part = r * knv * ph.r_k[c];
+        bonus_part = r_in * knv * ph.r_k[ck];
     }
     const float norm = sqrtf(block_sum(kkr * kkr, part));
     const float bonus = block_sum(bonus_part, part);
@@ -457,14 +466,11 @@ __device__ void time_mix_head(const Phase& ph, int64_t slot, int head, float* sh
     }
     __syncthreads();
     // 2. this row's value, the state update and y = S r (a row's four threads sum by shuffles)
-    const int c = head * N + row;
-    float v = load_act(ph.v + c);
     if (ph.first_layer) {
         if ((t & 3) == 0) ph.v_first[c] = __float2half_rn(v);
     } else {
-        v = v + (load_act(ph.v_first + c) - v) * sigmoid(__half2float(ph.v0[c]) + load_act(ph.dv + c));
+        v = v + (v_first - v) * sigmoid(__half2float(ph.v0[c]) + dv);
     }
-    if (!loaded) load_state<S>(ph, slot, head, pre);
     float s[16];
     unpack_state(pre, s, S{});
     float sa = 0.0f;
@@ -486,7 +492,7 @@ __device__ void time_mix_head(const Phase& ph, int64_t slot, int head, float* sh
     const float var = rows_sum((y - mean) * (y - mean), part) * (1.0f / N);
     if ((t & 3) == 0) {
         const float yn = (y - mean) * rsqrtf(var + kGroupNormEps) * ph.lnx_w[c] + ph.lnx_b[c];
-        ph.out[c] = __float2half_rn(round_half(yn + bonus * v) * load_act(ph.g + c));
+        ph.out[c] = __float2half_rn(round_half(yn + bonus * v) * g);
     }
 }
 
