@@ -38,6 +38,7 @@
 //
 // Every launcher takes the stream to launch on (graph-capturable) and returns a cudaError_t as int.
 
+#include "device_common.cuh"
 #include "int8x4.cuh"
 #include "wkv7_state.cuh"
 
@@ -59,9 +60,7 @@ constexpr float kLnEps = 1e-5f;
 constexpr float kExpMinusHalf = 0.606531f;
 constexpr float kGroupNormEps = 64e-5f;  // head_size * 1e-5
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float h2f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float round_half(float x) { return __half2float(__float2half_rn(x)); }
 
 // Programmatic dependent launch (Hopper and newer): each kernel is launched allowed to start while
 // its predecessor finishes. It may only touch data no running kernel writes (weights, its own layer's
@@ -74,44 +73,11 @@ __device__ __forceinline__ void dependency_wait() {
 #endif
 }
 
-__device__ __forceinline__ void unpack8(uint4 u, float (&out)[8]) {  // by value: a reference into global memory made memcpy load bytes
-    __half h[8];
-    memcpy(h, &u, sizeof(u));
-#pragma unroll
-    for (int e = 0; e < 8; ++e) out[e] = __half2float(h[e]);
-}
-
 __device__ __forceinline__ void load8(const __half* p, float (&out)[8]) {
     unpack8(*reinterpret_cast<const uint4*>(p), out);
 }
 
-__device__ __forceinline__ void store8(__half* p, const float (&in)[8]) {
-    __half h[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) h[e] = __float2half_rn(in[e]);
-    uint4 u;
-    memcpy(&u, h, sizeof(u));
-    *reinterpret_cast<uint4*>(p) = u;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// Sum over the block; `scratch` holds one float per warp and must not be reused by another
-// reduction until every thread has passed a later barrier.
-template <int WARPS>
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-    v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) total += scratch[w];
-    return total;
-}
+__device__ __forceinline__ void store8(__half* p, const float (&in)[8]) { *reinterpret_cast<uint4*>(p) = pack8(in); }
 
 // ------------------------------------------------------------------------------------ ln_shift_mix
 struct MixArgs {

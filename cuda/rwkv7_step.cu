@@ -36,6 +36,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "device_common.cuh"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -157,19 +159,10 @@ __device__ __forceinline__ void grid_barrier(unsigned* arrivals, unsigned target
     __syncthreads();
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
-__device__ __forceinline__ float round_half(float x) { return __half2float(__float2half_rn(x)); }
-
 __device__ __forceinline__ float activate(float v, int act) {
     switch (act) {
         case kTanh: return tanhf(v);
-        case kSigmoid: return sigmoid(v);
+        case kSigmoid: return sigmoidf(v);
         case kRelu2: {
             const float r = fmaxf(v, 0.0f);
             return r * r;
@@ -178,30 +171,9 @@ __device__ __forceinline__ float activate(float v, int act) {
     }
 }
 
-__device__ __forceinline__ void unpack8(uint4 u, float (&out)[8]) {
-    __half h[8];
-    memcpy(h, &u, sizeof(h));
-#pragma unroll
-    for (int e = 0; e < 8; ++e) out[e] = __half2float(h[e]);
-}
-
-__device__ __forceinline__ uint4 pack8(const float (&in)[8]) {
-    __half h[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) h[e] = __float2half_rn(in[e]);
-    uint4 u;
-    memcpy(&u, h, sizeof(u));
-    return u;
-}
-
 // The block's sum of v, in a fixed order (scratch: kWarps floats, free again when this returns).
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-    v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float s = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += scratch[w];
+__device__ __forceinline__ float block_total(float v, float* scratch) {
+    const float s = block_sum<kWarps>(v, scratch);
     __syncthreads();
     return s;
 }
@@ -238,7 +210,7 @@ __device__ void stage_norm(const Stage& st, const __half* x, int C, int64_t slot
             for (int e = 0; e < 8; ++e) s += xv[j][e];
         }
     }
-    const float mean = block_sum(s, sh.scratch) / C;
+    const float mean = block_total(s, sh.scratch) / C;
     float q = 0.0f;
 #pragma unroll
     for (int j = 0; j < kNormVecs; ++j) {
@@ -247,7 +219,7 @@ __device__ void stage_norm(const Stage& st, const __half* x, int C, int64_t slot
             for (int e = 0; e < 8; ++e) q = fmaf(xv[j][e] - mean, xv[j][e] - mean, q);
         }
     }
-    const float rstd = rsqrtf(block_sum(q, sh.scratch) / C + kLnEps);
+    const float rstd = rsqrtf(block_total(q, sh.scratch) / C + kLnEps);
 #pragma unroll
     for (int j = 0; j < kNormVecs; ++j) {
         const int v = threadIdx.x + j * kThreads;
@@ -428,7 +400,7 @@ __device__ __forceinline__ void store_state(__half* dst, const float (&s)[16]) {
 
 // Sums of the values of the threads t % 4 == 0 (one per state row), over the block (fixed order).
 __device__ __forceinline__ float rows_sum(float v, float* part) {
-    return block_sum((threadIdx.x & 3) ? 0.0f : v, part);
+    return block_total((threadIdx.x & 3) ? 0.0f : v, part);
 }
 
 template <typename S>
@@ -449,16 +421,16 @@ __device__ void time_mix_head(const Phase& ph, int64_t slot, int head, float* sh
     // 1. the head's key-axis vectors (thread t < 64: channel t), kk's norm and the bonus sum
     float kkr = 0.0f, a = 0.0f, bonus_part = 0.0f;
     if (t < N) {
-        a = sigmoid(__half2float(ph.a0[ck]) + da);
+        a = sigmoidf(__half2float(ph.a0[ck]) + da);
         kkr = k_in * __half2float(ph.k_k[ck]);
         const float knv = k_in * (1.0f + (a - 1.0f) * __half2float(ph.k_a[ck]));
         rr[t] = r_in;
-        ww[t] = __expf(-kExpMinusHalf * sigmoid(ph.w0[ck] + dw));
+        ww[t] = __expf(-kExpMinusHalf * sigmoidf(ph.w0[ck] + dw));
         kn[t] = knv;
         bonus_part = r_in * knv * ph.r_k[ck];
     }
-    const float norm = sqrtf(block_sum(kkr * kkr, part));
-    const float bonus = block_sum(bonus_part, part);
+    const float norm = sqrtf(block_total(kkr * kkr, part));
+    const float bonus = block_total(bonus_part, part);
     if (t < N) {
         const float kk = kkr / fmaxf(norm, 1e-12f);
         aa[t] = -kk;
@@ -469,7 +441,7 @@ __device__ void time_mix_head(const Phase& ph, int64_t slot, int head, float* sh
     if (ph.first_layer) {
         if ((t & 3) == 0) ph.v_first[c] = __float2half_rn(v);
     } else {
-        v = v + (v_first - v) * sigmoid(__half2float(ph.v0[c]) + dv);
+        v = v + (v_first - v) * sigmoidf(__half2float(ph.v0[c]) + dv);
     }
     float s[16];
     unpack_state(pre, s, S{});
