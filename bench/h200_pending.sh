@@ -113,8 +113,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sse-json  # 1.5B serving, 256 streams: chunks by hand vs encoder
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-dequant-bound  # W4 batch 1 without most of its dequantization
 #                                                                   # (timing only, in a copy of the tree)
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-probe  # ~1 min, no extensions: one persistent kernel
-#                                                                   # a step against one launch a phase (batch 1)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engine-256  # ~6 min on a fresh machine: the 1.5B engine alone
 #                                                                   # at 256 requests (ramp, steady rate, its steps)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-step  # ~7 min on a fresh machine: the persistent
@@ -148,6 +146,13 @@ assert load_w8a16_kernels()"; w=$?; wait $f && exit $w'
 
 build_fused() {
     step 240 "build the fused kernels" python -c "from infer.ops.fused import load_fused_kernels; assert load_fused_kernels()"
+}
+
+# the fused kernels and the persistent step (cuda/rwkv7_step.cu) side by side
+build_step() {
+    step 300 "build the fused kernels and the persistent step" bash -c 'python -c "from infer.ops.fused import \
+load_fused_kernels; assert load_fused_kernels()" & f=$!; RWKV_PERSISTENT=1 python -c "from infer.ops.persistent import \
+load_persistent_step; assert load_persistent_step()"; p=$?; wait $f && exit $p'
 }
 
 # profile_b256_fp16 OUT: the 7.2B batch-256 decode step per kernel with fp16 state, into OUT
@@ -426,19 +431,10 @@ sse-json)  # streamed chunks' choices written out as JSON text (98d9890) against
             infer/api/streaming.py
     done
     ;;
-persistent-probe)  # bench/probe_persistent.cu: a batch-1 decode step's phases (synthetic work, the real shapes'
-    # bytes) as one launch a phase under PDL against one persistent kernel with grid barriers, 1.5B and 7.2B; every
-    # variant's logits and x must be the same bits (exit 1 otherwise). Standalone: nvcc only, no torch extension
-    step 120 "build the probe" nvcc -O3 -arch=sm_90 -std=c++17 bench/probe_persistent.cu -o /tmp/probe_persistent
-    step 240 "persistent probe" /tmp/probe_persistent --json bench/results/probe_persistent_h200.json
-    copy bench/results/probe_persistent_h200.json
-    ;;
 persistent-step)  # the batch-1 decode step as one persistent kernel (cuda/rwkv7_step.cu, RWKV_PERSISTENT=1) against the
     # fused launches: its GPU tests, then 1.5B and 7.2B batch 1 (CUDA graphs) with the launches, the persistent kernel on
     # 2 and 1 blocks a multiprocessor and without its loads ahead of the barriers; the launches and 2 blocks twice
-    step 300 "build the fused kernels and the persistent step" bash -c 'python -c "from infer.ops.fused import \
-load_fused_kernels; assert load_fused_kernels()" & f=$!; RWKV_PERSISTENT=1 python -c "from infer.ops.persistent import \
-load_persistent_step; assert load_persistent_step()"; p=$?; wait $f && exit $p'
+    build_step
     step 200 "persistent step GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_step_cuda.py
     for variant in launches:0:2:1 blocks2:1:2:1 blocks1:1:1:1 noprefetch:1:2:0 launches_2:0:2:1 blocks2_2:1:2:1; do
         IFS=: read -r tag on blocks prefetch <<<"$variant"

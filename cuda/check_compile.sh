@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Compile-check the kernel sources without a GPU:
 #   cuda/*.cu        nvcc -c for sm_90, the device code (-cubin) for sm_80 (with torch's no-implicit-half-conversion
-#                    flags), and no byte-wide global loads in their PTX; bench/probe_persistent.cu (a benchmark
-#                    program) for sm_90
+#                    flags), and no byte-wide global loads in their PTX
 #   cuda/w8a16_gemm.cu once more with its CUTLASS GEMM (-DW8A16_WITH_CUTLASS), when the headers of the
 #                    nvidia-cutlass wheel are installed (found like the JIT build finds them), and the
 #                    Hopper GEMMs cuda/w8a16_gemm_sm90.cu (+ tiles, int8 and 4-bit) for sm_90a (which need
@@ -110,10 +109,6 @@ if command -v nvcc >/dev/null 2>&1; then
         run "$src  no byte-wide global loads (PTX)" bash -c '! nvcc -std=c++17 -O3 -arch=sm_90 "${@:2}" -ptx "$1" -o - \
             | grep -E "ld\.global(\.[a-z0-9]+)*\.[us]8[ ;]"' _ "$src" "${TORCH_NVCC_DEFINES[@]}"
     done
-    # a standalone benchmark program (bench/h200_pending.sh persistent-probe), built the way that part builds it
-    run "bench/probe_persistent.cu  sm_90 (benchmark program)" nvcc -std=c++17 -O3 -arch=sm_90 \
-        -Xptxas -warn-spills,-warn-lmem-usage,--warning-as-error -Werror all-warnings -c bench/probe_persistent.cu \
-        -o "$TMP/probe_persistent.o"
 else
     say "  nvcc not found, skipping"
 fi
