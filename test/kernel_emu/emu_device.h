@@ -1,7 +1,7 @@
 // CPU emulation of the CUDA/HIP device features that the project's kernels use (cuda/sampler.cu,
-// cuda/rwkv7_fused.cu, cuda/wkv7_slots.cu + cuda/wkv7_state.cuh and their HIP ports), for the tests
-// test_sampler_emulated.py and test_fused_emulated.py. The stand-in runtime headers of this folder
-// (cuda_runtime.h, cuda_fp16.h, cuda_bf16.h, hip/hip_runtime.h, hip/hip_fp16.h) include it, so the
+// cuda/rwkv7_fused.cu, cuda/rwkv7_step.cu, cuda/wkv7_slots.cu + cuda/wkv7_state.cuh and their HIP ports), for
+// test_sampler_emulated.py, test_fused_emulated.py and test_step_emulated.py. The stand-in runtime headers of this
+// folder (cuda_runtime.h, cuda_fp16.h, cuda_bf16.h, hip/hip_runtime.h, hip/hip_fp16.h) include it, so the
 // kernel sources compile unchanged with g++ (see emu_build.py for the two textual adaptations).
 //
 // Not a general GPU emulator:
@@ -12,7 +12,9 @@
 //   lanes run in lockstep). A thread that returns early never arrives, so a block whose threads end up
 //   at different barriers is reported as deadlocked instead of hanging.
 // - Shared memory (`__shared__` becomes `static`) is one object: the blocks of a grid run one after
-//   another, in a shuffled order (a kernel may not depend on the order of its blocks).
+//   another, in a shuffled order (a kernel may not depend on the order of its blocks). A cooperative kernel
+//   runs on a resident grid instead (run_resident_grid: every block's fibers swept together, so its grid
+//   barriers wait for the other blocks), with per-block dynamic shared memory (emu::block_shared).
 // - Arithmetic: IEEE fp32 with round-to-nearest; fmaf is a real fused multiply-add and nothing else is
 //   contracted (x86-64 g++ without -mfma). The fast-math intrinsics (__expf, rsqrtf) are the exact
 //   libm functions here, while the GPU build (--use_fast_math) approximates them to a few ulp: the
@@ -173,8 +175,7 @@ struct Warp {
     uint64_t buf[EMU_WARP];
     alignas(16) unsigned char gathered[EMU_WARP][32];  // all_gather's
 };
-inline Barrier block_barrier;
-inline Barrier* active_barrier = &block_barrier;  // __syncthreads's: the running fiber's block's
+inline Barrier* active_barrier = nullptr;  // __syncthreads's: the running fiber's block's (set by run_blocks)
 inline Warp* warps = nullptr;
 inline unsigned char* block_shared = nullptr;  // run_resident_grid: the running fiber's block's dynamic shared memory
 
@@ -257,48 +258,73 @@ inline void fiber_main() {
 
 inline void yield() { swapcontext(&sched::fibers[sched::current], &sched::scheduler); }
 
-// Runs one block (blockIdx must be set) of `threads` threads; false when it deadlocked: its threads
-// wait at barriers that can no longer complete (they took different paths, or some returned while
-// others wait). The waiting fibers are then abandoned.
-inline bool run_block(const std::function<void()>& kernel, int threads) {
+// Runs blocks [first, first + count) of a grid (gridDim must be set) of `threads` threads each, their fibers swept
+// together in a fresh random order (seeded by `seed`) until every fiber has returned, so that a result cannot lean
+// on one interleaving between barriers, and a block may wait (yield in a loop) for another block's progress, as a
+// grid barrier does. Each block has its own __syncthreads barrier, warps and `shared_bytes` of dynamic shared memory
+// (emu::block_shared, to be read by the kernel when it starts). Returns 0, or 1 + a block of a deadlock: fibers
+// waiting at barriers that can no longer complete (they took different paths, or some returned while others wait;
+// the waiting fibers are then abandoned).
+inline int run_blocks(unsigned first, unsigned count, int threads, size_t shared_bytes,
+                      const std::function<void()>& kernel, unsigned seed) {
     using namespace sched;
-    fibers.assign(threads, ucontext_t{});
-    if (stacks.size() < static_cast<size_t>(threads) * kStack) stacks.resize(static_cast<size_t>(threads) * kStack);
-    finished.assign(threads, 0);
-    std::vector<Warp> block_warps((threads + EMU_WARP - 1) / EMU_WARP);
-    for (size_t w = 0; w < block_warps.size(); ++w)
-        block_warps[w].bar.expected = std::min(EMU_WARP, threads - static_cast<int>(w) * EMU_WARP);
-    warps = block_warps.data();
-    block_barrier = Barrier{};
-    block_barrier.expected = threads;
+    const int total = static_cast<int>(count) * threads;
+    fibers.assign(total, ucontext_t{});
+    if (stacks.size() < static_cast<size_t>(total) * kStack) stacks.resize(static_cast<size_t>(total) * kStack);
+    finished.assign(total, 0);
+    const int per_block = (threads + EMU_WARP - 1) / EMU_WARP;
+    std::vector<Warp> all_warps(static_cast<size_t>(count) * per_block);
+    std::vector<Barrier> barriers(count);
+    std::vector<std::vector<float4>> shared(count, std::vector<float4>((shared_bytes + 15) / 16));
+    for (unsigned b = 0; b < count; ++b) {
+        barriers[b].expected = threads;
+        for (int w = 0; w < per_block; ++w)
+            all_warps[b * per_block + w].bar.expected = std::min(EMU_WARP, threads - w * EMU_WARP);
+    }
     blockDim = dim3(static_cast<unsigned>(threads));
     body = &kernel;
-    for (int t = 0; t < threads; ++t) {
-        getcontext(&fibers[t]);
-        fibers[t].uc_stack.ss_sp = &stacks[t * kStack];
-        fibers[t].uc_stack.ss_size = kStack;
-        fibers[t].uc_link = &scheduler;
-        makecontext(&fibers[t], fiber_main, 0);
+    for (int f = 0; f < total; ++f) {
+        getcontext(&fibers[f]);
+        fibers[f].uc_stack.ss_sp = &stacks[static_cast<size_t>(f) * kStack];
+        fibers[f].uc_stack.ss_size = kStack;
+        fibers[f].uc_link = &scheduler;
+        makecontext(&fibers[f], fiber_main, 0);
     }
-    // Sweeps in a fresh random order until every fiber has returned, so that the kernel's result
-    // cannot lean on one particular interleaving between its barriers.
-    std::vector<int> order(threads);
+    std::vector<int> order(total);
     std::iota(order.begin(), order.end(), 0);
-    std::mt19937 rng(blockIdx.x * 7919u + 1u);
-    for (int left = threads; left > 0;) {
+    std::mt19937 rng(seed);
+    int result = 0;
+    for (int left = total; left > 0;) {
         const unsigned long long before = progress;
+        int waiting = 0;
         left = 0;
         std::shuffle(order.begin(), order.end(), rng);
-        for (const int t : order) {
-            if (finished[t]) continue;
-            current = t;
-            threadIdx = dim3(static_cast<unsigned>(t));
-            swapcontext(&scheduler, &fibers[t]);
-            left += !finished[t];
+        for (const int f : order) {
+            if (finished[f]) continue;
+            const unsigned b = static_cast<unsigned>(f / threads);
+            current = f;
+            blockIdx = dim3(first + b);
+            threadIdx = dim3(static_cast<unsigned>(f % threads));
+            active_barrier = &barriers[b];
+            warps = &all_warps[b * per_block];
+            block_shared = reinterpret_cast<unsigned char*>(shared[b].data());
+            swapcontext(&scheduler, &fibers[f]);
+            if (!finished[f]) ++left, waiting = static_cast<int>(first + b);
         }
-        if (left > 0 && progress == before) return false;  // a whole sweep of waiting only
+        if (left > 0 && progress == before) {  // a whole sweep of waiting only
+            result = 1 + waiting;
+            break;
+        }
     }
-    return true;
+    active_barrier = nullptr;
+    warps = nullptr;
+    block_shared = nullptr;
+    return result;
+}
+
+// One block (blockIdx must be set) of `threads` threads; false when it deadlocked.
+inline bool run_block(const std::function<void()>& kernel, int threads) {
+    return run_blocks(blockIdx.x, 1, threads, 0, kernel, blockIdx.x * 7919u + 1u) == 0;
 }
 
 // Runs a 1-D grid block by block in a shuffled order (seeded by `seed`). Returns 0, or 1 + the index
@@ -321,66 +347,13 @@ inline int run_grid(unsigned grid, int threads, const std::function<void()>& ker
     return 0;
 }
 
-// Runs a 1-D grid with every block resident at once, as a cooperative launch guarantees: the fibers of all blocks
-// are swept together in a fresh random order, so a block may wait (yield in a loop) for another block's progress,
-// as a grid barrier does. Each block has its own __syncthreads barrier, warps and `shared_bytes` of dynamic shared
-// memory (emu::block_shared, to be read by the kernel when it starts; static __shared__ variables would be one
-// object for all blocks, so a kernel run here must not have any). Returns 0, or 1 + a block of a deadlock.
+// Runs a 1-D grid with every block resident at once, as a cooperative launch guarantees (see run_blocks). Static
+// __shared__ variables would be one object for all blocks: a kernel run here takes its shared memory from
+// emu::block_shared. Returns 0, or 1 + a block of a deadlock.
 inline int run_resident_grid(unsigned grid, int threads, size_t shared_bytes, const std::function<void()>& kernel,
                              unsigned seed = 1) {
-    using namespace sched;
-    const int total = static_cast<int>(grid) * threads;
-    fibers.assign(total, ucontext_t{});
-    if (stacks.size() < static_cast<size_t>(total) * kStack) stacks.resize(static_cast<size_t>(total) * kStack);
-    finished.assign(total, 0);
-    const int per_block = (threads + EMU_WARP - 1) / EMU_WARP;
-    std::vector<Warp> all_warps(static_cast<size_t>(grid) * per_block);
-    std::vector<Barrier> barriers(grid);
-    std::vector<std::vector<float4>> shared(grid, std::vector<float4>((shared_bytes + 15) / 16));
-    for (unsigned b = 0; b < grid; ++b) {
-        barriers[b].expected = threads;
-        for (int w = 0; w < per_block; ++w)
-            all_warps[b * per_block + w].bar.expected = std::min(EMU_WARP, threads - w * EMU_WARP);
-    }
     gridDim = dim3(grid);
-    blockDim = dim3(static_cast<unsigned>(threads));
-    body = &kernel;
-    for (int f = 0; f < total; ++f) {
-        getcontext(&fibers[f]);
-        fibers[f].uc_stack.ss_sp = &stacks[static_cast<size_t>(f) * kStack];
-        fibers[f].uc_stack.ss_size = kStack;
-        fibers[f].uc_link = &scheduler;
-        makecontext(&fibers[f], fiber_main, 0);
-    }
-    std::vector<int> order(total);
-    std::iota(order.begin(), order.end(), 0);
-    std::mt19937 rng(seed);
-    int stuck = 0;
-    for (int left = total; left > 0;) {
-        const unsigned long long before = progress;
-        left = 0;
-        std::shuffle(order.begin(), order.end(), rng);
-        for (const int f : order) {
-            if (finished[f]) continue;
-            const unsigned b = static_cast<unsigned>(f / threads);
-            current = f;
-            blockIdx = dim3(b);
-            threadIdx = dim3(static_cast<unsigned>(f % threads));
-            active_barrier = &barriers[b];
-            warps = &all_warps[b * per_block];
-            block_shared = reinterpret_cast<unsigned char*>(shared[b].data());
-            swapcontext(&scheduler, &fibers[f]);
-            left += !finished[f];
-            if (left > 0 && finished[f] == 0) stuck = static_cast<int>(b);
-        }
-        if (left > 0 && progress == before) {  // a whole sweep of waiting only
-            active_barrier = &block_barrier;
-            return 1 + stuck;
-        }
-    }
-    active_barrier = &block_barrier;
-    block_shared = nullptr;
-    return 0;
+    return run_blocks(0, grid, threads, shared_bytes, kernel, seed);
 }
 
 // What emu_build.py turns a `kernel<<<grid, block, smem, stream>>>(args...)` launch into (the launchers
