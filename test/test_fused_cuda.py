@@ -15,8 +15,7 @@ from infer.ops.fused import EPI_NONE, EPI_RELU_SQUARE, EPI_SIGMOID, EPI_TANH, \
 from infer.ops.linear import DenseLinear
 from infer.ops.wkv_cuda import select_wkv
 from infer.random_model import make_config, random_state_dict
-from infer.runner import ModelRunner
-from infer.sampler import SamplingParams
+from greedy_batches import greedy_in_batch
 
 needs_gemlite = pytest.mark.skipif(importlib.util.find_spec("gemlite") is None, reason="needs gemlite 0.6.x")
 
@@ -246,23 +245,9 @@ def test_graph_batch_invariance(kernels):
     model = build(2, 128, 1024, seed=21)
     select_fused(model, "on")
     prompt = [4, 8, 15, 16, 23, 42]
-
-    def greedy(batch_size: int) -> list[int]:
-        runner = ModelRunner(model, 64, cuda_graphs=True)
-        others = [[(i * 37 + 5) % 1024] for i in range(batch_size - 1)]
-        slots = list(range(batch_size))
-        for s in slots:
-            runner.start_row(s, SamplingParams(temperature=0))
-        out = runner.step([prompt] + others, slots, [True] * batch_size)
-        mine = [out.tokens[0]]
-        for _ in range(16):
-            out = runner.step([[mine[-1]]] + [[t] for t in out.tokens[1:]], slots, [True] * batch_size)
-            mine.append(out.tokens[0])
-        return mine
-
-    alone = greedy(1)
+    alone = greedy_in_batch(model, prompt, 1)
     for size in (3, 8, 40):
-        assert greedy(size) == alone, size
+        assert greedy_in_batch(model, prompt, size) == alone, size
 
 
 def test_gemv_tasks_match_matmul(kernels):

@@ -11,8 +11,7 @@ from infer.model import RWKV7
 from infer.ops.fused import select_fused
 from infer.ops.wkv_cuda import select_wkv
 from infer.random_model import make_config, random_state_dict
-from infer.runner import ModelRunner
-from infer.sampler import SamplingParams
+from greedy_batches import greedy_in_batch
 
 PROMPT = [4, 8, 15, 16, 23, 42, 99, 7]
 
@@ -72,24 +71,10 @@ def test_graph_replay_and_batch_invariance(step_kernel):
     """A row decoded alone (the persistent kernel, from a CUDA graph) and inside batches (the launches) gets the same
     greedy tokens; graph replay equals eager."""
     _, model = fused_pair(step_kernel, seed=21, L=2, C=128)
-
-    def greedy(batch_size: int, graphs: bool) -> list[int]:
-        runner = ModelRunner(model, 64, cuda_graphs=graphs)
-        others = [[(i * 37 + 5) % 1024] for i in range(batch_size - 1)]
-        slots = list(range(batch_size))
-        for s in slots:
-            runner.start_row(s, SamplingParams(temperature=0))
-        out = runner.step([PROMPT] + others, slots, [True] * batch_size)
-        mine = [out.tokens[0]]
-        for _ in range(16):
-            out = runner.step([[mine[-1]]] + [[t] for t in out.tokens[1:]], slots, [True] * batch_size)
-            mine.append(out.tokens[0])
-        return mine
-
-    alone = greedy(1, True)
-    assert greedy(1, False) == alone
+    alone = greedy_in_batch(model, PROMPT, 1)
+    assert greedy_in_batch(model, PROMPT, 1, cuda_graphs=False) == alone
     for size in (3, 8):
-        assert greedy(size, True) == alone, size
+        assert greedy_in_batch(model, PROMPT, size) == alone, size
 
 
 def test_bad_slot_gives_nan(step_kernel):
