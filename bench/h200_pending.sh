@@ -432,16 +432,18 @@ sse-json)  # streamed chunks' choices written out as JSON text (98d9890) against
     done
     ;;
 persistent-step)  # the batch-1 decode step as one persistent kernel (cuda/rwkv7_step.cu, RWKV_PERSISTENT=1) against the
-    # fused launches: its GPU tests, then 1.5B and 7.2B batch 1 (CUDA graphs) with the launches, the persistent kernel on
-    # 2 and 1 blocks a multiprocessor and without its loads ahead of the barriers; the launches and 2 blocks twice
+    # fused launches: its GPU tests, then 1.5B and 7.2B batch 1 (CUDA graphs) with the launches, the persistent kernel
+    # (merged phases, 2 blocks a multiprocessor), with a grid barrier before every phase instead, on 1 block a
+    # multiprocessor, and without its loads ahead of the barriers; the launches and the default twice
     build_step
     step 200 "persistent step GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_step_cuda.py
-    for variant in launches:0:2:1 blocks2:1:2:1 blocks1:1:1:1 noprefetch:1:2:0 launches_2:0:2:1 blocks2_2:1:2:1; do
-        IFS=: read -r tag on blocks prefetch <<<"$variant"
+    for variant in launches:0:2:1:1 merged:1:2:1:1 barriers:1:2:1:0 blocks1:1:1:1:1 noprefetch:1:2:0:1 \
+        launches_2:0:2:1:1 merged_2:1:2:1:1; do
+        IFS=: read -r tag on blocks prefetch merge <<<"$variant"
         out=bench/results/experiment_persistent_${tag}_h200.json
         step 120 "batch 1, $tag" env RWKV_PERSISTENT="$on" RWKV_PERSISTENT_BLOCKS="$blocks" \
-            RWKV_PERSISTENT_PREFETCH="$prefetch" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1 --steps 40 \
-            --wkv cuda --no-checks --out "$out"
+            RWKV_PERSISTENT_PREFETCH="$prefetch" RWKV_PERSISTENT_MERGE="$merge" python bench/bench_decode.py \
+            --sizes 1.5b,7.2b --batches 1 --steps 40 --wkv cuda --no-checks --out "$out"
         copy "$out"
     done
     ;;

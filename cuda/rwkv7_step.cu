@@ -48,7 +48,7 @@ constexpr int N = 64;  // head size
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kLoads = 4;  // 16-byte weight loads a lane holds (and prefetches before a barrier)
-constexpr int kMaxTasks = 7;
+constexpr int kMaxTasks = 11;  // r/k/v, four LoRA first halves and, merged, four second halves
 constexpr int kMaxMix = 6;
 constexpr int kReduceLanes = 16;  // lanes summing one column's partial sums
 constexpr int kTile = 256;        // columns of a sparse FFN-value unit (8 a lane)
@@ -60,13 +60,20 @@ enum Kind : int { kEmbed = 0, kGemv = 1, kTimeMix = 2, kSparse = 3, kReduce = 4 
 enum Act : int { kNone = 0, kTanh = 1, kSigmoid = 2, kRelu2 = 3 };
 
 // One matrix of a GEMV phase: y[row] (+)= act(W[row, :k] . xs[x_off : x_off + k]) for row < rows (W row-major,
-// row stride ld; xs the phase's fp16 input in shared memory); `lanes` lanes share a row (a power of two), so a
-// unit is 32 / lanes rows. y32 (the head): fp32 outputs instead of y. unit0: the phase's index of its first unit.
+// row stride ld; xs the phase's fp16 input in shared memory, or xg in global memory); `lanes` lanes share a row (a
+// power of two), so a unit is 32 / lanes rows. y32 (the head): fp32 outputs instead of y. unit0: the phase's index
+// of its first unit. Dependencies inside a phase (merged phases): a unit first waits until *dep >= dep_target, and
+// when its outputs are stored adds its row count to done[row / done_div].
 struct Task {
     const __half* w;
     __half* y;
     float* y32;
+    const __half* xg;
+    const unsigned* dep;
+    unsigned* done;
     int rows, k, ld, x_off, act, accumulate, lanes, unit0;
+    unsigned dep_target;
+    int done_div;
 };
 
 // A GEMV phase's input: a layer norm folded into every block (of x, with the token shift against `shift` and
@@ -92,11 +99,13 @@ struct Phase {
     const __half *a0, *v0, *k_k, *k_a;
     void* state;  // the layer's WKV states of slot 0 (+ slot * H * N * N), fp32 or fp16
     int first_layer, heads;
-    // sparse FFN value (fv [F, C] K-major, hidden [F]) and its reduce into x
+    // sparse FFN value (fv [F, C] K-major, hidden [F]) and its reduce into x; merged into the FFN key's phase, its
+    // units follow the GEMV units (gemv_units of them), each first waiting until chunk_done[chunk] counts its rows
     const __half *fv, *hidden;
     float* partial;  // [C][chunks]
     __half* x;
-    int F, chunks, chunk_rows, tiles;
+    const unsigned* chunk_done;
+    int F, chunks, chunk_rows, tiles, gemv_units;
     int C;
 };
 
@@ -110,6 +119,8 @@ struct StepArgs {
     __half* x;
     float* logits;
     unsigned* sync;  // [2]: grid-barrier arrivals, blocks done (both zero between launches)
+    unsigned* deps;  // [ndeps]: the merged phases' counters (zero between launches)
+    int ndeps;
     int prefetch;    // load the next phase's first weights (or state) before waiting at the barrier
 };
 
@@ -188,6 +199,30 @@ struct Shared {
     float* scratch;
 };
 
+// A warp waits until *counter >= target (a counter other warps of the grid raise with their results stored), then
+// reads what they wrote at L2 (load_act).
+__device__ __forceinline__ void warp_wait(const unsigned* counter, unsigned target) {
+    if ((threadIdx.x & 31) == 0) {
+        for (unsigned spins = 0; load_acquire(counter) < target; ++spins) {
+#if defined(EMU_WARP)
+            emu::yield();
+#elif defined(__CUDA_ARCH__)
+            if (spins > (1u << 24)) __trap();
+#endif
+        }
+    }
+    __syncwarp();
+}
+
+// A warp's results are stored: `count` more rows done (lane 0 raises the counter after the warp's stores).
+__device__ __forceinline__ void warp_signal(unsigned* counter, unsigned count) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+        __threadfence();
+        atomicAdd(counter, count);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------- staging
 // LN(x) of the block (rounded to fp16, as the stored shift state is) into sh.saved, then the mixes into sh.xs. A
 // thread holds 8-vectors v = threadIdx.x + j * kThreads of x in registers (one trip to L2 for x, with the norm's and
@@ -260,6 +295,8 @@ __device__ void stage_input(const Phase& ph, const __half* x, int64_t slot, cons
 }
 
 // ---------------------------------------------------------------------------------------------- GEMV
+__device__ void sparse_unit(const Phase& ph, int u);  // the FFN value's units (below), merged into a GEMV phase
+
 struct Unit {
     int task, local;
 };
@@ -318,7 +355,7 @@ __device__ __forceinline__ void gemv_unit(const Task& tk, int local, const __hal
             if (c < chunks) {
                 float w[8], xv[8];
                 unpack8(cur[e], w);
-                unpack8(*reinterpret_cast<const uint4*>(xs + tk.x_off + c * 8), xv);
+                unpack8(tk.xg ? load_act8(tk.xg + c * 8) : *reinterpret_cast<const uint4*>(xs + tk.x_off + c * 8), xv);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc = fmaf(w[j], xv[j], acc);
             }
@@ -337,6 +374,10 @@ __device__ __forceinline__ void gemv_unit(const Task& tk, int local, const __hal
             tk.y[row] = __float2half_rn(tk.accumulate ? load_act(tk.y + row) + v : v);
         }
     }
+    if (tk.done) {
+        const int first = local * (32 / tk.lanes);
+        warp_signal(tk.done + first / tk.done_div, static_cast<unsigned>(min(32 / tk.lanes, tk.rows - first)));
+    }
 }
 
 __device__ void gemv_phase(const Phase& ph, const __half* x, int64_t slot, const Shared& sh, uint4 (&pre)[kLoads],
@@ -347,21 +388,19 @@ __device__ void gemv_phase(const Phase& ph, const __half* x, int64_t slot, const
     const int stride = gridDim.x * kWarps;
     int u = blockIdx.x * kWarps + (threadIdx.x >> 5);
     if (u >= units) return;
+    // the GEMV units, then (a merged phase) the sparse FFN value's units
+    const int gemv_units = ph.gemv_units ? ph.gemv_units : units;
     Unit un = find_unit(ph, u);
-    Task tk = ph.t[un.task];
-    for (; u < units; u += stride) {
-        const bool last = u + stride >= units;
-        Unit next_un{0, 0};
-        Task next_tk = tk;
-        if (!last) {
-            next_un = find_unit(ph, u + stride);
-            next_tk = ph.t[next_un.task];
-        }
-        gemv_unit(tk, un.local, sh.xs, pre, loaded, !last, next_tk, next_un.local);
+    for (; u < gemv_units; u += stride) {
+        const bool last = u + stride >= gemv_units;
+        const Unit next_un = last ? un : find_unit(ph, u + stride);
+        const Task& tk = ph.t[un.task];
+        if (tk.dep) warp_wait(tk.dep, tk.dep_target);
+        gemv_unit(tk, un.local, sh.xs, pre, loaded, !last, ph.t[next_un.task], next_un.local);
         loaded = !last;
         un = next_un;
-        tk = next_tk;
     }
+    for (; u < units; u += stride) sparse_unit(ph, u - gemv_units);
 }
 
 // ---------------------------------------------------------------------------------------------- time mix
@@ -483,43 +522,47 @@ __device__ void time_mix_phase(const Phase& ph, int64_t slot, const Shared& sh, 
 // shuffles), and the weight rows of kSparseBatch of them are in flight together.
 constexpr int kSparseBatch = 4;  // 8 spill (the kernel's registers are capped at 128 for 2 blocks a multiprocessor)
 
-__device__ void sparse_phase(const Phase& ph) {
-    const int units = ph.tiles * ph.chunks, lane = threadIdx.x & 31;
-    for (int u = blockIdx.x * kWarps + (threadIdx.x >> 5); u < units; u += gridDim.x * kWarps) {
-        const int chunk = u / ph.tiles, col = (u % ph.tiles) * kTile + lane * 8;
-        const int j1 = min((chunk + 1) * ph.chunk_rows, ph.F);
-        const bool mine = col < ph.C;  // lanes past the width still take part in the shuffles
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (int j0 = chunk * ph.chunk_rows; j0 < j1; j0 += 64) {
-            __half2 pair = __floats2half2_rn(0.0f, 0.0f);  // rows j0 + 2 lane, + 1 (F % 8 == 0: both or neither)
-            if (j0 + 2 * lane < j1) pair = __ldcg(reinterpret_cast<const __half2*>(ph.hidden + j0) + lane);
-            const float h_even = __low2float(pair), h_odd = __high2float(pair);
-            for (int b = 0; b < 64 && j0 + b < j1; b += kSparseBatch) {
-                float h[kSparseBatch];
-                uint4 w[kSparseBatch];
+__device__ void sparse_unit(const Phase& ph, int u) {
+    const int lane = threadIdx.x & 31;
+    const int chunk = u / ph.tiles, col = (u % ph.tiles) * kTile + lane * 8;
+    const int j1 = min((chunk + 1) * ph.chunk_rows, ph.F);
+    if (ph.chunk_done) warp_wait(ph.chunk_done + chunk, static_cast<unsigned>(j1 - chunk * ph.chunk_rows));
+    const bool mine = col < ph.C;  // lanes past the width still take part in the shuffles
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int j0 = chunk * ph.chunk_rows; j0 < j1; j0 += 64) {
+        __half2 pair = __floats2half2_rn(0.0f, 0.0f);  // rows j0 + 2 lane, + 1 (F % 8 == 0: both or neither)
+        if (j0 + 2 * lane < j1) pair = __ldcg(reinterpret_cast<const __half2*>(ph.hidden + j0) + lane);
+        const float h_even = __low2float(pair), h_odd = __high2float(pair);
+        for (int b = 0; b < 64 && j0 + b < j1; b += kSparseBatch) {
+            float h[kSparseBatch];
+            uint4 w[kSparseBatch];
 #pragma unroll
-                for (int e = 0; e < kSparseBatch; ++e) {
-                    const int r = b + e;  // a row of this 64: lane r / 2 holds it
-                    const float he = __shfl_sync(0xffffffffu, h_even, r >> 1);
-                    const float ho = __shfl_sync(0xffffffffu, h_odd, r >> 1);
-                    h[e] = j0 + r < j1 ? (r & 1 ? ho : he) : 0.0f;
-                    if (h[e] != 0.0f && mine) w[e] = load_weights(ph.fv + static_cast<size_t>(j0 + r) * ph.C + col);
-                }
+            for (int e = 0; e < kSparseBatch; ++e) {
+                const int r = b + e;  // a row of this 64: lane r / 2 holds it
+                const float he = __shfl_sync(0xffffffffu, h_even, r >> 1);
+                const float ho = __shfl_sync(0xffffffffu, h_odd, r >> 1);
+                h[e] = j0 + r < j1 ? (r & 1 ? ho : he) : 0.0f;
+                if (h[e] != 0.0f && mine) w[e] = load_weights(ph.fv + static_cast<size_t>(j0 + r) * ph.C + col);
+            }
 #pragma unroll
-                for (int e = 0; e < kSparseBatch; ++e) {
-                    if (h[e] == 0.0f || !mine) continue;
-                    float wf[8];
-                    unpack8(w[e], wf);
+            for (int e = 0; e < kSparseBatch; ++e) {
+                if (h[e] == 0.0f || !mine) continue;
+                float wf[8];
+                unpack8(w[e], wf);
 #pragma unroll
-                    for (int q = 0; q < 8; ++q) acc[q] = fmaf(h[e], wf[q], acc[q]);
-                }
+                for (int q = 0; q < 8; ++q) acc[q] = fmaf(h[e], wf[q], acc[q]);
             }
         }
-        if (mine) {
-#pragma unroll
-            for (int q = 0; q < 8; ++q) ph.partial[static_cast<size_t>(col + q) * ph.chunks + chunk] = acc[q];
-        }
     }
+    if (mine) {
+#pragma unroll
+        for (int q = 0; q < 8; ++q) ph.partial[static_cast<size_t>(col + q) * ph.chunks + chunk] = acc[q];
+    }
+}
+
+__device__ void sparse_phase(const Phase& ph) {
+    const int units = ph.tiles * ph.chunks;
+    for (int u = blockIdx.x * kWarps + (threadIdx.x >> 5); u < units; u += gridDim.x * kWarps) sparse_unit(ph, u);
 }
 
 // x[c] += the sum of column c's partial sums: kReduceLanes lanes a column, each summing chunks lane, lane + lanes,
@@ -549,7 +592,7 @@ template <typename S>
 __device__ bool prefetch(const Phase& ph, int64_t slot, uint4 (&pre)[kLoads]) {
     if (ph.kind == kGemv) {
         const int first = blockIdx.x * kWarps + (threadIdx.x >> 5);
-        if (first >= ph.units) return false;
+        if (first >= (ph.gemv_units ? ph.gemv_units : ph.units)) return false;
         const Unit un = find_unit(ph, first);
         load_first_batch(ph.t[un.task], un.local, pre);
         return true;
@@ -608,11 +651,17 @@ __global__ void __launch_bounds__(kThreads, 2) step_kernel(StepArgs a, int stage
         if (p > 0) grid_barrier(a.sync, static_cast<unsigned>(p) * gridDim.x);
         run_phase<S>(ph, a, token, slot, sh, pre, loaded);
     }
-    // The last block out zeroes the counters for the next launch: every block is past its last barrier.
+    // The last block out zeroes the counters for the next launch: every block is past its last barrier and wait.
+    unsigned* last_out = reinterpret_cast<unsigned*>(sh.scratch);
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        if (atomicAdd(a.sync + 1, 1u) == gridDim.x - 1) {
+        *last_out = atomicAdd(a.sync + 1, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (*last_out) {
+        for (int i = threadIdx.x; i < a.ndeps; i += kThreads) a.deps[i] = 0;
+        if (threadIdx.x == 0) {
             a.sync[0] = 0;
             a.sync[1] = 0;
         }
@@ -626,9 +675,10 @@ __global__ void __launch_bounds__(kThreads, 2) step_kernel(StepArgs a, int stage
 struct Dims {
     int L, C, F, V, rw, ra, rv, rg, ffn_k_major, state_half;
     int64_t num_slots;
+    int merge;  // merged phases (see build_program)
 };
 enum ModelEntry : int { kEmb, kLnOutW, kLnOutB, kHead, kHeadLd, kAttShift, kFfnShift, kWkv, kX, kLoraH, kR, kK, kV,
-                        kDw, kDa, kDv, kG, kVFirst, kY, kHidden, kPartial, kLogits, kModelEntries };
+                        kDw, kDa, kDv, kG, kVFirst, kY, kHidden, kPartial, kDeps, kLogits, kModelEntries };
 enum LayerEntry : int {
     kLn1W, kLn1B, kLn2W, kLn2B, kMixR, kMixW, kMixK, kMixV, kMixA, kMixG, kFfnMix, kA0, kV0, kKK, kKA, kW0, kRK, kLnxW,
     kLnxB, kWr, kWrLd, kWk, kWkLd, kWv, kWvLd, kWo, kWoLd, kW1, kW1Ld, kA1, kA1Ld, kV1, kV1Ld, kG1, kG1Ld, kW2, kW2Ld,
@@ -656,10 +706,14 @@ inline int staged_halves(const Dims& d) {
 inline size_t shared_bytes(const Dims& d) {
     return static_cast<size_t>(d.C + staged_halves(d)) * sizeof(__half) + kScratch * sizeof(float);
 }
-// Workspace elements the model entries point to: x..hidden (fp16), partial (fp32), logits (fp32).
+// Workspace elements the model entries point to: x..hidden (fp16), partial (fp32), deps (uint32), logits (fp32).
 inline int64_t partial_floats(const Dims& d) {
     return d.ffn_k_major ? static_cast<int64_t>(d.C) * sparse_chunks(d) : 0;
 }
+// the merged phases' counters, per layer: LoRA first-half rows done, then FFN key rows done per sparse chunk
+inline int deps_per_layer(const Dims& d) { return 1 + sparse_chunks(d); }
+inline int deps_count(const Dims& d) { return d.merge ? d.L * deps_per_layer(d) : 0; }
+inline int64_t workspace_size(const Dims& d, int which) { return which == 0 ? partial_floats(d) : deps_count(d); }
 
 // Whether the builder can take these dims (nonzero: which rule fails).
 inline int dims_unsupported(const Dims& d) {
@@ -668,7 +722,26 @@ inline int dims_unsupported(const Dims& d) {
     return 0;
 }
 
-// The phases of one step into out (room for max_phases(d)); returns their count.
+constexpr int kDims = 12;  // entries of the host's dims (dims_from)
+
+// Entry counts of this build: model (which 0), per layer (1), dims (2).
+inline int entry_count(int which) {
+    return which == 0 ? static_cast<int>(kModelEntries) : which == 1 ? static_cast<int>(kLayerEntries) : kDims;
+}
+
+// dims as the host passes them: L, C, F, V, rw, ra, rv, rg, ffn_k_major, state_half, num_slots, merge
+// (infer/ops/persistent.py's step_dims)
+inline Dims dims_from(const int64_t* d) {
+    return Dims{static_cast<int>(d[0]), static_cast<int>(d[1]), static_cast<int>(d[2]), static_cast<int>(d[3]),
+                static_cast<int>(d[4]), static_cast<int>(d[5]), static_cast<int>(d[6]), static_cast<int>(d[7]),
+                static_cast<int>(d[8]), static_cast<int>(d[9]), d[10],   static_cast<int>(d[11])};
+}
+
+// The phases of one step into out (room for max_phases(d)); returns their count. With d.merge, two of a layer's
+// seven grid barriers become waits of the units that need them on counters: the LoRA second halves join the r/k/v
+// phase (after every unit of it, waiting for the LoRA first halves' rows, read from global memory), and with a
+// K-major FFN value its sparse units join the FFN key's phase (each waiting for its chunk's hidden rows). Units are
+// taken in order, so every unit waited for comes before its waiter in every warp's queue: no deadlock.
 inline int build_program(const Dims& d, const int64_t* model, const int64_t* layers, Phase* out) {
     const int C = d.C, F = d.F, R = d.rw + d.ra + d.rv + d.rg;
     auto half_at = [](int64_t p) { return reinterpret_cast<__half*>(static_cast<intptr_t>(p)); };
@@ -683,12 +756,14 @@ inline int build_program(const Dims& d, const int64_t* model, const int64_t* lay
         return p;
     };
     auto task = [](Phase& p, int64_t w, int64_t ld, __half* y, float* y32, int rows, int k, int x_off, int act,
-                   int accumulate) {
+                   int accumulate) -> Task& {
         Task& t = p.t[p.ntasks++];
-        t = Task{reinterpret_cast<const __half*>(static_cast<intptr_t>(w)), y, y32, rows, k, static_cast<int>(ld),
-                 x_off, act, accumulate, lanes_for(k), p.units};
+        t = Task{reinterpret_cast<const __half*>(static_cast<intptr_t>(w)), y, y32, nullptr, nullptr, nullptr, rows, k,
+                 static_cast<int>(ld), x_off, act, accumulate, lanes_for(k), p.units, 0u, 1};
         p.units += (rows + 32 / t.lanes - 1) / (32 / t.lanes);
+        return t;
     };
+    unsigned* deps = reinterpret_cast<unsigned*>(static_cast<intptr_t>(model[kDeps]));
     auto norm = [&](Phase& p, int64_t w, int64_t b, int64_t shift) {
         p.stage.ln_w = half_at(w), p.stage.ln_b = half_at(b), p.stage.shift = half_at(shift);
     };
@@ -703,23 +778,34 @@ inline int build_program(const Dims& d, const int64_t* model, const int64_t* lay
         norm(rkv, e[kLn1W], e[kLn1B], att_shift);
         rkv.stage.nmix = 6;
         for (int m = 0; m < 6; ++m) rkv.stage.mix[m] = half_at(e[kMixR + m]);
-        task(rkv, e[kW1], e[kW1Ld], h, nullptr, d.rw, C, 1 * C, kTanh, 0);
-        task(rkv, e[kA1], e[kA1Ld], h + d.rw, nullptr, d.ra, C, 4 * C, kNone, 0);
-        task(rkv, e[kG1], e[kG1Ld], h + d.rw + d.ra + d.rv, nullptr, d.rg, C, 5 * C, kSigmoid, 0);
-        if (!first) task(rkv, e[kV1], e[kV1Ld], h + d.rw + d.ra, nullptr, d.rv, C, 3 * C, kNone, 0);
+        unsigned* layer_deps = d.merge ? deps + static_cast<int64_t>(l) * deps_per_layer(d) : nullptr;
+        Task* firsts[4] = {
+            &task(rkv, e[kW1], e[kW1Ld], h, nullptr, d.rw, C, 1 * C, kTanh, 0),
+            &task(rkv, e[kA1], e[kA1Ld], h + d.rw, nullptr, d.ra, C, 4 * C, kNone, 0),
+            &task(rkv, e[kG1], e[kG1Ld], h + d.rw + d.ra + d.rv, nullptr, d.rg, C, 5 * C, kSigmoid, 0),
+            first ? nullptr : &task(rkv, e[kV1], e[kV1Ld], h + d.rw + d.ra, nullptr, d.rv, C, 3 * C, kNone, 0)};
+        unsigned first_rows = 0;
+        for (Task* t : firsts) {
+            if (t && layer_deps) t->done = layer_deps, t->done_div = t->rows, first_rows += t->rows;
+        }
         task(rkv, e[kWr], e[kWrLd], half_at(model[kR]), nullptr, C, C, 0 * C, kNone, 0);
         task(rkv, e[kWk], e[kWkLd], half_at(model[kK]), nullptr, C, C, 2 * C, kNone, 0);
         task(rkv, e[kWv], e[kWvLd], half_at(model[kV]), nullptr, C, C, 3 * C, kNone, 0);
 
-        Phase& lora = add(kGemv);
-        lora.stage.src = h, lora.stage.halves = R;
-        lora.save_shift = half_at(att_shift);
+        Phase& lora = d.merge ? rkv : add(kGemv);
+        const int lora0 = lora.ntasks;
+        if (!d.merge) lora.stage.src = h, lora.stage.halves = R, lora.save_shift = half_at(att_shift);
         task(lora, e[kW2], e[kW2Ld], half_at(model[kDw]), nullptr, C, d.rw, 0, kNone, 0);
         task(lora, e[kA2], e[kA2Ld], half_at(model[kDa]), nullptr, C, d.ra, d.rw, kNone, 0);
         task(lora, e[kG2], e[kG2Ld], half_at(model[kG]), nullptr, C, d.rg, d.rw + d.ra + d.rv, kNone, 0);
         if (!first) task(lora, e[kV2], e[kV2Ld], half_at(model[kDv]), nullptr, C, d.rv, d.rw + d.ra, kNone, 0);
+        for (int i = lora0; d.merge && i < lora.ntasks; ++i) {  // merged: x from global memory, after the first halves
+            Task& t = lora.t[i];
+            t.xg = h + t.x_off, t.dep = layer_deps, t.dep_target = first_rows;
+        }
 
         Phase& tm = add(kTimeMix);
+        if (d.merge) tm.save_shift = half_at(att_shift);
         tm.r = half_at(model[kR]), tm.k = half_at(model[kK]), tm.v = half_at(model[kV]);
         tm.dw = half_at(model[kDw]), tm.da = half_at(model[kDa]), tm.dv = half_at(model[kDv]);
         tm.g = half_at(model[kG]);
@@ -738,15 +824,23 @@ inline int build_program(const Dims& d, const int64_t* model, const int64_t* lay
         Phase& fk = add(kGemv);
         norm(fk, e[kLn2W], e[kLn2B], ffn_shift);
         fk.stage.nmix = 1, fk.stage.mix[0] = half_at(e[kFfnMix]);
-        task(fk, e[kFk], e[kFkLd], half_at(model[kHidden]), nullptr, F, C, 0, kRelu2, 0);
+        Task& key = task(fk, e[kFk], e[kFkLd], half_at(model[kHidden]), nullptr, F, C, 0, kRelu2, 0);
 
         if (d.ffn_k_major) {
-            Phase& fv = add(kSparse);
-            fv.save_shift = half_at(ffn_shift);
+            const bool merged = layer_deps != nullptr;
+            Phase& fv = merged ? fk : add(kSparse);
+            if (merged) {  // the sparse units after the key's, each waiting for its chunk's rows
+                key.done = layer_deps + 1, key.done_div = sparse_chunk_rows(d);
+                fv.chunk_done = key.done, fv.gemv_units = fv.units;
+                fv.units += sparse_tiles(d) * sparse_chunks(d);
+            } else {
+                fv.save_shift = half_at(ffn_shift);
+            }
             fv.fv = half_at(e[kFv]), fv.hidden = half_at(model[kHidden]), fv.partial = float_at(model[kPartial]);
             fv.F = F, fv.tiles = sparse_tiles(d), fv.chunk_rows = sparse_chunk_rows(d), fv.chunks = sparse_chunks(d);
             Phase& red = add(kReduce);
             red.partial = fv.partial, red.x = x, red.chunks = fv.chunks;
+            if (merged) red.save_shift = half_at(ffn_shift);
         } else {
             Phase& fv = add(kGemv);
             fv.save_shift = half_at(ffn_shift);
@@ -767,43 +861,38 @@ extern "C" int rwkv7_step_entry_marker() { return 0; }  // the emulation cuts th
 
 namespace {
 
-// dims: L, C, F, V, rw, ra, rv, rg, ffn_k_major, state_half, num_slots (infer/ops/persistent.py's order)
-step::Dims dims_from(const int64_t* d) {
-    return step::Dims{static_cast<int>(d[0]), static_cast<int>(d[1]), static_cast<int>(d[2]), static_cast<int>(d[3]),
-                      static_cast<int>(d[4]), static_cast<int>(d[5]), static_cast<int>(d[6]), static_cast<int>(d[7]),
-                      static_cast<int>(d[8]), static_cast<int>(d[9]), d[10]};
-}
-
 constexpr int kErrUnsupported = -1000;  // dims the builder cannot take
 constexpr int kErrEntries = -1001;      // the model or layer entries do not match this build's
 
 }  // namespace
 
-extern "C" int rwkv7_step_entries(int which) {
-    return which == 0 ? static_cast<int>(step::kModelEntries) : static_cast<int>(step::kLayerEntries);
-}
+extern "C" int rwkv7_step_entries(int which) { return step::entry_count(which); }
 extern "C" int64_t rwkv7_step_phase_bytes() { return sizeof(step::Phase); }
-extern "C" int64_t rwkv7_step_max_phases(const int64_t* dims) { return step::max_phases(dims_from(dims)); }
-extern "C" int64_t rwkv7_step_partial_floats(const int64_t* dims) { return step::partial_floats(dims_from(dims)); }
+extern "C" int64_t rwkv7_step_max_phases(const int64_t* dims) { return step::max_phases(step::dims_from(dims)); }
+// The workspace a step needs besides its fp16 vectors: fp32 partial sums (which 0) and uint32 counters (which 1).
+extern "C" int64_t rwkv7_step_workspace(const int64_t* dims, int which) {
+    return step::workspace_size(step::dims_from(dims), which);
+}
 
 // The phases of one step into `out` (host memory, rwkv7_step_max_phases * rwkv7_step_phase_bytes bytes); returns
 // their count, or a negative error (rwkv7_step_error_string). model_entries/layer_entries: the counts the caller
 // built its entries for (a mismatch with this build is an error, not a misread).
 extern "C" int64_t rwkv7_step_build(const int64_t* dims, const int64_t* model, int model_entries, const int64_t* layers,
                          int layer_entries, void* out) {
-    const step::Dims d = dims_from(dims);
+    const step::Dims d = step::dims_from(dims);
     if (model_entries != step::kModelEntries || layer_entries != step::kLayerEntries) return kErrEntries;
     if (step::dims_unsupported(d)) return kErrUnsupported;
     return step::build_program(d, model, layers, static_cast<step::Phase*>(out));
 }
 
-// One step: `phases` (device memory, as built), token and slot device scalars (int64), emb [V, C], x [C] and
-// logits [V] as in the model entries, sync: two zeroed unsigned (the kernel leaves them zero). The grid is every
+// One step: `phases` (device memory, as built), token and slot device scalars (int64), emb [V, C], x [C], logits [V]
+// and deps (rwkv7_step_workspace(dims, 1) counters) as in the model entries, sync: two unsigned; sync and deps zeroed
+// (the kernel leaves them zero). The grid is every
 // multiprocessor times blocks_per_sm (at most what fits), launched cooperatively (all blocks resident).
 extern "C" int rwkv7_step_launch(int device, int64_t stream, const void* phases, int nphases, const int64_t* dims,
                       const int64_t* token, const int64_t* slot, const void* emb, void* x, float* logits,
-                      unsigned* sync, int prefetch, int blocks_per_sm) {
-    const step::Dims d = dims_from(dims);
+                      unsigned* sync, unsigned* deps, int prefetch, int blocks_per_sm) {
+    const step::Dims d = step::dims_from(dims);
     if (step::dims_unsupported(d)) return kErrUnsupported;
     if (nphases < 2 || blocks_per_sm < 1) return cudaErrorInvalidValue;
     int previous = 0;
@@ -821,7 +910,8 @@ extern "C" int rwkv7_step_launch(int device, int64_t stream, const void* phases,
     if (err == cudaSuccess) {
         const int per_sm = blocks_per_sm < resident ? blocks_per_sm : resident;
         step::StepArgs args{static_cast<const step::Phase*>(phases), nphases, token, slot, d.num_slots, d.V,
-                            static_cast<const __half*>(emb), static_cast<__half*>(x), logits, sync, prefetch};
+                            static_cast<const __half*>(emb), static_cast<__half*>(x), logits, sync, deps,
+                            step::deps_count(d), prefetch};
         const int staged = step::staged_halves(d);
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(static_cast<unsigned>(sms * per_sm));

@@ -23,7 +23,7 @@ import torch
 
 from infer.model import RWKV7
 from infer.ops.fused import KMajorLinear
-from infer.ops.persistent import LAYER_ENTRIES, MODEL_ENTRIES, Workspace, step_dims, step_entries, unsupported
+from infer.ops.persistent import DIMS, LAYER_ENTRIES, MODEL_ENTRIES, Workspace, step_dims, step_entries, unsupported
 from infer.random_model import make_config, random_state_dict
 from kernel_emu import emu_build
 
@@ -41,8 +41,8 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     job = emu_build.build_command("cuda/rwkv7_step.cu", "emu_step.cpp", 32, d, "step")
     so = ctypes.CDLL(str(emu_build.build_all({"step": job})["step"]))
     p = ctypes.c_void_p
-    so.emu_step_partial_floats.argtypes = [p]
-    so.emu_step_partial_floats.restype = ctypes.c_int64
+    so.emu_step_workspace.argtypes = [p, ctypes.c_int]
+    so.emu_step_workspace.restype = ctypes.c_int64
     so.emu_step_run.argtypes = [p, p, p, p, p, p, ctypes.c_int, ctypes.c_int, ctypes.c_uint]
     return so
 
@@ -64,11 +64,12 @@ def _model(dtype: str, k_major: bool = False) -> RWKV7:
 class Stepper:
     """The emulated kernel stepping one model on its own state pool."""
 
-    def __init__(self, lib, model: RWKV7, wkv_dtype: torch.dtype):
+    def __init__(self, lib, model: RWKV7, wkv_dtype: torch.dtype, merge: bool = True):
         self.lib, self.model = lib, model
         self.pool = model.new_state_pool(SLOTS, wkv_dtype)
-        self.dims = step_dims(model, self.pool)
-        self.ws = Workspace(model, lib.emu_step_partial_floats(self.dims.data_ptr()))
+        self.dims = step_dims(model, self.pool, merge)
+        self.ws = Workspace(model, lib.emu_step_workspace(self.dims.data_ptr(), 0),
+                            lib.emu_step_workspace(self.dims.data_ptr(), 1))
         self.model_entries, self.layer_entries = step_entries(model, self.pool, self.ws)
 
     def step(self, token: int, slot: int, grid: int, prefetch: bool = True, seed: int = 1) -> torch.Tensor:
@@ -77,6 +78,7 @@ class Stepper:
                                    tok.data_ptr(), sl.data_ptr(), self.ws.sync.data_ptr(), int(prefetch), grid, seed)
         assert rc == 0, f"emulated step failed: {rc}"
         assert self.ws.sync.tolist() == [0, 0], "the grid barrier's counters must be zero after a step"
+        assert not self.ws.deps.any(), "the merged phases' counters must be zero after a step"
         return self.ws.logits.clone()
 
     def run(self, tokens: list[int], slot: int, grid: int, prefetch: bool = True) -> list[torch.Tensor]:
@@ -100,12 +102,14 @@ def references():
 def test_entries_match_the_kernel_build(lib):
     assert lib.emu_step_entries(0) == len(MODEL_ENTRIES)
     assert lib.emu_step_entries(1) == len(LAYER_ENTRIES)
+    assert lib.emu_step_entries(2) == DIMS
 
 
-@pytest.mark.parametrize("k_major", [True, False], ids=["ffn-k-major", "ffn-row-major"])
-def test_step_matches_the_readable_forward(lib, references, k_major):
+@pytest.mark.parametrize("k_major,merge", [(True, True), (True, False), (False, True)],
+                         ids=["ffn-k-major", "ffn-k-major-barriers", "ffn-row-major"])
+def test_step_matches_the_readable_forward(lib, references, k_major, merge):
     ref32, pool32, drift = references
-    stepper = Stepper(lib, _model("fp16", k_major), torch.float32)
+    stepper = Stepper(lib, _model("fp16", k_major), torch.float32, merge)
     assert unsupported(stepper.model, stepper.pool) is None
     ours = stepper.run(PROMPT, 1, grid=3)
     worst = max(float((a - b).abs().max()) for a, b in zip(ours, ref32))
@@ -119,14 +123,16 @@ def test_step_matches_the_readable_forward(lib, references, k_major):
 
 
 @pytest.mark.parametrize("k_major", [True, False], ids=["ffn-k-major", "ffn-row-major"])
-def test_same_bits_on_every_grid_and_prefetch(lib, k_major):
+def test_same_bits_on_every_grid_prefetch_and_merge(lib, k_major):
+    """Merged phases only change who waits for whom: the same bits as grid barriers."""
     model = _model("fp16", k_major)
     runs = {}
-    for grid, prefetch in ((1, True), (2, True), (3, False), (3, True)):
-        stepper = Stepper(lib, model, torch.float32)
+    for grid, prefetch, merge in ((1, True, True), (2, True, True), (3, False, True), (3, True, True),
+                                  (2, True, False), (3, False, False)):
+        stepper = Stepper(lib, model, torch.float32, merge)
         logits = stepper.run(PROMPT[:3], 0, grid, prefetch)
-        runs[(grid, prefetch)] = (torch.stack(logits), stepper.pool.wkv.clone(), stepper.pool.att_shift.clone(),
-                                  stepper.pool.ffn_shift.clone())
+        runs[(grid, prefetch, merge)] = (torch.stack(logits), stepper.pool.wkv.clone(),
+                                         stepper.pool.att_shift.clone(), stepper.pool.ffn_shift.clone())
     first = next(iter(runs.values()))
     for key, got in runs.items():
         for a, b in zip(got, first):

@@ -33,13 +33,14 @@ SOURCES = [ROOT / "cuda" / "rwkv7_step_op.cpp", ROOT / "cuda" / "rwkv7_step.cu"]
 
 # The kernel's entry orders (cuda/rwkv7_step.cu: ModelEntry, LayerEntry). A matrix is followed by its row stride.
 MODEL_ENTRIES = ("emb", "ln_out_w", "ln_out_b", "head", "head_ld", "att_shift", "ffn_shift", "wkv", "x", "lora_h",
-                 "r", "k", "v", "dw", "da", "dv", "g", "v_first", "y", "hidden", "partial", "logits")
+                 "r", "k", "v", "dw", "da", "dv", "g", "v_first", "y", "hidden", "partial", "deps", "logits")
 LAYER_VECTORS = ("ln1_w", "ln1_b", "ln2_w", "ln2_b", "x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "ffn_x_k", "a0", "v0",
                  "k_k", "k_a", "w0", "r_k", "lnx_w", "lnx_b")
 LAYER_MATRICES = ("receptance", "key", "value", "output", "w1", "a1", "v1", "g1", "w2", "a2", "v2", "g2", "ffn_key",
                   "ffn_value")
 LAYER_ENTRIES = LAYER_VECTORS + tuple(e for name in LAYER_MATRICES for e in (name, name + "_ld"))
 MAX_WIDTH = 4096  # the folded layer norm holds x in registers (cuda/rwkv7_step.cu: kNormVecs)
+DIMS = 12  # entries of step_dims
 # the per-step vectors of the workspace, fp16 [C] unless listed
 WORKSPACE_HALF = ("x", "r", "k", "v", "dw", "da", "dv", "g", "v_first", "y")
 
@@ -84,10 +85,11 @@ def _matrix(lin) -> tuple[int, int]:
 
 class Workspace:
     """The step's intermediates on the model's device: fp16 vectors (:data:`WORKSPACE_HALF`, the LoRA first
-    halves ``lora_h``, the FFN ``hidden``), the sparse FFN value's fp32 partial sums, fp32 ``logits``, and the grid
-    barrier's two counters ``sync`` (zero between steps)."""
+    halves ``lora_h``, the FFN ``hidden``), the sparse FFN value's fp32 partial sums, fp32 ``logits``, the grid
+    barrier's two counters ``sync`` and the merged phases' counters ``deps`` (both zero between steps).
+    ``partial_floats``, ``deps``: the kernel's ``workspace(dims, 0 / 1)``."""
 
-    def __init__(self, model: "RWKV7", partial_floats: int):
+    def __init__(self, model: "RWKV7", partial_floats: int, deps: int):
         cfg, dev = model.config, model.emb.device
         C = cfg.n_embd
         for name in WORKSPACE_HALF:
@@ -97,14 +99,17 @@ class Workspace:
         self.partial = torch.zeros(max(partial_floats, 1), dtype=torch.float32, device=dev)
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
         self.sync = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.deps = torch.zeros(max(deps, 1), dtype=torch.int32, device=dev)
 
 
-def step_dims(model: "RWKV7", state: StatePool) -> torch.Tensor:
-    """The kernel's dims: L, C, F, V, the four LoRA ranks, FFN value K-major, fp16 state, slots (int64, CPU)."""
+def step_dims(model: "RWKV7", state: StatePool, merge: bool = True) -> torch.Tensor:
+    """The kernel's dims: L, C, F, V, the four LoRA ranks, FFN value K-major, fp16 state, slots, merged phases (int64,
+    CPU). ``merge``: the LoRA second halves and the sparse FFN value wait on counters inside the phases before them
+    instead of a grid barrier each (cuda/rwkv7_step.cu: build_program)."""
     cfg = model.config
     return torch.tensor([cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.rank_w, cfg.rank_a, cfg.rank_v,
                          cfg.rank_g, int(_k_major(model.blocks[0].ffn_value)),
-                         int(state.wkv.dtype == torch.float16), state.wkv.shape[1]], dtype=torch.int64)
+                         int(state.wkv.dtype == torch.float16), state.wkv.shape[1], int(merge)], dtype=torch.int64)
 
 
 def step_entries(model: "RWKV7", state: StatePool, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +122,7 @@ def step_entries(model: "RWKV7", state: StatePool, ws: Workspace) -> tuple[torch
                     "ln_out_b": model.ln_out_b.data_ptr(), "head": head, "head_ld": head_ld,
                     "att_shift": state.att_shift.data_ptr(), "ffn_shift": state.ffn_shift.data_ptr(),
                     "wkv": state.wkv.data_ptr(), "lora_h": ws.lora_h.data_ptr(), "hidden": ws.hidden.data_ptr(),
-                    "partial": ws.partial.data_ptr(), "logits": ws.logits.data_ptr()}
+                    "partial": ws.partial.data_ptr(), "deps": ws.deps.data_ptr(), "logits": ws.logits.data_ptr()}
     model_values.update({name: getattr(ws, name).data_ptr() for name in WORKSPACE_HALF})
     layers = []
     for blk in model.blocks:
@@ -138,10 +143,12 @@ class PersistentStep:
 
     def __init__(self, module) -> None:
         self._m = module
-        if self._m.entries(0) != len(MODEL_ENTRIES) or self._m.entries(1) != len(LAYER_ENTRIES):
+        if (self._m.entries(0), self._m.entries(1), self._m.entries(2)) != (len(MODEL_ENTRIES), len(LAYER_ENTRIES),
+                                                                            DIMS):
             raise RuntimeError("cuda/rwkv7_step.cu's entries differ from infer/ops/persistent.py's")
         self.blocks_per_sm = env_int("RWKV_PERSISTENT_BLOCKS", 2)
         self.prefetch = env_flag("RWKV_PERSISTENT_PREFETCH", True)
+        self.merge = env_flag("RWKV_PERSISTENT_MERGE", True)
         self._plans: dict[tuple, tuple] = {}  # (model id, pool tensors) -> (program, dims, workspace)
 
     def covers(self, model: "RWKV7", batch: PackedBatch, state: StatePool) -> bool:
@@ -155,8 +162,8 @@ class PersistentStep:
                 log.info("persistent step not used: %s", reason)
                 self._plans[key] = None
             else:
-                dims = step_dims(model, state)
-                ws = Workspace(model, self._m.partial_floats(dims))
+                dims = step_dims(model, state, self.merge)
+                ws = Workspace(model, self._m.workspace(dims, 0), self._m.workspace(dims, 1))
                 program = self._m.build(dims, *step_entries(model, state, ws)).to(model.emb.device)
                 self._plans[key] = (program, dims, ws)
         return self._plans[key]
@@ -165,7 +172,7 @@ class PersistentStep:
         """[1, V] fp32 logits of the batch's one token; the slot's state is updated in place."""
         program, dims, ws = self._plan(model, state)
         stream = torch.cuda.current_stream(model.emb.device).cuda_stream
-        self._m.launch(program, dims, batch.tokens, batch.slots, model.emb, ws.x, ws.logits, ws.sync,
+        self._m.launch(program, dims, batch.tokens, batch.slots, model.emb, ws.x, ws.logits, ws.sync, ws.deps,
                        int(self.prefetch), self.blocks_per_sm, stream)
         return ws.logits.view(1, -1).clone()
 

@@ -14,6 +14,8 @@ T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) { return emu::
 template <typename T>
 T __shfl_sync(unsigned, T v, int src, int width = 32) { return emu::shfl(v, src, width); }
 inline unsigned __ballot_sync(unsigned, int predicate) { return static_cast<unsigned>(emu::ballot(predicate != 0)); }
+// every lane of the warp (the kernels call it warp-uniformly): a barrier of the warp's fibers
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warps[threadIdx.x / EMU_WARP].bar.wait(); }
 
 enum cudaError_t : int {
     cudaSuccess = 0,

@@ -262,11 +262,13 @@ inline void yield() { swapcontext(&sched::fibers[sched::current], &sched::schedu
 // together in a fresh random order (seeded by `seed`) until every fiber has returned, so that a result cannot lean
 // on one interleaving between barriers, and a block may wait (yield in a loop) for another block's progress, as a
 // grid barrier does. Each block has its own __syncthreads barrier, warps and `shared_bytes` of dynamic shared memory
-// (emu::block_shared, to be read by the kernel when it starts). Returns 0, or 1 + a block of a deadlock: fibers
-// waiting at barriers that can no longer complete (they took different paths, or some returned while others wait;
-// the waiting fibers are then abandoned).
+// (emu::block_shared, to be read by the kernel when it starts). `skew`: each block's fibers are resumed only every
+// 1st, 2nd, 4th or 8th sweep (drawn per block), so some blocks run far ahead of others, as blocks of a GPU may: a
+// wait that a kernel leaves out then shows. Returns 0, or 1 + a block of a deadlock: fibers waiting at barriers
+// that can no longer complete (they took different paths, or some returned while others wait; the waiting fibers
+// are then abandoned).
 inline int run_blocks(unsigned first, unsigned count, int threads, size_t shared_bytes,
-                      const std::function<void()>& kernel, unsigned seed) {
+                      const std::function<void()>& kernel, unsigned seed, bool skew = false) {
     using namespace sched;
     const int total = static_cast<int>(count) * threads;
     fibers.assign(total, ucontext_t{});
@@ -293,15 +295,24 @@ inline int run_blocks(unsigned first, unsigned count, int threads, size_t shared
     std::vector<int> order(total);
     std::iota(order.begin(), order.end(), 0);
     std::mt19937 rng(seed);
+    constexpr int kWindow = 8;  // sweeps in which every block is resumed at least once
+    std::vector<int> every(count, 1);
+    if (skew) {
+        for (auto& e : every) e = 1 << (rng() % 4);
+    }
     int result = 0;
-    for (int left = total; left > 0;) {
-        const unsigned long long before = progress;
+    unsigned long long before = progress;
+    for (int left = total, sweep = 0; left > 0; ++sweep) {
         int waiting = 0;
         left = 0;
         std::shuffle(order.begin(), order.end(), rng);
         for (const int f : order) {
             if (finished[f]) continue;
             const unsigned b = static_cast<unsigned>(f / threads);
+            if (sweep % every[b]) {
+                ++left;
+                continue;
+            }
             current = f;
             blockIdx = dim3(first + b);
             threadIdx = dim3(static_cast<unsigned>(f % threads));
@@ -311,9 +322,12 @@ inline int run_blocks(unsigned first, unsigned count, int threads, size_t shared
             swapcontext(&scheduler, &fibers[f]);
             if (!finished[f]) ++left, waiting = static_cast<int>(first + b);
         }
-        if (left > 0 && progress == before) {  // a whole sweep of waiting only
-            result = 1 + waiting;
-            break;
+        if (sweep % kWindow == kWindow - 1) {
+            if (left > 0 && progress == before) {  // a whole window of waiting only
+                result = 1 + waiting;
+                break;
+            }
+            before = progress;
         }
     }
     active_barrier = nullptr;
@@ -347,13 +361,14 @@ inline int run_grid(unsigned grid, int threads, const std::function<void()>& ker
     return 0;
 }
 
-// Runs a 1-D grid with every block resident at once, as a cooperative launch guarantees (see run_blocks). Static
+// Runs a 1-D grid with every block resident at once, as a cooperative launch guarantees (see run_blocks; the
+// blocks run at skewed speeds). Static
 // __shared__ variables would be one object for all blocks: a kernel run here takes its shared memory from
 // emu::block_shared. Returns 0, or 1 + a block of a deadlock.
 inline int run_resident_grid(unsigned grid, int threads, size_t shared_bytes, const std::function<void()>& kernel,
                              unsigned seed = 1) {
     gridDim = dim3(grid);
-    return run_blocks(0, grid, threads, shared_bytes, kernel, seed);
+    return run_blocks(0, grid, threads, shared_bytes, kernel, seed, true);
 }
 
 // What emu_build.py turns a `kernel<<<grid, block, smem, stream>>>(args...)` launch into (the launchers

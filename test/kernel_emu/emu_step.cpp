@@ -9,22 +9,14 @@
 
 #include <vector>
 
-namespace {
-step::Dims dims_from(const int64_t* d) {
-    return step::Dims{static_cast<int>(d[0]), static_cast<int>(d[1]), static_cast<int>(d[2]), static_cast<int>(d[3]),
-                      static_cast<int>(d[4]), static_cast<int>(d[5]), static_cast<int>(d[6]), static_cast<int>(d[7]),
-                      static_cast<int>(d[8]), static_cast<int>(d[9]), d[10]};
+EMU_EXPORT int emu_step_entries(int which) { return step::entry_count(which); }
+EMU_EXPORT int64_t emu_step_workspace(const int64_t* dims, int which) {
+    return step::workspace_size(step::dims_from(dims), which);
 }
-}  // namespace
-
-EMU_EXPORT int emu_step_entries(int which) {
-    return which == 0 ? static_cast<int>(step::kModelEntries) : static_cast<int>(step::kLayerEntries);
-}
-EMU_EXPORT int64_t emu_step_partial_floats(const int64_t* dims) { return step::partial_floats(dims_from(dims)); }
 
 EMU_EXPORT int emu_step_run(const int64_t* dims, const int64_t* model, const int64_t* layers, const int64_t* token,
                             const int64_t* slot, unsigned* sync, int prefetch, int grid, unsigned seed) {
-    const step::Dims d = dims_from(dims);
+    const step::Dims d = step::dims_from(dims);
     if (step::dims_unsupported(d) || grid <= 0) return -1;
     std::vector<step::Phase> phases(step::max_phases(d));
     const int n = step::build_program(d, model, layers, phases.data());
@@ -32,7 +24,8 @@ EMU_EXPORT int emu_step_run(const int64_t* dims, const int64_t* model, const int
     const step::StepArgs args{phases.data(), n, token, slot, d.num_slots, d.V,
                               static_cast<const __half*>(ptr(model[step::kEmb])),
                               static_cast<__half*>(ptr(model[step::kX])),
-                              static_cast<float*>(ptr(model[step::kLogits])), sync, prefetch};
+                              static_cast<float*>(ptr(model[step::kLogits])), sync,
+                              static_cast<unsigned*>(ptr(model[step::kDeps])), step::deps_count(d), prefetch};
     const int staged = step::staged_halves(d);
     const size_t smem = step::shared_bytes(d);
     const auto kernel = d.state_half ? step::step_kernel<__half> : step::step_kernel<float>;
