@@ -2,7 +2,7 @@
 // co-resident grid walks every phase of every layer, with a grid-wide barrier between phases, instead of the
 // fused path's ~8 launches a layer chained by PDL (cuda/rwkv7_fused.cu). Opt-in (RWKV_PERSISTENT=1,
 // infer/ops/persistent.py) until it is measured against that path on the GPU (bench/h200_pending.sh
-// persistent-step; bench/variants/persistent_bounds.patch: its time without the grid barriers, and the barriers alone).
+// persistent-step; bench/variants/persistent_bounds.patch: its time without grid barriers, and the barriers alone).
 //
 // Why: at batch 1 a 1.5B layer reads ~20 us of weights at 4.3 TB/s but takes ~48 us as launches, each
 // launch waiting for the whole of the one before (thirtieth session). A grid barrier costs ~1 us, and each
@@ -27,7 +27,10 @@
 //              grid)
 //   head       every block: LN_out(x); logits = Head x (fp32 out, rounded to fp16 first, as the fused path)
 // A GEMV unit (one row, or a group of short rows) is one warp's; a unit's sums do not depend on the warp or
-// block that computes it, so the result is the same bits on any grid.
+// block that computes it, so the result is the same bits on any grid. Merged phases (Dims::merge, the default): the
+// lora phase's units join the rkv phase and the sparse ffnv units the ffnk phase, waiting on counters of the rows
+// they read instead of a grid barrier (see build_program); the shift states are then saved a phase later (tmix,
+// reduce).
 //
 // The part above the C launchers (including the host-side program builder) is also compiled for the CPU by
 // test/kernel_emu (test_step_emulated.py runs the kernel on co-resident grids of a few blocks against the
