@@ -13,6 +13,7 @@ entries.
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -149,24 +150,27 @@ class PersistentStep:
         self.blocks_per_sm = env_int("RWKV_PERSISTENT_BLOCKS", 2)
         self.prefetch = env_flag("RWKV_PERSISTENT_PREFETCH", True)
         self.merge = env_flag("RWKV_PERSISTENT_MERGE", True)
-        self._plans: dict[tuple, tuple] = {}  # (model id, pool tensors) -> (program, dims, workspace)
+        # model -> {state pool's tensors: (program, dims, workspace) or None}; a plan lives as long as its model (its
+        # program holds the model's addresses)
+        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def covers(self, model: "RWKV7", batch: PackedBatch, state: StatePool) -> bool:
         return batch.num_tokens == 1 and self._plan(model, state) is not None
 
     def _plan(self, model: "RWKV7", state: StatePool):
-        key = (id(model), state.wkv.data_ptr(), state.att_shift.data_ptr(), state.ffn_shift.data_ptr())
-        if key not in self._plans:
+        plans = self._plans.setdefault(model, {})
+        key = tuple((t.data_ptr(), t.shape, t.dtype) for t in (state.wkv, state.att_shift, state.ffn_shift))
+        if key not in plans:
             reason = unsupported(model, state)
             if reason is not None:
                 log.info("persistent step not used: %s", reason)
-                self._plans[key] = None
+                plans[key] = None
             else:
                 dims = step_dims(model, state, self.merge)
                 ws = Workspace(model, self._m.workspace(dims, 0), self._m.workspace(dims, 1))
                 program = self._m.build(dims, *step_entries(model, state, ws)).to(model.emb.device)
-                self._plans[key] = (program, dims, ws)
-        return self._plans[key]
+                plans[key] = (program, dims, ws)
+        return plans[key]
 
     def logits(self, model: "RWKV7", batch: PackedBatch, state: StatePool) -> torch.Tensor:
         """[1, V] fp32 logits of the batch's one token; the slot's state is updated in place."""
