@@ -13,7 +13,8 @@
 // where the fused path stores fp16, so both paths compute the same math in the same precision):
 //   embed      x = emb[token] (block 0)
 //   per layer:
-//   rkv        every block: LN1(x) and the six token-shift mixes into shared memory; r, k, v = W x_m and the
+//   rkv        every block: LN1(x) and the six token-shift mixes into shared memory (the norm's constants copied
+//              in while the block waits at the barrier before); r, k, v = W x_m and the
 //              LoRA first halves tanh(W1 x_w), W1 x_a, sigmoid(W1 x_g), W1 x_v (not in layer 0)
 //   lora       dw, da, g, dv = W2 h (the second halves); block 0 saves LN1(x) as the layer's att shift state
 //   tmix       per head (a block each): decay, gates, kk, the WKV update of the 64x64 state, y = S r, group
@@ -154,20 +155,31 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
 #endif
 }
 
-// Every block of the (co-resident) grid arrives once per barrier; the n-th barrier of a launch completes when
-// the arrivals reach n * gridDim.x. One that waits ~seconds traps instead of hanging the device.
-__device__ __forceinline__ void grid_barrier(unsigned* arrivals, unsigned target) {
-    __syncthreads();
+// Polls *counter until it reaches target; a wait of ~seconds traps instead of hanging the device.
+__device__ __forceinline__ void spin_until(const unsigned* counter, unsigned target) {
+    for (unsigned spins = 0; load_acquire(counter) < target; ++spins) {
+#if defined(EMU_WARP)
+        emu::yield();  // the emulation's blocks are fibers of one thread
+#elif defined(__CUDA_ARCH__)
+        if (spins > (1u << 24)) __trap();
+#endif
+    }
+}
+
+// A grid barrier in two halves, so that a block can do work of its own between them: every block of the
+// (co-resident) grid arrives once per barrier, and the n-th barrier of a launch completes when the arrivals reach
+// n * gridDim.x.
+__device__ __forceinline__ void grid_arrive(unsigned* arrivals) {
+    __syncthreads();  // the block's results are stored
     if (threadIdx.x == 0) {
         __threadfence();
         atomicAdd(arrivals, 1u);
-        for (unsigned spins = 0; load_acquire(arrivals) < target; ++spins) {
-#if defined(EMU_WARP)
-            emu::yield();  // the emulation's blocks are fibers of one thread
-#elif defined(__CUDA_ARCH__)
-            if (spins > (1u << 24)) __trap();
-#endif
-        }
+    }
+}
+
+__device__ __forceinline__ void grid_wait(const unsigned* arrivals, unsigned target) {
+    if (threadIdx.x == 0) {
+        spin_until(arrivals, target);
         __threadfence();
     }
     __syncthreads();
@@ -192,12 +204,14 @@ __device__ __forceinline__ float block_total(float v, float* scratch) {
     return s;
 }
 
-// Shared memory of a block: the LN(x) kept for the next phase's shift-state save (C halves), the staged input
-// (staged_halves), then fp32 scratch (kScratch floats: reductions, and the time mix's per-head vectors).
+// Shared memory of a block: the LN(x) kept for the next phase's shift-state save (C halves), a folded norm's weight
+// and bias (2C halves), the staged input (staged_halves), then fp32 scratch (kScratch floats: reductions, and the
+// time mix's per-head vectors).
 constexpr int kScratch = 5 * N + 4 * kWarps;
 
 struct Shared {
     __half* saved;
+    __half* norm;
     __half* xs;
     float* scratch;
 };
@@ -205,15 +219,7 @@ struct Shared {
 // A warp waits until *counter >= target (a counter other warps of the grid raise with their results stored), then
 // reads what they wrote at L2 (load_act).
 __device__ __forceinline__ void warp_wait(const unsigned* counter, unsigned target) {
-    if ((threadIdx.x & 31) == 0) {
-        for (unsigned spins = 0; load_acquire(counter) < target; ++spins) {
-#if defined(EMU_WARP)
-            emu::yield();
-#elif defined(__CUDA_ARCH__)
-            if (spins > (1u << 24)) __trap();
-#endif
-        }
-    }
+    if ((threadIdx.x & 31) == 0) spin_until(counter, target);
     __syncwarp();
 }
 
@@ -231,6 +237,19 @@ __device__ __forceinline__ void warp_signal(unsigned* counter, unsigned count) {
 // thread holds 8-vectors v = threadIdx.x + j * kThreads of x in registers (one trip to L2 for x, with the norm's and
 // mixes' parameters and the shift state loaded beside it): the fold is on the critical path of two phases a layer.
 constexpr int kNormVecs = 2;  // C <= kNormVecs * kThreads * 8 = 4096 (dims_unsupported)
+
+// A folded norm's constants (its weight and bias into sh.norm, each mix into its place in sh.xs, where stage_norm
+// turns it into the mixed input), loaded while the block waits at the grid barrier before the phase: they are off
+// the phase's critical path then, which keeps one trip to L2 (for x and the shift state).
+__device__ void preload_norm(const Stage& st, int C, const Shared& sh) {
+    const uint4 *w = reinterpret_cast<const uint4*>(st.ln_w), *b = reinterpret_cast<const uint4*>(st.ln_b);
+    for (int v = threadIdx.x; v < C / 8; v += kThreads) {
+        reinterpret_cast<uint4*>(sh.norm)[v] = __ldg(w + v);
+        reinterpret_cast<uint4*>(sh.norm + C)[v] = __ldg(b + v);
+        for (int m = 0; m < st.nmix; ++m)
+            reinterpret_cast<uint4*>(sh.xs + m * C)[v] = __ldg(reinterpret_cast<const uint4*>(st.mix[m]) + v);
+    }
+}
 
 __device__ void stage_norm(const Stage& st, const __half* x, int C, int64_t slot, const Shared& sh) {
     const int vecs = C / 8;
@@ -263,8 +282,8 @@ __device__ void stage_norm(const Stage& st, const __half* x, int C, int64_t slot
         const int v = threadIdx.x + j * kThreads;
         if (v >= vecs) continue;
         float w[8], b[8], xn[8];
-        unpack8(__ldg(reinterpret_cast<const uint4*>(st.ln_w) + v), w);
-        unpack8(__ldg(reinterpret_cast<const uint4*>(st.ln_b) + v), b);
+        unpack8(reinterpret_cast<const uint4*>(sh.norm)[v], w);
+        unpack8(reinterpret_cast<const uint4*>(sh.norm + C)[v], b);
 #pragma unroll
         for (int e = 0; e < 8; ++e) xn[e] = round_half((xv[j][e] - mean) * rstd * w[e] + b[e]);
         const uint4 packed = pack8(xn);
@@ -277,12 +296,13 @@ __device__ void stage_norm(const Stage& st, const __half* x, int C, int64_t slot
         unpack8(prev[j], d);
 #pragma unroll
         for (int e = 0; e < 8; ++e) d[e] -= xn[e];
-        for (int m = 0; m < st.nmix; ++m) {
+        for (int m = 0; m < st.nmix; ++m) {  // in place: the preloaded mix becomes the mixed input
             float mix[8], out[8];
-            unpack8(__ldg(reinterpret_cast<const uint4*>(st.mix[m]) + v), mix);
+            uint4* at = reinterpret_cast<uint4*>(sh.xs + m * C) + v;
+            unpack8(*at, mix);
 #pragma unroll
             for (int e = 0; e < 8; ++e) out[e] = fmaf(d[e], mix[e], xn[e]);
-            *reinterpret_cast<uint4*>(sh.xs + m * C + v * 8) = pack8(out);
+            *at = pack8(out);
         }
     }
 }
@@ -637,8 +657,8 @@ __global__ void __launch_bounds__(kThreads, 2) step_kernel(StepArgs a, int stage
     extern __shared__ __align__(16) unsigned char smem[];
 #endif
     const int C = a.phases[0].C;
-    const Shared sh{reinterpret_cast<__half*>(smem), reinterpret_cast<__half*>(smem) + C,
-                    reinterpret_cast<float*>(reinterpret_cast<__half*>(smem) + C + staged_halves)};
+    __half* halves = reinterpret_cast<__half*>(smem);
+    const Shared sh{halves, halves + C, halves + 3 * C, reinterpret_cast<float*>(halves + 3 * C + staged_halves)};
     const int64_t token = *a.token, slot = *a.slot;
     if (slot < 0 || slot >= a.num_slots) {  // the same for every block: none reaches a barrier
         if (blockIdx.x == 0) {
@@ -651,7 +671,11 @@ __global__ void __launch_bounds__(kThreads, 2) step_kernel(StepArgs a, int stage
     for (int p = 0; p < a.nphases; ++p) {
         const Phase& ph = a.phases[p];
         const bool loaded = a.prefetch && prefetch<S>(ph, slot, pre);
-        if (p > 0) grid_barrier(a.sync, static_cast<unsigned>(p) * gridDim.x);
+        if (p > 0) {
+            grid_arrive(a.sync);
+            if (ph.stage.ln_w) preload_norm(ph.stage, C, sh);  // the phase folds a norm (every fold follows a barrier)
+            grid_wait(a.sync, static_cast<unsigned>(p) * gridDim.x);
+        }
         run_phase<S>(ph, a, token, slot, sh, pre, loaded);
     }
     // The last block out zeroes the counters for the next launch: every block is past its last barrier and wait.
@@ -707,7 +731,7 @@ inline int staged_halves(const Dims& d) {
     return R > h ? R : h;
 }
 inline size_t shared_bytes(const Dims& d) {
-    return static_cast<size_t>(d.C + staged_halves(d)) * sizeof(__half) + kScratch * sizeof(float);
+    return static_cast<size_t>(3 * d.C + staged_halves(d)) * sizeof(__half) + kScratch * sizeof(float);
 }
 // Workspace elements the model entries point to: x..hidden (fp16), partial (fp32), deps (uint32), logits (fp32).
 inline int64_t partial_floats(const Dims& d) {
