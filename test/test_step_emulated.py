@@ -11,7 +11,9 @@ random fp16 model (two heads, LoRA rows of 32-64 halves, several GEMV units a wa
   on the warp or block that computes it, the sparse FFN value's chunks are fixed by the shape);
 - the FFN value K-major (partial sums + reduce) and row-major (one GEMV phase); fp32 and fp16 WKV states;
 - another slot's state untouched, an out-of-range slot: NaN logits and no state written, and the grid barrier's
-  counters zero after every step.
+  counters zero after every step;
+- infer/ops/persistent.py's PersistentStep end to end on the emulated kernel, through the self-test the server runs
+  before using the kernel (which must fail a kernel that computes nothing).
 Skipped without g++ (C++20, <ucontext.h>).
 """
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 
 from infer.model import RWKV7
 from infer.ops.fused import KMajorLinear
-from infer.ops.persistent import DIMS, LAYER_ENTRIES, MODEL_ENTRIES, Workspace, step_dims, step_entries, unsupported
+from infer.ops.persistent import (DIMS, LAYER_ENTRIES, MODEL_ENTRIES, PersistentStep, Workspace, self_test,
+                                  step_dims, step_entries, unsupported)
 from infer.random_model import make_config, random_state_dict
 from kernel_emu import emu_build
 
@@ -160,6 +163,44 @@ def test_bad_slot_gives_nan_and_writes_nothing(lib):
         assert torch.isnan(logits).all()
     for a, b in zip(before, (stepper.pool.wkv, stepper.pool.att_shift, stepper.pool.ffn_shift)):
         assert torch.equal(a, b)
+
+
+class EmulatedKernel:
+    """The compiled module's interface (infer/ops/persistent.py: PersistentStep) over the emulation: `build` keeps the
+    entries (the harness builds the program from them on each run), `launch` runs the kernel on a 2-block grid."""
+
+    def __init__(self, lib):
+        self.lib, self.programs = lib, {}
+
+    def entries(self, which: int) -> int:
+        return self.lib.emu_step_entries(which)
+
+    def workspace(self, dims: torch.Tensor, which: int) -> int:
+        return self.lib.emu_step_workspace(dims.data_ptr(), which)
+
+    def build(self, dims, model, layers) -> torch.Tensor:
+        program = torch.zeros(8, dtype=torch.uint8)  # stands for the program's bytes
+        self.programs[program.data_ptr()] = (dims, model, layers, program)
+        return program
+
+    def launch(self, program, dims, token, slot, emb, x, logits, sync, deps, prefetch, blocks, stream) -> None:
+        d, model, layers, _ = self.programs[program.data_ptr()]
+        rc = self.lib.emu_step_run(d.data_ptr(), model.data_ptr(), layers.data_ptr(), token.data_ptr(),
+                                   slot.data_ptr(), sync.data_ptr(), prefetch, 2, 5)
+        assert rc == 0
+
+
+def test_persistent_step_and_its_self_test_on_the_emulation(lib):
+    """PersistentStep (plans, workspace, entries, logits) end to end on the emulated kernel, through the self-test the
+    server runs before it uses the kernel; the self-test fails a kernel that computes nothing."""
+    step = PersistentStep(EmulatedKernel(lib))
+    assert self_test(step, torch.device("cpu")) is None
+
+    class Idle(EmulatedKernel):
+        def launch(self, *args) -> None:
+            pass
+
+    assert "self-test" in self_test(PersistentStep(Idle(lib)), torch.device("cpu"))
 
 
 def test_unsupported_models_are_refused():

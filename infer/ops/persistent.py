@@ -175,7 +175,8 @@ class PersistentStep:
     def logits(self, model: "RWKV7", batch: PackedBatch, state: StatePool) -> torch.Tensor:
         """[1, V] fp32 logits of the batch's one token; the slot's state is updated in place."""
         program, dims, ws = self._plan(model, state)
-        stream = torch.cuda.current_stream(model.emb.device).cuda_stream
+        device = model.emb.device
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0  # 0: the emulation's
         self._m.launch(program, dims, batch.tokens, batch.slots, model.emb, ws.x, ws.logits, ws.sync, ws.deps,
                        int(self.prefetch), self.blocks_per_sm, stream)
         return ws.logits.view(1, -1).clone()
@@ -184,9 +185,35 @@ class PersistentStep:
 _step: BuildOnce[PersistentStep] = BuildOnce("persistent step kernel")
 
 
+def self_test(step: PersistentStep, device: torch.device | None = None) -> str | None:
+    """A tiny random model stepped by the kernel (its FFN value row-major, then K-major) against the readable forward
+    on the same device (default: the current GPU): a reason string if they disagree beyond fp16 rounding (the fused
+    launches then run instead)."""
+    from infer.model import RWKV7
+    from infer.ops.fused import KMajorLinear
+    from infer.random_model import make_config, random_state_dict
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    model = RWKV7.from_state_dict(random_state_dict(make_config(2, 128, 512), seed=2, dtype=torch.float16,
+                                                    device=str(device)), device=str(device), dtype="fp16")
+    worst = 0.0
+    for k_major in (False, True):
+        if k_major:
+            for blk in model.blocks:
+                blk.ffn_value = KMajorLinear(blk.ffn_value.weight, (None, None))
+        pools = [model.new_state_pool(2) for _ in range(2)]
+        for token in (5, 300, 17):
+            expect = model.forward_reference(PackedBatch.from_rows([[token]], [1], device), pools[0])
+            got = step.logits(model, PackedBatch.from_rows([[token]], [1], device), pools[1])
+            scale = float(expect.abs().max()) + 1.0
+            worst = max(worst, float((got - expect).abs().max()) / scale,
+                        float((pools[0].wkv - pools[1].wkv).abs().max()))
+    return None if worst <= 0.05 else f"self-test against the readable forward failed (relative max |diff| {worst:.3g})"
+
+
 def load_persistent_step() -> PersistentStep | None:
-    """The compiled kernel when ``RWKV_PERSISTENT=1`` on a CUDA build of torch (None otherwise, or when it fails to
-    build: the fused launches run instead)."""
+    """The compiled and self-tested kernel when ``RWKV_PERSISTENT=1`` on a CUDA build of torch (None otherwise, or
+    when it fails to build or its self-test: the fused launches run instead)."""
     if not env_flag("RWKV_PERSISTENT", False) or torch.version.hip is not None:
         return None
-    return _step.load(lambda: PersistentStep(compile_kernels("rwkv7_step", SOURCES, SOURCES, "the persistent step")))
+    return _step.load(lambda: PersistentStep(compile_kernels("rwkv7_step", SOURCES, SOURCES, "the persistent step")),
+                      self_test)
