@@ -4,9 +4,12 @@ the persistent kernel and inside batches by the launches), fp16 states, a bad sl
 the same kernel's logic on the CPU. Needs a CUDA GPU (skipped elsewhere)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
+from infer.batch import PackedBatch
 from infer.model import RWKV7
 from infer.ops.fused import select_fused
 from infer.ops.wkv_cuda import select_wkv
@@ -38,12 +41,22 @@ def build(seed: int, device: str = "cuda", dtype: str = "fp16", L: int = 3, C: i
     return model
 
 
-def fused_pair(step_kernel, seed: int = 5, **shape):
-    """The same model twice: fused launches alone, and with the persistent step for one-token steps."""
-    launches, persistent = build(seed, **shape), build(seed, **shape)
-    select_fused(launches, "on").persistent = None
-    select_fused(persistent, "on").persistent = step_kernel
-    return launches, persistent
+@contextlib.contextmanager
+def persistent(model: RWKV7, kernel):
+    """One-token steps of ``model`` (fused) on the persistent kernel inside the block (the fused kernels are one
+    object for every model: it is switched back off after), and a check that it did take them."""
+    model.fused.persistent = kernel
+    try:
+        yield
+    finally:
+        model.fused.persistent = None
+    assert any(plan is not None for plan in kernel._plans.get(model, {}).values()), "the persistent step never ran"
+
+
+def fused(seed: int = 5, **shape) -> RWKV7:
+    model = build(seed, **shape)
+    select_fused(model, "on").persistent = None
+    return model
 
 
 def decode_all(model: RWKV7, tokens: list[int], slot: int, wkv_dtype=torch.float32):
@@ -53,11 +66,12 @@ def decode_all(model: RWKV7, tokens: list[int], slot: int, wkv_dtype=torch.float
 
 @pytest.mark.parametrize("wkv_dtype", [torch.float32, torch.float16], ids=["fp32-state", "fp16-state"])
 def test_matches_launches_and_cpu(step_kernel, wkv_dtype):
-    launches, persistent = fused_pair(step_kernel)
+    model = fused()
     cpu = build(5, device="cpu", dtype="fp32")
-    ref, ref_pool = decode_all(cpu, PROMPT, 2)
-    base, base_pool = decode_all(launches, PROMPT, 2, wkv_dtype)
-    ours, pool = decode_all(persistent, PROMPT, 2, wkv_dtype)
+    ref, _ = decode_all(cpu, PROMPT, 2)
+    base, base_pool = decode_all(model, PROMPT, 2, wkv_dtype)
+    with persistent(model, step_kernel):
+        ours, pool = decode_all(model, PROMPT, 2, wkv_dtype)
     drift = max(float((a - b).abs().max()) for a, b in zip(base, ref))
     worst = max(float((a - b).abs().max()) for a, b in zip(ours, ref))
     assert worst <= 3 * drift + 1e-3, (worst, drift)
@@ -70,21 +84,22 @@ def test_matches_launches_and_cpu(step_kernel, wkv_dtype):
 def test_graph_replay_and_batch_invariance(step_kernel):
     """A row decoded alone (the persistent kernel, from a CUDA graph) and inside batches (the launches) gets the same
     greedy tokens; graph replay equals eager."""
-    _, model = fused_pair(step_kernel, seed=21, L=2, C=128)
-    alone = greedy_in_batch(model, PROMPT, 1)
-    assert greedy_in_batch(model, PROMPT, 1, cuda_graphs=False) == alone
-    for size in (3, 8):
-        assert greedy_in_batch(model, PROMPT, size) == alone, size
+    model = fused(seed=21, L=2, C=128)
+    with persistent(model, step_kernel):
+        alone = greedy_in_batch(model, PROMPT, 1)
+        assert greedy_in_batch(model, PROMPT, 1, cuda_graphs=False) == alone
+        for size in (3, 8):
+            assert greedy_in_batch(model, PROMPT, size) == alone, size
 
 
 def test_bad_slot_gives_nan(step_kernel):
-    _, model = fused_pair(step_kernel)
+    model = fused()
     pool = model.new_state_pool(2)
     before = pool.wkv.clone()
-    from infer.batch import PackedBatch
     batch = PackedBatch.from_rows([[3]], [0], model.device)
     batch.slots.fill_(7)  # past the pool: the kernel must not write
-    logits = model.forward(batch, pool)
+    with persistent(model, step_kernel):
+        logits = model.forward(batch, pool)
     assert torch.isnan(logits).all()
     assert torch.equal(pool.wkv, before)
 
@@ -94,9 +109,10 @@ def test_real_widths_build_and_run(step_kernel, width):
     """Steps at the 1.5B and 7.2B widths (one layer, a small vocabulary): the launch configuration (shared memory,
     grid) of a real shape works and agrees with the launches (at 4096 the sparse FFN value's chunks are 128 rows, two
     loads of hidden values each, which the emulated tests' width does not reach)."""
-    launches, persistent = fused_pair(step_kernel, seed=9, L=1, C=width, V=4096)
-    base, _ = decode_all(launches, PROMPT[:3], 0)
-    ours, _ = decode_all(persistent, PROMPT[:3], 0)
+    model = fused(seed=9, L=1, C=width, V=4096)
+    base, _ = decode_all(model, PROMPT[:3], 0)
+    with persistent(model, step_kernel):
+        ours, _ = decode_all(model, PROMPT[:3], 0)
     for a, b in zip(ours, base):
         torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
     assert [int(x.argmax()) for x in ours] == [int(x.argmax()) for x in base]
