@@ -105,7 +105,8 @@ struct Phase {
     void* state;  // the layer's WKV states of slot 0 (+ slot * H * N * N), fp32 or fp16
     int first_layer, heads;
     // sparse FFN value (fv [F, C] K-major, hidden [F]) and its reduce into x; merged into the FFN key's phase, its
-    // units follow the GEMV units (gemv_units of them), each first waiting until chunk_done[chunk] counts its rows
+    // units follow the GEMV units (gemv_units of them: all of a GEMV phase's units unless merged), each first waiting
+    // until chunk_done[chunk] counts its rows
     const __half *fv, *hidden;
     float* partial;  // [C][chunks]
     __half* x;
@@ -235,8 +236,8 @@ __device__ __forceinline__ void warp_signal(unsigned* counter, unsigned count) {
 
 // ---------------------------------------------------------------------------------------------- staging
 // LN(x) of the block (rounded to fp16, as the stored shift state is) into sh.saved, then the mixes into sh.xs. A
-// thread holds 8-vectors v = threadIdx.x + j * kThreads of x in registers (one trip to L2 for x, with the norm's and
-// mixes' parameters and the shift state loaded beside it): the fold is on the critical path of two phases a layer.
+// thread holds 8-vectors v = threadIdx.x + j * kThreads of x in registers (one trip to L2, for x and the shift state;
+// the norm's constants were preloaded, preload_norm): the fold is on the critical path of two phases a layer.
 constexpr int kNormVecs = 2;  // C <= kNormVecs * kThreads * 8 = 4096 (dims_unsupported)
 
 // A folded norm's constants (its weight and bias into sh.norm, each mix into its place in sh.xs, where stage_norm
@@ -413,10 +414,9 @@ __device__ void gemv_phase(const Phase& ph, const __half* x, int64_t slot, const
     int u = blockIdx.x * kWarps + (threadIdx.x >> 5);
     if (u >= units) return;
     // the GEMV units, then (a merged phase) the sparse FFN value's units
-    const int gemv_units = ph.gemv_units ? ph.gemv_units : units;
     Unit un = find_unit(ph, u);
-    for (; u < gemv_units; u += stride) {
-        const bool last = u + stride >= gemv_units;
+    for (; u < ph.gemv_units; u += stride) {
+        const bool last = u + stride >= ph.gemv_units;
         const Unit next_un = last ? un : find_unit(ph, u + stride);
         const Task& tk = ph.t[un.task];
         if (tk.dep) warp_wait(tk.dep, tk.dep_target);
@@ -424,7 +424,7 @@ __device__ void gemv_phase(const Phase& ph, const __half* x, int64_t slot, const
         loaded = !last;
         un = next_un;
     }
-    for (; u < units; u += stride) sparse_unit(ph, u - gemv_units);
+    for (; u < units; u += stride) sparse_unit(ph, u - ph.gemv_units);
 }
 
 // ---------------------------------------------------------------------------------------------- time mix
@@ -616,7 +616,7 @@ template <typename S>
 __device__ bool prefetch(const Phase& ph, int64_t slot, uint4 (&pre)[kLoads]) {
     if (ph.kind == kGemv) {
         const int first = blockIdx.x * kWarps + (threadIdx.x >> 5);
-        if (first >= (ph.gemv_units ? ph.gemv_units : ph.units)) return false;
+        if (first >= ph.gemv_units) return false;
         const Unit un = find_unit(ph, first);
         load_first_batch(ph.t[un.task], un.local, pre);
         return true;
@@ -663,8 +663,7 @@ __global__ void __launch_bounds__(kThreads, 2) step_kernel(StepArgs a, int stage
     const int64_t token = *a.token, slot = *a.slot;
     if (slot < 0 || slot >= a.num_slots) {  // the same for every block: none reaches a barrier
         if (blockIdx.x == 0) {
-            const int V = a.phases[a.nphases - 1].t[0].rows;
-            for (int i = threadIdx.x; i < V; i += kThreads) a.logits[i] = __int_as_float(0x7fc00000);
+            for (int64_t i = threadIdx.x; i < a.vocab; i += kThreads) a.logits[i] = __int_as_float(0x7fc00000);
         }
         return;
     }
@@ -789,6 +788,7 @@ inline int build_program(const Dims& d, const int64_t* model, const int64_t* lay
         t = Task{reinterpret_cast<const __half*>(static_cast<intptr_t>(w)), y, y32, nullptr, nullptr, nullptr, rows, k,
                  static_cast<int>(ld), x_off, act, accumulate, lanes_for(k), p.units, 0u, 1};
         p.units += (rows + 32 / t.lanes - 1) / (32 / t.lanes);
+        p.gemv_units = p.units;
         return t;
     };
     unsigned* deps = reinterpret_cast<unsigned*>(static_cast<intptr_t>(model[kDeps]));
@@ -859,7 +859,7 @@ inline int build_program(const Dims& d, const int64_t* model, const int64_t* lay
             Phase& fv = merged ? fk : add(kSparse);
             if (merged) {  // the sparse units after the key's, each waiting for its chunk's rows
                 key.done = layer_deps + 1, key.done_div = sparse_chunk_rows(d);
-                fv.chunk_done = key.done, fv.gemv_units = fv.units;
+                fv.chunk_done = key.done;
                 fv.units += sparse_tiles(d) * sparse_chunks(d);
             } else {
                 fv.save_shift = half_at(ffn_shift);
@@ -891,6 +891,7 @@ namespace {
 
 constexpr int kErrUnsupported = -1000;  // dims the builder cannot take
 constexpr int kErrEntries = -1001;      // the model or layer entries do not match this build's
+constexpr int kMaxDevices = 64;
 
 }  // namespace
 
@@ -923,26 +924,37 @@ extern "C" int rwkv7_step_launch(int device, int64_t stream, const void* phases,
     const step::Dims d = step::dims_from(dims);
     if (step::dims_unsupported(d)) return kErrUnsupported;
     if (nphases < 2 || blocks_per_sm < 1) return cudaErrorInvalidValue;
+    if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
     int previous = 0;
     cudaError_t err = cudaGetDevice(&previous);
     if (err == cudaSuccess && previous != device) err = cudaSetDevice(device);
     if (err != cudaSuccess) return err;
     auto kernel = d.state_half ? step::step_kernel<__half> : step::step_kernel<float>;
     const size_t smem = step::shared_bytes(d);
-    int sms = 0, resident = 0;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err == cudaSuccess)
-        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, step::kThreads, smem);
-    if (err == cudaSuccess && resident < 1) err = cudaErrorCooperativeLaunchTooLarge;
+    // The shared-memory limit, multiprocessors and resident blocks of the kernel on the device, queried once for each
+    // shared-memory size (a model's): an eager step launches it every token.
+    struct Residency {
+        size_t smem;
+        int sms, resident;
+    };
+    static Residency known[kMaxDevices][2] = {};
+    Residency& r = known[device][d.state_half ? 1 : 0];
+    if (r.smem != smem) {
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+        if (err == cudaSuccess) err = cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, device);
+        if (err == cudaSuccess)
+            err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r.resident, kernel, step::kThreads, smem);
+        r.smem = err == cudaSuccess ? smem : 0;
+    }
+    if (err == cudaSuccess && r.resident < 1) err = cudaErrorCooperativeLaunchTooLarge;
     if (err == cudaSuccess) {
-        const int per_sm = blocks_per_sm < resident ? blocks_per_sm : resident;
+        const int per_sm = blocks_per_sm < r.resident ? blocks_per_sm : r.resident;
         step::StepArgs args{static_cast<const step::Phase*>(phases), nphases, token, slot, d.num_slots, d.V,
                             static_cast<const __half*>(emb), static_cast<__half*>(x), logits, sync, deps,
                             step::deps_count(d), prefetch};
         const int staged = step::staged_halves(d);
         cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(static_cast<unsigned>(sms * per_sm));
+        cfg.gridDim = dim3(static_cast<unsigned>(r.sms * per_sm));
         cfg.blockDim = dim3(step::kThreads);
         cfg.dynamicSmemBytes = smem;
         cfg.stream = reinterpret_cast<cudaStream_t>(stream);
