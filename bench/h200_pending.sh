@@ -117,6 +117,8 @@
 #                                                                   # at 256 requests (ramp, steady rate, its steps)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-step  # ~7 min on a fresh machine: the persistent
 #                                                                   # batch-1 step (RWKV_PERSISTENT=1) against the launches
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-profile  # ~7 min on a fresh machine: GPU tests of
+#                                                                   # the step and the fused path, the step per phase
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -446,6 +448,16 @@ persistent-step)  # the batch-1 decode step as one persistent kernel (cuda/rwkv7
             --sizes 1.5b,7.2b --batches 1 --steps 40 --wkv cuda --no-checks --out "$out"
         copy "$out"
     done
+    ;;
+persistent-profile)  # where the persistent step's time goes (bench/profile_persistent.py: each block's start and end
+    # of every phase, the global timer): its GPU tests and the fused path's, then 1.5B and 7.2B batch 1 per phase with
+    # merged phases or a barrier before each, the FFN value K-major (sparse) or row-major; the launches beside
+    build_step
+    step 200 "persistent step GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_step_cuda.py
+    fused_tests
+    step 300 "persistent step per phase" python bench/profile_persistent.py --sizes 1.5b,7.2b --merge 1,0 \
+        --ffn kmajor,rowmajor --out bench/results/profile_persistent_h200.json
+    copy bench/results/profile_persistent_h200.json
     ;;
 engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
     # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them

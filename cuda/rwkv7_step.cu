@@ -128,6 +128,10 @@ struct StepArgs {
     unsigned* deps;  // [ndeps]: the merged phases' counters (zero between launches)
     int ndeps;
     int prefetch;    // load the next phase's first weights (or state) before waiting at the barrier
+    // Null, or where each block writes when it starts and ends each phase (ns): timeline[(p * 2 + 0 / 1) * stride +
+    // block] (bench/profile_persistent.py: where a step's time goes)
+    unsigned long long* timeline;
+    int timeline_stride;
 };
 
 // ---------------------------------------------------------------------------------------------- helpers
@@ -166,6 +170,21 @@ __device__ __forceinline__ void spin_until(const unsigned* counter, unsigned tar
         if (spins > (1u << 24)) __trap();
 #endif
     }
+}
+
+// A clock for the timeline: the GPU's global nanosecond timer; the emulation's blocks get a logical clock (they are
+// fibers of one thread, so its ticks order events across blocks as the barriers do).
+__device__ __forceinline__ unsigned long long clock_ns() {
+#if defined(EMU_WARP)
+    static unsigned long long ticks = 0;
+    return ++ticks;
+#elif defined(__CUDA_ARCH__)
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+#else
+    return 0;
+#endif
 }
 
 // A grid barrier in two halves, so that a block can do work of its own between them: every block of the
@@ -667,17 +686,28 @@ __global__ void __launch_bounds__(kThreads, 2) step_kernel(StepArgs a, int stage
         }
         return;
     }
+    // the timeline's mark: the block's start (0) or end (1) of phase p, the end once all its threads are done (before
+    // it arrives at the barrier, so that every end precedes every start of the next phase)
+    const auto mark = [&](int p, int which) {
+        if (!a.timeline) return;
+        if (which) __syncthreads();
+        if (threadIdx.x == 0)
+            a.timeline[static_cast<int64_t>(p * 2 + which) * a.timeline_stride + blockIdx.x] = clock_ns();
+    };
     uint4 pre[kLoads];
     for (int p = 0; p < a.nphases; ++p) {
         const Phase& ph = a.phases[p];
         const bool loaded = a.prefetch && prefetch<S>(ph, slot, pre);
         if (p > 0) {
+            mark(p - 1, 1);
             grid_arrive(a.sync);
             if (ph.stage.ln_w) preload_norm(ph.stage, C, sh);  // the phase folds a norm (every fold follows a barrier)
             grid_wait(a.sync, static_cast<unsigned>(p) * gridDim.x);
         }
+        mark(p, 0);
         run_phase<S>(ph, a, token, slot, sh, pre, loaded);
     }
+    mark(a.nphases - 1, 1);
     // The last block out zeroes the counters for the next launch: every block is past its last barrier and wait.
     unsigned* last_out = reinterpret_cast<unsigned*>(sh.scratch);
     __syncthreads();
@@ -916,11 +946,13 @@ extern "C" int64_t rwkv7_step_build(const int64_t* dims, const int64_t* model, i
 
 // One step: `phases` (device memory, as built), token and slot device scalars (int64), emb [V, C], x [C], logits [V]
 // and deps (rwkv7_step_workspace(dims, 1) counters) as in the model entries, sync: two unsigned; sync and deps zeroed
-// (the kernel leaves them zero). The grid is every
-// multiprocessor times blocks_per_sm (at most what fits), launched cooperatively (all blocks resident).
+// (the kernel leaves them zero). The grid is every multiprocessor times blocks_per_sm (at most what fits), launched
+// cooperatively (all blocks resident). timeline: null, or nphases * 2 * timeline_stride entries (at least the grid's
+// blocks a row) for StepArgs::timeline.
 extern "C" int rwkv7_step_launch(int device, int64_t stream, const void* phases, int nphases, const int64_t* dims,
                       const int64_t* token, const int64_t* slot, const void* emb, void* x, float* logits,
-                      unsigned* sync, unsigned* deps, int prefetch, int blocks_per_sm) {
+                      unsigned* sync, unsigned* deps, int prefetch, int blocks_per_sm,
+                      unsigned long long* timeline, int timeline_stride) {
     const step::Dims d = step::dims_from(dims);
     if (step::dims_unsupported(d)) return kErrUnsupported;
     if (nphases < 2 || blocks_per_sm < 1) return cudaErrorInvalidValue;
@@ -947,11 +979,12 @@ extern "C" int rwkv7_step_launch(int device, int64_t stream, const void* phases,
         r.smem = err == cudaSuccess ? smem : 0;
     }
     if (err == cudaSuccess && r.resident < 1) err = cudaErrorCooperativeLaunchTooLarge;
+    const int per_sm = blocks_per_sm < r.resident ? blocks_per_sm : r.resident;
+    if (err == cudaSuccess && timeline && timeline_stride < r.sms * per_sm) err = cudaErrorInvalidValue;
     if (err == cudaSuccess) {
-        const int per_sm = blocks_per_sm < r.resident ? blocks_per_sm : r.resident;
         step::StepArgs args{static_cast<const step::Phase*>(phases), nphases, token, slot, d.num_slots, d.V,
                             static_cast<const __half*>(emb), static_cast<__half*>(x), logits, sync, deps,
-                            step::deps_count(d), prefetch};
+                            step::deps_count(d), prefetch, timeline, timeline_stride};
         const int staged = step::staged_halves(d);
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(static_cast<unsigned>(r.sms * per_sm));

@@ -18,7 +18,8 @@ extern "C" int64_t rwkv7_step_build(const int64_t* dims, const int64_t* model, i
                                     const int64_t* layers, int layer_entries, void* out);
 extern "C" int rwkv7_step_launch(int device, int64_t stream, const void* phases, int nphases, const int64_t* dims,
                                  const int64_t* token, const int64_t* slot, const void* emb, void* x, float* logits,
-                                 unsigned* sync, unsigned* deps, int prefetch, int blocks_per_sm);
+                                 unsigned* sync, unsigned* deps, int prefetch, int blocks_per_sm,
+                                 unsigned long long* timeline, int timeline_stride);
 extern "C" const char* rwkv7_step_error_string(int code);
 
 namespace {
@@ -72,10 +73,11 @@ torch::Tensor build(torch::Tensor dims, torch::Tensor model, torch::Tensor layer
 
 // One decode step: token/slot int64 device scalars; emb [V, C] and x [C] fp16, logits [V] fp32 (the tensors the
 // model entries point to); sync: 2 zeroed int32 on the device, deps: workspace(dims, 1) of them, zeroed (the kernel
-// leaves both zero).
+// leaves both zero). timeline: empty, or int64 [nphases, 2, blocks] on the device (blocks at least the grid's), where
+// each block writes when it starts and ends each phase (ns; entries of blocks past the grid are left as they are).
 void launch(torch::Tensor program, torch::Tensor dims, torch::Tensor token, torch::Tensor slot, torch::Tensor emb,
             torch::Tensor x, torch::Tensor logits, torch::Tensor sync, torch::Tensor deps, int64_t prefetch,
-            int64_t blocks_per_sm, int64_t stream) {
+            int64_t blocks_per_sm, torch::Tensor timeline, int64_t stream) {
     TORCH_CHECK(program.is_cuda(), "rwkv7_step: the program must be on a CUDA device");
     const torch::Device device = program.device();
     check_dims(dims);
@@ -87,12 +89,21 @@ void launch(torch::Tensor program, torch::Tensor dims, torch::Tensor token, torc
                     deps.numel() >= rwkv7_step_workspace(dims.data_ptr<int64_t>(), 1),
                 "rwkv7_step: deps must be int32 on ", device.str(), ", as many as workspace(dims, 1)");
     const int64_t nphases = program.numel() / rwkv7_step_phase_bytes();
+    const bool timed = timeline.numel() > 0;
+    TORCH_CHECK(!timed || (timeline.device() == device && timeline.scalar_type() == torch::kInt64 &&
+                           timeline.is_contiguous() && timeline.dim() == 3 && timeline.size(0) == nphases &&
+                           timeline.size(1) == 2),
+                "rwkv7_step: timeline must be empty or a contiguous int64 [", num(nphases), ", 2, blocks] tensor on ",
+                device.str(), ", got ", timeline.scalar_type(), " ", shape(timeline));
     const int err = rwkv7_step_launch(static_cast<int>(device.index()), stream, program.data_ptr(),
                                       static_cast<int>(nphases), dims.data_ptr<int64_t>(), token.data_ptr<int64_t>(),
                                       slot.data_ptr<int64_t>(), emb.data_ptr(), x.data_ptr(), logits.data_ptr<float>(),
                                       reinterpret_cast<unsigned*>(sync.data_ptr<int32_t>()),
                                       reinterpret_cast<unsigned*>(deps.data_ptr<int32_t>()), static_cast<int>(prefetch),
-                                      static_cast<int>(blocks_per_sm));
+                                      static_cast<int>(blocks_per_sm),
+                                      timed ? reinterpret_cast<unsigned long long*>(timeline.data_ptr<int64_t>())
+                                            : nullptr,
+                                      timed ? static_cast<int>(timeline.size(2)) : 0);
     TORCH_CHECK(err == 0, "rwkv7_step: launch failed: ", rwkv7_step_error_string(err), " (error ", num(err), ")");
 }
 
@@ -102,5 +113,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("workspace", &workspace, "workspace(dims, which): fp32 partial sums (0) and int32 counters (1) a step needs");
     m.def("build", &build, "build(dims, model, layers): the step's program (host bytes)");
     m.def("launch", &launch,
-          "launch(program, dims, token, slot, emb, x, logits, sync, deps, prefetch, blocks_per_sm, stream)");
+          "launch(program, dims, token, slot, emb, x, logits, sync, deps, prefetch, blocks_per_sm, timeline, stream)");
 }

@@ -116,3 +116,24 @@ def test_real_widths_build_and_run(step_kernel, width):
     for a, b in zip(ours, base):
         torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
     assert [int(x.argmax()) for x in ours] == [int(x.argmax()) for x in base]
+
+
+def test_timeline_on_the_gpu(step_kernel):
+    """The timeline (bench/profile_persistent.py): every block of the grid stamps each phase; by the device's global
+    timer every block's end of a phase precedes every block's start of the next; a timed step gives the logits of an
+    untimed one."""
+    from infer.ops.persistent import phase_names
+    model = fused()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pools = [model.new_state_pool(2) for _ in range(2)]
+    batch = PackedBatch.from_rows([[PROMPT[0]]], [1], model.device)
+    want = step_kernel.logits(model, batch, pools[0])
+    t = step_kernel.timeline(model, batch, pools[1], blocks=sms * step_kernel.blocks_per_sm + 3)
+    assert torch.equal(step_kernel._plan(model, pools[1])[2].logits.view(1, -1), want)
+    dims = step_kernel._plan(model, pools[1])[1]
+    assert t.shape[0] == len(phase_names(dims))
+    grid = int((t[0, 0] >= 0).sum())
+    assert grid >= sms and (t[:, :, grid:] == -1).all() and (t[:, :, :grid] > 0).all()
+    t = t[:, :, :grid]
+    assert (t[:, 1] >= t[:, 0]).all()
+    assert (t[:-1, 1].amax(dim=1) <= t[1:, 0].amin(dim=1)).all()

@@ -23,10 +23,11 @@ import ctypes
 import pytest
 import torch
 
+from infer.batch import PackedBatch
 from infer.model import RWKV7
 from infer.ops.fused import KMajorLinear
-from infer.ops.persistent import (DIMS, LAYER_ENTRIES, MODEL_ENTRIES, PersistentStep, Workspace, self_test,
-                                  step_dims, step_entries, unsupported)
+from infer.ops.persistent import (DIMS, LAYER_ENTRIES, MODEL_ENTRIES, PersistentStep, Workspace, phase_names,
+                                  self_test, step_dims, step_entries, unsupported)
 from infer.random_model import make_config, random_state_dict
 from kernel_emu import emu_build
 
@@ -46,7 +47,8 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     p = ctypes.c_void_p
     so.emu_step_workspace.argtypes = [p, ctypes.c_int]
     so.emu_step_workspace.restype = ctypes.c_int64
-    so.emu_step_run.argtypes = [p, p, p, p, p, p, ctypes.c_int, ctypes.c_int, ctypes.c_uint]
+    so.emu_step_run.argtypes = [p, p, p, p, p, p, ctypes.c_int, ctypes.c_int, ctypes.c_uint, p,
+                                ctypes.c_int]
     return so
 
 
@@ -75,10 +77,13 @@ class Stepper:
                             lib.emu_step_workspace(self.dims.data_ptr(), 1))
         self.model_entries, self.layer_entries = step_entries(model, self.pool, self.ws)
 
-    def step(self, token: int, slot: int, grid: int, prefetch: bool = True, seed: int = 1) -> torch.Tensor:
+    def step(self, token: int, slot: int, grid: int, prefetch: bool = True, seed: int = 1,
+             timeline: torch.Tensor | None = None) -> torch.Tensor:
         tok, sl = torch.tensor([token]), torch.tensor([slot])
         rc = self.lib.emu_step_run(self.dims.data_ptr(), self.model_entries.data_ptr(), self.layer_entries.data_ptr(),
-                                   tok.data_ptr(), sl.data_ptr(), self.ws.sync.data_ptr(), int(prefetch), grid, seed)
+                                   tok.data_ptr(), sl.data_ptr(), self.ws.sync.data_ptr(), int(prefetch), grid, seed,
+                                   None if timeline is None else timeline.data_ptr(),
+                                   0 if timeline is None else timeline.shape[2])
         assert rc == 0, f"emulated step failed: {rc}"
         assert self.ws.sync.tolist() == [0, 0], "the grid barrier's counters must be zero after a step"
         assert not self.ws.deps.any(), "the merged phases' counters must be zero after a step"
@@ -183,10 +188,12 @@ class EmulatedKernel:
         self.programs[program.data_ptr()] = (dims, model, layers, program)
         return program
 
-    def launch(self, program, dims, token, slot, emb, x, logits, sync, deps, prefetch, blocks, stream) -> None:
+    def launch(self, program, dims, token, slot, emb, x, logits, sync, deps, prefetch, blocks, timeline,
+               stream) -> None:
         d, model, layers, _ = self.programs[program.data_ptr()]
         rc = self.lib.emu_step_run(d.data_ptr(), model.data_ptr(), layers.data_ptr(), token.data_ptr(),
-                                   slot.data_ptr(), sync.data_ptr(), prefetch, 2, 5)
+                                   slot.data_ptr(), sync.data_ptr(), prefetch, 2, 5,
+                                   timeline.data_ptr() if timeline.numel() else None, timeline.shape[-1])
         assert rc == 0
 
 
@@ -201,6 +208,30 @@ def test_persistent_step_and_its_self_test_on_the_emulation(lib):
             pass
 
     assert "self-test" in self_test(PersistentStep(Idle(lib)), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("k_major,merge", [(True, True), (True, False), (False, True), (False, False)])
+def test_timeline_orders_the_phases_at_the_grid_barriers(lib, k_major, merge):
+    """The timeline (bench/profile_persistent.py) has a row per phase_names entry, every block's start and end of
+    each; every block's end of a phase precedes every block's start of the next (the grid barrier between them: the
+    emulation's clock orders events across blocks); a timed step computes the same bits."""
+    model, grid = _model("fp16", k_major), 3
+    plain, timed = Stepper(lib, model, torch.float32, merge), Stepper(lib, model, torch.float32, merge)
+    names = phase_names(plain.dims)
+    assert len(names) == 2 + L * (5 if merge else 6 + k_major)
+    for i, token in enumerate(PROMPT[:2]):
+        timeline = torch.full((len(names) + 1, 2, grid + 1), -1, dtype=torch.int64)
+        want = plain.step(token, 1, grid, seed=i)
+        assert torch.equal(timed.step(token, 1, grid, seed=i, timeline=timeline), want)
+        assert (timeline[len(names):] == -1).all() and (timeline[:, :, grid] == -1).all()  # nothing past the ends
+        t = timeline[:len(names), :, :grid]
+        assert (t > 0).all() and (t[:, 1] > t[:, 0]).all()
+        assert (t[:-1, 1].amax(dim=1) < t[1:, 0].amin(dim=1)).all()
+    # the PersistentStep side: rows named by phase_names, columns past the grid left as they were
+    step = PersistentStep(EmulatedKernel(lib))
+    pool = model.new_state_pool(SLOTS)
+    out = step.timeline(model, PackedBatch.from_rows([[PROMPT[0]]], [0], "cpu"), pool, blocks=2)
+    assert out.shape == (len(phase_names(step_dims(model, pool, step.merge))), 2, 2) and (out > 0).all()
 
 
 def test_unsupported_models_are_refused():

@@ -137,6 +137,19 @@ def step_entries(model: "RWKV7", state: StatePool, ws: Workspace) -> tuple[torch
             torch.tensor(layers, dtype=torch.int64))
 
 
+def phase_names(dims: torch.Tensor) -> list[str]:
+    """The names of a step's phases in the kernel's order (cuda/rwkv7_step.cu: build_program) for ``dims``
+    (:func:`step_dims`): the rows of :meth:`PersistentStep.timeline`."""
+    n_layer, k_major, merge = int(dims[0]), bool(dims[8]), bool(dims[11])
+    layer = ["rkv+lora"] if merge else ["rkv", "lora"]
+    layer += ["time mix", "output"]
+    if k_major:
+        layer += ["ffn key+value", "reduce"] if merge else ["ffn key", "ffn value", "reduce"]
+    else:
+        layer += ["ffn key", "ffn value"]
+    return ["embed"] + layer * n_layer + ["head"]
+
+
 class PersistentStep:
     """The compiled kernel and, per state pool, the step's program and workspace on the device."""
 
@@ -153,6 +166,7 @@ class PersistentStep:
         # model -> {state pool's tensors: (program, dims, workspace) or None}; a plan lives as long as its model (its
         # program holds the model's addresses)
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._no_timeline = torch.empty(0, dtype=torch.int64)
 
     def covers(self, model: "RWKV7", batch: PackedBatch, state: StatePool) -> bool:
         return batch.num_tokens == 1 and self._plan(model, state) is not None
@@ -174,12 +188,25 @@ class PersistentStep:
 
     def logits(self, model: "RWKV7", batch: PackedBatch, state: StatePool) -> torch.Tensor:
         """[1, V] fp32 logits of the batch's one token; the slot's state is updated in place."""
+        self._launch(model, batch, state, self._no_timeline)
+        return self._plan(model, state)[2].logits.view(1, -1).clone()
+
+    def timeline(self, model: "RWKV7", batch: PackedBatch, state: StatePool, blocks: int) -> torch.Tensor:
+        """One step as :meth:`logits` (the slot's state is updated), returning when each block started and ended each
+        phase: int64 [phases, 2, blocks] (ns of the device's global timer; rows named by :func:`phase_names`,
+        columns of blocks past the grid -1). ``blocks``: at least the grid's (multiprocessors x blocks a
+        multiprocessor)."""
+        dims = self._plan(model, state)[1]
+        out = torch.full((len(phase_names(dims)), 2, blocks), -1, dtype=torch.int64, device=model.emb.device)
+        self._launch(model, batch, state, out)
+        return out
+
+    def _launch(self, model: "RWKV7", batch: PackedBatch, state: StatePool, timeline: torch.Tensor) -> None:
         program, dims, ws = self._plan(model, state)
         device = model.emb.device
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0  # 0: the emulation's
         self._m.launch(program, dims, batch.tokens, batch.slots, model.emb, ws.x, ws.logits, ws.sync, ws.deps,
-                       int(self.prefetch), self.blocks_per_sm, stream)
-        return ws.logits.view(1, -1).clone()
+                       int(self.prefetch), self.blocks_per_sm, timeline, stream)
 
 
 _step: BuildOnce[PersistentStep] = BuildOnce("persistent step kernel")
