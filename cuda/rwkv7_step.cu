@@ -3,7 +3,7 @@
 // fused path's ~8 launches a layer chained by PDL (cuda/rwkv7_fused.cu). Opt-in (RWKV_PERSISTENT=1,
 // infer/ops/persistent.py): on an H100 it ran at half the launches' speed (1.5B 385 against 732 tok/s; bound by the
 // memory parallelism inside its phases, not by its barriers: docs/BENCHMARKS.md, thirty-fifth session;
-// bench/h200_pending.sh persistent-step, bench/variants/persistent_bounds.patch).
+// bench/h200_pending.sh persistent-step; per phase: bench/profile_persistent.py).
 //
 // Why: at batch 1 a 1.5B layer reads ~20 us of weights at 4.3 TB/s but takes ~48 us as launches, each
 // launch waiting for the whole of the one before (thirtieth session). A grid barrier costs ~1 us, and each
