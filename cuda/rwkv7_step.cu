@@ -561,8 +561,9 @@ __device__ void time_mix_phase(const Phase& ph, int64_t slot, const Shared& sh, 
 // ---------------------------------------------------------------------------------------------- FFN value
 // Unit u: columns [kTile * (u % tiles), + kTile) (8 a lane) over rows [chunk_rows * (u / tiles), + chunk_rows) of
 // the K-major matrix, reading only the rows whose hidden value is nonzero; the unit's sums go to
-// partial[column][chunk]. The hidden values of 64 rows come in one load a lane (two each, handed round by
-// shuffles), and the weight rows of kSparseBatch of them are in flight together.
+// partial[column][chunk]. The hidden values of 64 rows come in two loads a lane (handed round by shuffles), a ballot
+// lists the nonzero ones, and the weight rows of kSparseBatch of those are in flight together: a walk of 64 rows is
+// ceil(nonzero / kSparseBatch) trips to memory (16 before the ballot, whatever the zeros).
 constexpr int kSparseBatch = 4;  // 8 spill (the kernel's registers are capped at 128 for 2 blocks a multiprocessor)
 
 __device__ void sparse_unit(const Phase& ph, int u) {
@@ -573,19 +574,21 @@ __device__ void sparse_unit(const Phase& ph, int u) {
     const bool mine = col < ph.C;  // lanes past the width still take part in the shuffles
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     for (int j0 = chunk * ph.chunk_rows; j0 < j1; j0 += 64) {
-        __half2 pair = __floats2half2_rn(0.0f, 0.0f);  // rows j0 + 2 lane, + 1 (F % 8 == 0: both or neither)
-        if (j0 + 2 * lane < j1) pair = __ldcg(reinterpret_cast<const __half2*>(ph.hidden + j0) + lane);
-        const float h_even = __low2float(pair), h_odd = __high2float(pair);
-        for (int b = 0; b < 64 && j0 + b < j1; b += kSparseBatch) {
+        // rows j0 + lane and j0 + 32 + lane (zero past j1), and the warp's mask of the nonzero ones: the warp walks
+        // only those, kSparseBatch at a time in row order (the sums of the dense walk: zero rows add nothing)
+        const float lo = j0 + lane < j1 ? load_act(ph.hidden + j0 + lane) : 0.0f;
+        const float hi = j0 + 32 + lane < j1 ? load_act(ph.hidden + j0 + 32 + lane) : 0.0f;
+        uint64_t rows = static_cast<uint64_t>(__ballot_sync(0xffffffffu, hi != 0.0f)) << 32 |
+                        __ballot_sync(0xffffffffu, lo != 0.0f);
+        while (rows) {
             float h[kSparseBatch];
             uint4 w[kSparseBatch];
 #pragma unroll
             for (int e = 0; e < kSparseBatch; ++e) {
-                const int r = b + e;  // a row of this 64: lane r / 2 holds it
-                const float he = __shfl_sync(0xffffffffu, h_even, r >> 1);
-                const float ho = __shfl_sync(0xffffffffu, h_odd, r >> 1);
-                h[e] = j0 + r < j1 ? (r & 1 ? ho : he) : 0.0f;
-                if (h[e] != 0.0f && mine) w[e] = load_weights(ph.fv + static_cast<size_t>(j0 + r) * ph.C + col);
+                const int r = rows ? __ffsll(static_cast<long long>(rows)) - 1 : -1;  // the same in every lane
+                rows &= rows - 1;
+                h[e] = r < 0 ? 0.0f : __shfl_sync(0xffffffffu, r < 32 ? lo : hi, r & 31);
+                if (r >= 0 && mine) w[e] = load_weights(ph.fv + static_cast<size_t>(j0 + r) * ph.C + col);
             }
 #pragma unroll
             for (int e = 0; e < kSparseBatch; ++e) {
