@@ -752,8 +752,10 @@ inline int lanes_for(int k) {
 }
 
 // The chunking of the sparse FFN value: a function of the shape only (the sums' order must not depend on the grid).
+// 32 rows (64 above 2,048 columns): 2,048 (1.5B) or 4,096 (7.2B) units, about one or two a warp of an H100/H200 at 2
+// blocks a multiprocessor, each walking ~16 or ~32 nonzero rows of a random model.
 inline int sparse_tiles(const Dims& d) { return (d.C + kTile - 1) / kTile; }
-inline int sparse_chunk_rows(const Dims& d) { return sparse_tiles(d) > 8 ? 128 : 64; }
+inline int sparse_chunk_rows(const Dims& d) { return sparse_tiles(d) > 8 ? 64 : 32; }
 inline int sparse_chunks(const Dims& d) { return (d.F + sparse_chunk_rows(d) - 1) / sparse_chunk_rows(d); }
 
 inline int max_phases(const Dims& d) { return 1 + 7 * d.L + 1; }
