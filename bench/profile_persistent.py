@@ -6,8 +6,9 @@ step's time untimed and the fused launches' (CUDA graph), so the timeline's own 
 
     RWKV_PERSISTENT=1 python bench/profile_persistent.py --sizes 1.5b,7.2b --out bench/results/profile_persistent.json
 
-Variants in one process: merged phases or a grid barrier before each (--merge 1,0), the FFN value K-major (sparse) or
-row-major (--ffn kmajor,rowmajor; row-major copies the matrices).
+Variants in one process: merged phases or a grid barrier before each (--merge 1,0), weights through each warp's ring
+in shared memory or through registers (--ring 4,0), the FFN value K-major (sparse) or row-major (--ffn
+kmajor,rowmajor; row-major copies the matrices).
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def summarize(model, timelines: list[torch.Tensor], names: list[str], zero_share
     return rows
 
 
-def profile(name: str, merges: list[bool], ffns: list[str], steps: int) -> list[dict]:
+def profile(name: str, merges: list[bool], ffns: list[str], rings: list[int], steps: int) -> list[dict]:
     model = load_model(name, "fp16")
     step: PersistentStep = model.fused.persistent
     if step is None:
@@ -89,8 +90,8 @@ def profile(name: str, merges: list[bool], ffns: list[str], steps: int) -> list[
             for blk in model.blocks:
                 blk.ffn_value = DenseLinear(blk.ffn_value.weight)
             torch.cuda.empty_cache()
-        for merge in merges:
-            step.merge = merge
+        for merge, ring in [(m, r) for m in merges for r in rings]:
+            step.merge, step.ring = merge, ring
             pool = model.new_state_pool(1)  # a new pool: a plan built with this merge
             one = PackedBatch.from_rows([[1234]], [0], model.device)
             untimed_ms = time_steps(lambda: step.logits(model, one, pool), steps) * 1e3
@@ -101,13 +102,13 @@ def profile(name: str, merges: list[bool], ffns: list[str], steps: int) -> list[
             torch.cuda.synchronize()
             names = phase_names(plan[1])
             timed = [float(t[-1, 1].max() - t[0, 0][t[0, 0] >= 0].min()) / 1e6 for t in timelines]
-            row = {"size": name, "ffn_value": ffn, "merge": merge, "blocks_per_sm": step.blocks_per_sm,
+            row = {"size": name, "ffn_value": ffn, "merge": merge, "ring": ring, "blocks_per_sm": step.blocks_per_sm,
                    "launches_graph_ms": round(launches_ms, 3), "persistent_ms": round(untimed_ms, 3),
                    "persistent_timed_ms": round(sorted(timed)[len(timed) // 2], 3),
                    "ffn_zero_share_last_layer": round(zero_share, 3),
                    "phases": summarize(model, timelines, names, zero_share)}
             results.append(row)
-            print(f"\n{name} ffn {ffn} merge {int(merge)}: launches {launches_ms:.3f} ms, persistent "
+            print(f"\n{name} ffn {ffn} merge {int(merge)} ring {ring}: launches {launches_ms:.3f} ms, persistent "
                   f"{untimed_ms:.3f} ms (timed {row['persistent_timed_ms']:.3f}), zeros {zero_share:.2f}")
             print(f"{'phase':>14} {'n':>3} {'span us':>8} {'busy us':>8} {'gap us':>7} {'MB':>7} {'TB/s':>5} "
                   f"{'us/step':>8}")
@@ -122,6 +123,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1.5b,7.2b", help=f"of {','.join(SIZES)}")
     ap.add_argument("--merge", default="1,0", help="merged phases (1) and/or a grid barrier before each (0)")
     ap.add_argument("--ffn", default="kmajor", help="FFN value layouts: kmajor (sparse), rowmajor")
+    ap.add_argument("--ring", default="4,0", help="weight ring depths (RWKV_PERSISTENT_RING; 0: registers)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/profile_persistent.json")
     args = ap.parse_args()
@@ -129,7 +131,8 @@ def main() -> None:
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
     for name in args.sizes.split(","):
-        result["runs"] += profile(name, [m == "1" for m in args.merge.split(",")], args.ffn.split(","), args.steps)
+        result["runs"] += profile(name, [m == "1" for m in args.merge.split(",")], args.ffn.split(","),
+                                  [int(r) for r in args.ring.split(",")], args.steps)
         torch.cuda.empty_cache()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstring>
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + __expf(-x)); }
@@ -17,6 +18,15 @@ __device__ __forceinline__ void unpack8(uint4 u, float (&out)[8]) {
     memcpy(h, &u, sizeof(u));
 #pragma unroll
     for (int e = 0; e < 8; ++e) out[e] = __half2float(h[e]);
+}
+
+// The shared-memory address of p (PTX operands of asynchronous copies and mbarriers).
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+#else
+    return 0u;
+#endif
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

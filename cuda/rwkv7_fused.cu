@@ -2458,15 +2458,6 @@ constexpr int kStreamMaxResiduals = 256;  // a block's residual values (channels
 constexpr int kStreamHeldX = 4;           // rows of x times vectors per thread and channel held in registers
 #define FUSED_GEMV_STREAM 1  // (asked by the CPU emulator's harness: the HIP port has no streamed launches)
 
-// The shared-memory address of p (PTX operands of the bulk copies and mbarriers).
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-#else
-    return 0u;
-#endif
-}
-
 // Each stage's mbarrier, expecting one arrival (the thread that asks for its bytes), then one fence making the
 // initializations visible to the bulk copies.
 __device__ __forceinline__ void stream_barriers_init(uint64_t (&bars)[kStreamStages]) {
