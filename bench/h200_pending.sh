@@ -452,10 +452,9 @@ persistent-step)  # the batch-1 decode step as one persistent kernel (cuda/rwkv7
 persistent-profile)  # where the persistent step's time goes (bench/profile_persistent.py: each block's start and end
     # of every phase, the global timer): its GPU tests and the fused path's, then 1.5B and 7.2B batch 1 per phase with
     # merged phases or a barrier before each, weights through the warps' rings or registers, the FFN value K-major
-    # (sparse) or row-major; then decode (CUDA graphs) with the launches, the ring and the registers
+    # (sparse) or row-major; then decode (CUDA graphs) with the launches, the ring and the registers; the fused tests
     build_step
     step 200 "persistent step GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_step_cuda.py
-    fused_tests
     step 300 "persistent step per phase" python bench/profile_persistent.py --sizes 1.5b,7.2b --merge 1,0 \
         --ring 4,0 --ffn kmajor,rowmajor --out bench/results/profile_persistent_h200.json
     copy bench/results/profile_persistent_h200.json
@@ -466,6 +465,7 @@ persistent-profile)  # where the persistent step's time goes (bench/profile_pers
             --sizes 1.5b,7.2b --batches 1 --steps 40 --wkv cuda --no-checks --out "$out"
         copy "$out"
     done
+    fused_tests
     ;;
 engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
     # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them
