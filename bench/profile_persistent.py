@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("RWKV_PERSISTENT", "1")
+os.environ.setdefault("RWKV_PERSISTENT_RING", "0")  # the load's self-test on registers; each ring is checked against it
 
 from bench.bench_decode import FORWARD, SIZES, capture, load_model, static_batch, time_steps  # noqa: E402
 from infer.batch import PackedBatch  # noqa: E402
@@ -72,6 +73,18 @@ def summarize(model, timelines: list[torch.Tensor], names: list[str], zero_share
     return rows
 
 
+def same_as_registers(model, step: PersistentStep, ring: int, tokens=(1234, 77, 4000, 9)) -> bool:
+    """Whether steps with weight ring ``ring`` give the same logits and states, bit for bit, as weights through
+    registers (the ring changes where the weights wait, not the sums)."""
+    runs = []
+    for depth in (0, ring):
+        step.ring = depth
+        pool = model.new_state_pool(1)
+        logits = [step.logits(model, PackedBatch.from_rows([[t]], [0], model.device), pool) for t in tokens]
+        runs.append((torch.cat(logits), pool.wkv.clone(), pool.att_shift.clone(), pool.ffn_shift.clone()))
+    return all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def profile(name: str, merges: list[bool], ffns: list[str], rings: list[int], steps: int) -> list[dict]:
     model = load_model(name, "fp16")
     step: PersistentStep = model.fused.persistent
@@ -91,9 +104,11 @@ def profile(name: str, merges: list[bool], ffns: list[str], rings: list[int], st
                 blk.ffn_value = DenseLinear(blk.ffn_value.weight)
             torch.cuda.empty_cache()
         for merge, ring in [(m, r) for m in merges for r in rings]:
-            step.merge, step.ring = merge, ring
+            step.merge = merge
             pool = model.new_state_pool(1)  # a new pool: a plan built with this merge
             one = PackedBatch.from_rows([[1234]], [0], model.device)
+            same_bits = same_as_registers(model, step, ring) if ring else None
+            step.ring = ring
             untimed_ms = time_steps(lambda: step.logits(model, one, pool), steps) * 1e3
             plan = step._plan(model, pool)
             hidden = plan[2].hidden
@@ -105,11 +120,12 @@ def profile(name: str, merges: list[bool], ffns: list[str], rings: list[int], st
             row = {"size": name, "ffn_value": ffn, "merge": merge, "ring": ring, "blocks_per_sm": step.blocks_per_sm,
                    "launches_graph_ms": round(launches_ms, 3), "persistent_ms": round(untimed_ms, 3),
                    "persistent_timed_ms": round(sorted(timed)[len(timed) // 2], 3),
-                   "ffn_zero_share_last_layer": round(zero_share, 3),
+                   "ffn_zero_share_last_layer": round(zero_share, 3), "same_bits_as_registers": same_bits,
                    "phases": summarize(model, timelines, names, zero_share)}
             results.append(row)
             print(f"\n{name} ffn {ffn} merge {int(merge)} ring {ring}: launches {launches_ms:.3f} ms, persistent "
-                  f"{untimed_ms:.3f} ms (timed {row['persistent_timed_ms']:.3f}), zeros {zero_share:.2f}")
+                  f"{untimed_ms:.3f} ms (timed {row['persistent_timed_ms']:.3f}), zeros {zero_share:.2f}, "
+                  f"same bits as registers: {same_bits}")
             print(f"{'phase':>14} {'n':>3} {'span us':>8} {'busy us':>8} {'gap us':>7} {'MB':>7} {'TB/s':>5} "
                   f"{'us/step':>8}")
             for p in row["phases"]:
