@@ -451,18 +451,18 @@ persistent-step)  # the batch-1 decode step as one persistent kernel (cuda/rwkv7
     ;;
 persistent-profile)  # where the persistent step's time goes (bench/profile_persistent.py: each block's start and end
     # of every phase, the global timer): its GPU tests and the fused path's, then 1.5B and 7.2B batch 1 per phase with
-    # merged phases or a barrier before each, weights through the warps' rings or registers, the FFN value K-major
-    # (sparse) or row-major; then decode (CUDA graphs) with the launches, the ring and the registers; the fused tests
+    # merged phases or a barrier before each, the FFN value K-major (sparse) or row-major; then decode (CUDA graphs)
+    # with the launches and the persistent step; the fused path's GPU tests
     build_step
     step 200 "persistent step GPU tests" python -m pytest -q -rs -p no:cacheprovider test/test_step_cuda.py
     step 300 "persistent step per phase" python bench/profile_persistent.py --sizes 1.5b,7.2b --merge 1,0 \
-        --ring 4,0 --ffn kmajor,rowmajor --out bench/results/profile_persistent_h200.json
+        --ffn kmajor,rowmajor --out bench/results/profile_persistent_h200.json
     copy bench/results/profile_persistent_h200.json
-    for variant in launches:0:4 ring4:1:4 ring0:1:0; do
-        IFS=: read -r tag on ring <<<"$variant"
+    for variant in launches:0 persistent:1; do
+        IFS=: read -r tag on <<<"$variant"
         out=bench/results/experiment_persistent2_${tag}_h200.json
-        step 120 "batch 1, $tag" env RWKV_PERSISTENT="$on" RWKV_PERSISTENT_RING="$ring" python bench/bench_decode.py \
-            --sizes 1.5b,7.2b --batches 1 --steps 40 --wkv cuda --no-checks --out "$out"
+        step 120 "batch 1, $tag" env RWKV_PERSISTENT="$on" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1 \
+            --steps 40 --wkv cuda --no-checks --out "$out"
         copy "$out"
     done
     fused_tests

@@ -6,9 +6,8 @@ step's time untimed and the fused launches' (CUDA graph), so the timeline's own 
 
     RWKV_PERSISTENT=1 python bench/profile_persistent.py --sizes 1.5b,7.2b --out bench/results/profile_persistent.json
 
-Variants in one process: merged phases or a grid barrier before each (--merge 1,0), weights through each warp's ring
-in shared memory or through registers (--ring 4,0), the FFN value K-major (sparse) or row-major (--ffn
-kmajor,rowmajor; row-major copies the matrices).
+Variants in one process: merged phases or a grid barrier before each (--merge 1,0), the FFN value K-major (sparse) or
+row-major (--ffn kmajor,rowmajor; row-major copies the matrices).
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("RWKV_PERSISTENT", "1")
-os.environ.setdefault("RWKV_PERSISTENT_RING", "0")  # the load's self-test on registers; each ring is checked against it
 
 from bench.bench_decode import FORWARD, SIZES, capture, load_model, static_batch, time_steps  # noqa: E402
 from infer.batch import PackedBatch  # noqa: E402
@@ -73,19 +71,7 @@ def summarize(model, timelines: list[torch.Tensor], names: list[str], zero_share
     return rows
 
 
-def same_as_registers(model, step: PersistentStep, ring: int, tokens=(1234, 77, 4000, 9)) -> bool:
-    """Whether steps with weight ring ``ring`` give the same logits and states, bit for bit, as weights through
-    registers (the ring changes where the weights wait, not the sums)."""
-    runs = []
-    for depth in (0, ring):
-        step.ring = depth
-        pool = model.new_state_pool(1)
-        logits = [step.logits(model, PackedBatch.from_rows([[t]], [0], model.device), pool) for t in tokens]
-        runs.append((torch.cat(logits), pool.wkv.clone(), pool.att_shift.clone(), pool.ffn_shift.clone()))
-    return all(torch.equal(a, b) for a, b in zip(*runs))
-
-
-def profile(name: str, merges: list[bool], ffns: list[str], rings: list[int], steps: int) -> list[dict]:
+def profile(name: str, merges: list[bool], ffns: list[str], steps: int) -> list[dict]:
     model = load_model(name, "fp16")
     step: PersistentStep = model.fused.persistent
     if step is None:
@@ -103,12 +89,10 @@ def profile(name: str, merges: list[bool], ffns: list[str], rings: list[int], st
             for blk in model.blocks:
                 blk.ffn_value = DenseLinear(blk.ffn_value.weight)
             torch.cuda.empty_cache()
-        for merge, ring in [(m, r) for m in merges for r in rings]:
+        for merge in merges:
             step.merge = merge
             pool = model.new_state_pool(1)  # a new pool: a plan built with this merge
             one = PackedBatch.from_rows([[1234]], [0], model.device)
-            same_bits = same_as_registers(model, step, ring) if ring else None
-            step.ring = ring
             untimed_ms = time_steps(lambda: step.logits(model, one, pool), steps) * 1e3
             plan = step._plan(model, pool)
             hidden = plan[2].hidden
@@ -117,15 +101,14 @@ def profile(name: str, merges: list[bool], ffns: list[str], rings: list[int], st
             torch.cuda.synchronize()
             names = phase_names(plan[1])
             timed = [float(t[-1, 1].max() - t[0, 0][t[0, 0] >= 0].min()) / 1e6 for t in timelines]
-            row = {"size": name, "ffn_value": ffn, "merge": merge, "ring": ring, "blocks_per_sm": step.blocks_per_sm,
+            row = {"size": name, "ffn_value": ffn, "merge": merge, "blocks_per_sm": step.blocks_per_sm,
                    "launches_graph_ms": round(launches_ms, 3), "persistent_ms": round(untimed_ms, 3),
                    "persistent_timed_ms": round(sorted(timed)[len(timed) // 2], 3),
-                   "ffn_zero_share_last_layer": round(zero_share, 3), "same_bits_as_registers": same_bits,
+                   "ffn_zero_share_last_layer": round(zero_share, 3),
                    "phases": summarize(model, timelines, names, zero_share)}
             results.append(row)
-            print(f"\n{name} ffn {ffn} merge {int(merge)} ring {ring}: launches {launches_ms:.3f} ms, persistent "
-                  f"{untimed_ms:.3f} ms (timed {row['persistent_timed_ms']:.3f}), zeros {zero_share:.2f}, "
-                  f"same bits as registers: {same_bits}")
+            print(f"\n{name} ffn {ffn} merge {int(merge)}: launches {launches_ms:.3f} ms, persistent "
+                  f"{untimed_ms:.3f} ms (timed {row['persistent_timed_ms']:.3f}), zeros {zero_share:.2f}")
             print(f"{'phase':>14} {'n':>3} {'span us':>8} {'busy us':>8} {'gap us':>7} {'MB':>7} {'TB/s':>5} "
                   f"{'us/step':>8}")
             for p in row["phases"]:
@@ -139,7 +122,6 @@ def main() -> None:
     ap.add_argument("--sizes", default="1.5b,7.2b", help=f"of {','.join(SIZES)}")
     ap.add_argument("--merge", default="1,0", help="merged phases (1) and/or a grid barrier before each (0)")
     ap.add_argument("--ffn", default="kmajor", help="FFN value layouts: kmajor (sparse), rowmajor")
-    ap.add_argument("--ring", default="4,0", help="weight ring depths (RWKV_PERSISTENT_RING; 0: registers)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/profile_persistent.json")
     args = ap.parse_args()
@@ -147,8 +129,7 @@ def main() -> None:
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
     for name in args.sizes.split(","):
-        result["runs"] += profile(name, [m == "1" for m in args.merge.split(",")], args.ffn.split(","),
-                                  [int(r) for r in args.ring.split(",")], args.steps)
+        result["runs"] += profile(name, [m == "1" for m in args.merge.split(",")], args.ffn.split(","), args.steps)
         torch.cuda.empty_cache()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -128,7 +128,6 @@ struct StepArgs {
     unsigned* deps;  // [ndeps]: the merged phases' counters (zero between launches)
     int ndeps;
     int prefetch;    // load the next phase's first weights (or state) before waiting at the barrier
-    int ring;        // batches of a warp's weight ring (2..kMaxRing; 0: weights through registers)
     // Null, or where each block writes when it starts and ends each phase (ns): timeline[(p * 2 + 0 / 1) * stride +
     // block] (bench/profile_persistent.py: where a step's time goes)
     unsigned long long* timeline;
@@ -376,23 +375,6 @@ __device__ __forceinline__ void load_first_batch(const Task& tk, int local, uint
     load_batch(tk, row, sub, 0, buf);
 }
 
-// A unit's sums over its lanes, activated and stored; a merged phase's counter raised.
-__device__ __forceinline__ void store_unit(const Task& tk, int local, int row, int sub, float acc) {
-    for (int o = tk.lanes >> 1; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (sub == 0 && row < tk.rows) {
-        const float v = activate(acc, tk.act);
-        if (tk.y32) {
-            tk.y32[row] = round_half(v);
-        } else {
-            tk.y[row] = __float2half_rn(tk.accumulate ? load_act(tk.y + row) + v : v);
-        }
-    }
-    if (tk.done) {
-        const int first = local * (32 / tk.lanes);
-        warp_signal(tk.done + first / tk.done_div, static_cast<unsigned>(min(32 / tk.lanes, tk.rows - first)));
-    }
-}
-
 // One unit; `cur` holds its first batch already when `loaded`. With the warp's next unit given (`has_after`), its
 // first batch is loaded into `cur` during this unit's last batch, so a warp's loads never stop between units.
 __device__ __forceinline__ void gemv_unit(const Task& tk, int local, const __half* xs, uint4 (&cur)[kLoads],
@@ -427,131 +409,26 @@ __device__ __forceinline__ void gemv_unit(const Task& tk, int local, const __hal
             for (int e = 0; e < kLoads; ++e) cur[e] = next[e];
         }
     }
-    store_unit(tk, local, row, sub, acc);
-}
-
-// ---------------------------------------------------------------------------------------------- weight ring
-// With StepArgs::ring, a warp's GEMV weights stream through a ring of `ring` batches in shared memory (kLoads 16-byte
-// pieces a lane a batch, by cp.async: each lane copies the pieces it will read itself, so its own wait_group is all
-// the ordering needed): ring - 1 batches stay in flight ahead of the one being summed (ring while it waits), across
-// units and phases: the weights never change during a step, so the next GEMV phase's first batches are in flight
-// while the warp waits at the barriers before it. The registers path holds one batch in flight.
-constexpr int kMaxRing = 4;
-constexpr int kRingBatch = kLoads * 32;  // 16-byte pieces of a warp's batch
-
-__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-#else
-    *static_cast<uint4*>(dst) = valid ? *static_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-#endif
-}
-
-__device__ __forceinline__ void commit_copies() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Returns once at most `pending` of this thread's copy groups are still in flight.
-__device__ __forceinline__ void wait_copies(int pending) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    switch (pending) {
-        case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-        case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-        case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-        default: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-    }
-#endif
-}
-
-__device__ __forceinline__ int unit_batches(const Task& tk) {
-    return (((tk.k >> 3) + tk.lanes - 1) / tk.lanes + kLoads - 1) / kLoads;
-}
-
-// A warp's ring (every lane holds the same copy of the counters and the cursor): `issued` and `used` batches, and
-// the next batch to copy: batch b of unit u of phase p (p == nphases: none left), with that unit's row for this lane.
-struct Ring {
-    uint4* slots;  // this warp's [depth][kRingBatch]
-    int depth, issued, used;
-    int p, u, b, batches;
-    const __half* w;     // the lane's row of unit u (null: past the task's rows)
-    const __half* base;  // the unit's matrix (the address of copies that read nothing)
-    int chunks, lanes, sub;
-};
-
-// The cursor to unit u of phase r.p or, when this warp has no such GEMV unit, the first unit of its next GEMV phase.
-__device__ void ring_seek(const StepArgs& a, Ring& r, int u) {
-    for (r.b = 0; r.p < a.nphases; ++r.p, u = blockIdx.x * kWarps + (threadIdx.x >> 5)) {
-        const Phase& ph = a.phases[r.p];
-        if (ph.kind != kGemv || u >= ph.gemv_units) continue;
-        const Unit un = find_unit(ph, u);
-        const Task& tk = ph.t[un.task];
-        int row;
-        unit_lane(tk, un.local, row, r.sub);
-        r.u = u, r.batches = unit_batches(tk), r.chunks = tk.k >> 3, r.lanes = tk.lanes;
-        r.w = row < tk.rows ? tk.w + static_cast<size_t>(row) * tk.ld : nullptr;
-        r.base = tk.w;
-        return;
-    }
-}
-
-// Copies the cursor's batch into the ring (or nothing past the program's last: a group either way, so that the
-// consumer's wait counts stay fixed) and moves the cursor on.
-__device__ void ring_issue(const StepArgs& a, Ring& r) {
-    if (r.p < a.nphases) {
-        uint4* dst = r.slots + (r.issued % r.depth) * kRingBatch + (threadIdx.x & 31);
-#pragma unroll
-        for (int e = 0; e < kLoads; ++e) {
-            const int c = r.sub + (r.b * kLoads + e) * r.lanes;
-            const bool valid = r.w && c < r.chunks;
-            copy16_async(dst + e * 32, valid ? r.w + static_cast<size_t>(c) * 8 : r.base, valid);
+    for (int o = tk.lanes >> 1; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (sub == 0 && row < tk.rows) {
+        const float v = activate(acc, tk.act);
+        if (tk.y32) {
+            tk.y32[row] = round_half(v);
+        } else {
+            tk.y[row] = __float2half_rn(tk.accumulate ? load_act(tk.y + row) + v : v);
         }
-        if (++r.b == r.batches) ring_seek(a, r, r.u + gridDim.x * kWarps);
     }
-    commit_copies();
-    ++r.issued;
-}
-
-__device__ void ring_start(const StepArgs& a, Ring& r, uint4* slots) {
-    r.slots = slots, r.depth = a.ring, r.issued = 0, r.used = 0, r.p = 0;
-    ring_seek(a, r, blockIdx.x * kWarps + (threadIdx.x >> 5));
-    for (int i = 0; i + 1 < r.depth; ++i) ring_issue(a, r);
-}
-
-// gemv_unit with its weights from the ring (the cursor reaches the same units in the same order).
-__device__ void gemv_unit_ring(const StepArgs& a, Ring& r, const Task& tk, int local, const __half* xs) {
-    int row, sub;
-    unit_lane(tk, local, row, sub);
-    const int chunks = tk.k >> 3, batches = unit_batches(tk);
-    float acc = 0.0f;
-    for (int b = 0; b < batches; ++b) {
-        ring_issue(a, r);
-        wait_copies(r.depth - 1);  // the oldest in flight: this batch
-        const uint4* src = r.slots + (r.used % r.depth) * kRingBatch + (threadIdx.x & 31);
-#pragma unroll
-        for (int e = 0; e < kLoads; ++e) {
-            const int c = sub + (b * kLoads + e) * tk.lanes;
-            if (c < chunks) {
-                float w[8], xv[8];
-                unpack8(src[e * 32], w);
-                unpack8(tk.xg ? load_act8(tk.xg + c * 8) : *reinterpret_cast<const uint4*>(xs + tk.x_off + c * 8), xv);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc = fmaf(w[j], xv[j], acc);
-            }
-        }
-        ++r.used;
+    if (tk.done) {
+        const int first = local * (32 / tk.lanes);
+        warp_signal(tk.done + first / tk.done_div, static_cast<unsigned>(min(32 / tk.lanes, tk.rows - first)));
     }
-    store_unit(tk, local, row, sub, acc);
 }
 
-__device__ void gemv_phase(const Phase& ph, const StepArgs& a, Ring& ring, int64_t slot, const Shared& sh,
-                           uint4 (&pre)[kLoads], bool loaded) {
+__device__ void gemv_phase(const Phase& ph, const __half* x, int64_t slot, const Shared& sh, uint4 (&pre)[kLoads],
+                           bool loaded) {
     const int units = ph.units;
     if (static_cast<int>(blockIdx.x) * kWarps >= units) return;  // no unit for this block: nothing to stage
-    stage_input(ph, a.x, slot, sh);
+    stage_input(ph, x, slot, sh);
     const int stride = gridDim.x * kWarps;
     int u = blockIdx.x * kWarps + (threadIdx.x >> 5);
     if (u >= units) return;
@@ -562,11 +439,7 @@ __device__ void gemv_phase(const Phase& ph, const StepArgs& a, Ring& ring, int64
         const Unit next_un = last ? un : find_unit(ph, u + stride);
         const Task& tk = ph.t[un.task];
         if (tk.dep) warp_wait(tk.dep, tk.dep_target);
-        if (ring.depth) {
-            gemv_unit_ring(a, ring, tk, un.local, sh.xs);
-        } else {
-            gemv_unit(tk, un.local, sh.xs, pre, loaded, !last, ph.t[next_un.task], next_un.local);
-        }
+        gemv_unit(tk, un.local, sh.xs, pre, loaded, !last, ph.t[next_un.task], next_un.local);
         loaded = !last;
         un = next_un;
     }
@@ -762,8 +635,8 @@ __device__ void reduce_phase(const Phase& ph) {
 // The next phase's first weights (GEMV) or this block's first head's state (time mix), loaded before the barrier
 // that starts it: constant weights, and a state only that phase touches. Returns whether `pre` holds them.
 template <typename S>
-__device__ bool prefetch(const Phase& ph, int64_t slot, bool ring, uint4 (&pre)[kLoads]) {
-    if (ph.kind == kGemv && !ring) {  // (with the ring, its cursor is ahead already)
+__device__ bool prefetch(const Phase& ph, int64_t slot, uint4 (&pre)[kLoads]) {
+    if (ph.kind == kGemv) {
         const int first = blockIdx.x * kWarps + (threadIdx.x >> 5);
         if (first >= ph.gemv_units) return false;
         const Unit un = find_unit(ph, first);
@@ -778,8 +651,8 @@ __device__ bool prefetch(const Phase& ph, int64_t slot, bool ring, uint4 (&pre)[
 }
 
 template <typename S>
-__device__ void run_phase(const Phase& ph, const StepArgs& a, Ring& ring, int64_t token, int64_t slot,
-                          const Shared& sh, uint4 (&pre)[kLoads], bool loaded) {
+__device__ void run_phase(const Phase& ph, const StepArgs& a, int64_t token, int64_t slot, const Shared& sh,
+                          uint4 (&pre)[kLoads], bool loaded) {
     if (ph.save_shift && blockIdx.x == 0) {
         __half* dst = ph.save_shift + slot * ph.C;
         for (int i = threadIdx.x; i < ph.C; i += kThreads) dst[i] = sh.saved[i];
@@ -795,7 +668,7 @@ __device__ void run_phase(const Phase& ph, const StepArgs& a, Ring& ring, int64_
         case kTimeMix: time_mix_phase<S>(ph, slot, sh, pre, loaded); break;
         case kSparse: sparse_phase(ph); break;
         case kReduce: reduce_phase(ph); break;
-        default: gemv_phase(ph, a, ring, slot, sh, pre, loaded); break;
+        default: gemv_phase(ph, a.x, slot, sh, pre, loaded); break;
     }
 }
 
@@ -824,14 +697,10 @@ __global__ void __launch_bounds__(kThreads, 2) step_kernel(StepArgs a, int stage
         if (threadIdx.x == 0)
             a.timeline[static_cast<int64_t>(p * 2 + which) * a.timeline_stride + blockIdx.x] = clock_ns();
     };
-    Ring ring{};
-    if (a.ring) {  // this warp's slots follow the scratch floats (a multiple of 16 bytes)
-        ring_start(a, ring, reinterpret_cast<uint4*>(sh.scratch + kScratch) + (threadIdx.x >> 5) * a.ring * kRingBatch);
-    }
     uint4 pre[kLoads];
     for (int p = 0; p < a.nphases; ++p) {
         const Phase& ph = a.phases[p];
-        const bool loaded = a.prefetch && prefetch<S>(ph, slot, a.ring > 0, pre);
+        const bool loaded = a.prefetch && prefetch<S>(ph, slot, pre);
         if (p > 0) {
             mark(p - 1, 1);
             grid_arrive(a.sync);
@@ -839,7 +708,7 @@ __global__ void __launch_bounds__(kThreads, 2) step_kernel(StepArgs a, int stage
             grid_wait(a.sync, static_cast<unsigned>(p) * gridDim.x);
         }
         mark(p, 0);
-        run_phase<S>(ph, a, ring, token, slot, sh, pre, loaded);
+        run_phase<S>(ph, a, token, slot, sh, pre, loaded);
     }
     mark(a.nphases - 1, 1);
     // The last block out zeroes the counters for the next launch: every block is past its last barrier and wait.
@@ -896,17 +765,8 @@ inline int staged_halves(const Dims& d) {
     const int R = d.rw + d.ra + d.rv + d.rg;
     return R > h ? R : h;
 }
-inline size_t shared_bytes(const Dims& d, int ring) {
-    return static_cast<size_t>(3 * d.C + staged_halves(d)) * sizeof(__half) + kScratch * sizeof(float) +
-           static_cast<size_t>(ring) * kWarps * kRingBatch * sizeof(uint4);
-}
-// The weight ring's depth for a requested one (0: none): the deepest, from 2 up to kMaxRing, with which
-// blocks_per_sm blocks fit a multiprocessor's shared memory (smem_per_sm; 1 KB a block reserved by the runtime).
-inline int ring_depth(const Dims& d, int requested, int blocks_per_sm, size_t smem_per_sm) {
-    if (requested <= 0) return 0;
-    int r = requested < kMaxRing ? (requested > 2 ? requested : 2) : kMaxRing;
-    while (r > 2 && static_cast<size_t>(blocks_per_sm) * (shared_bytes(d, r) + 1024) > smem_per_sm) --r;
-    return r;
+inline size_t shared_bytes(const Dims& d) {
+    return static_cast<size_t>(3 * d.C + staged_halves(d)) * sizeof(__half) + kScratch * sizeof(float);
 }
 // Workspace elements the model entries point to: x..hidden (fp16), partial (fp32), deps (uint32), logits (fp32).
 inline int64_t partial_floats(const Dims& d) {
@@ -1092,12 +952,11 @@ extern "C" int64_t rwkv7_step_build(const int64_t* dims, const int64_t* model, i
 // One step: `phases` (device memory, as built), token and slot device scalars (int64), emb [V, C], x [C], logits [V]
 // and deps (rwkv7_step_workspace(dims, 1) counters) as in the model entries, sync: two unsigned; sync and deps zeroed
 // (the kernel leaves them zero). The grid is every multiprocessor times blocks_per_sm (at most what fits), launched
-// cooperatively (all blocks resident). ring: the weight ring's depth asked for (ring_depth: 0 none, else 2..kMaxRing
-// as shared memory allows). timeline: null, or nphases * 2 * timeline_stride entries (at least the grid's blocks a
-// row) for StepArgs::timeline.
+// cooperatively (all blocks resident). timeline: null, or nphases * 2 * timeline_stride entries (at least the grid's
+// blocks a row) for StepArgs::timeline.
 extern "C" int rwkv7_step_launch(int device, int64_t stream, const void* phases, int nphases, const int64_t* dims,
                       const int64_t* token, const int64_t* slot, const void* emb, void* x, float* logits,
-                      unsigned* sync, unsigned* deps, int prefetch, int blocks_per_sm, int ring,
+                      unsigned* sync, unsigned* deps, int prefetch, int blocks_per_sm,
                       unsigned long long* timeline, int timeline_stride) {
     const step::Dims d = step::dims_from(dims);
     if (step::dims_unsupported(d)) return kErrUnsupported;
@@ -1108,12 +967,7 @@ extern "C" int rwkv7_step_launch(int device, int64_t stream, const void* phases,
     if (err == cudaSuccess && previous != device) err = cudaSetDevice(device);
     if (err != cudaSuccess) return err;
     auto kernel = d.state_half ? step::step_kernel<__half> : step::step_kernel<float>;
-    static int smem_per_sm[kMaxDevices] = {};
-    if (!smem_per_sm[device])
-        err = cudaDeviceGetAttribute(&smem_per_sm[device], cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-    if (err != cudaSuccess) return err;
-    ring = step::ring_depth(d, ring, blocks_per_sm, static_cast<size_t>(smem_per_sm[device]));
-    const size_t smem = step::shared_bytes(d, ring);
+    const size_t smem = step::shared_bytes(d);
     // The shared-memory limit, multiprocessors and resident blocks of the kernel on the device, queried once for each
     // shared-memory size (a model's): an eager step launches it every token.
     struct Residency {
@@ -1135,7 +989,7 @@ extern "C" int rwkv7_step_launch(int device, int64_t stream, const void* phases,
     if (err == cudaSuccess) {
         step::StepArgs args{static_cast<const step::Phase*>(phases), nphases, token, slot, d.num_slots, d.V,
                             static_cast<const __half*>(emb), static_cast<__half*>(x), logits, sync, deps,
-                            step::deps_count(d), prefetch, ring, timeline, timeline_stride};
+                            step::deps_count(d), prefetch, timeline, timeline_stride};
         const int staged = step::staged_halves(d);
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(static_cast<unsigned>(r.sms * per_sm));

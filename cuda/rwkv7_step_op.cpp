@@ -18,7 +18,7 @@ extern "C" int64_t rwkv7_step_build(const int64_t* dims, const int64_t* model, i
                                     const int64_t* layers, int layer_entries, void* out);
 extern "C" int rwkv7_step_launch(int device, int64_t stream, const void* phases, int nphases, const int64_t* dims,
                                  const int64_t* token, const int64_t* slot, const void* emb, void* x, float* logits,
-                                 unsigned* sync, unsigned* deps, int prefetch, int blocks_per_sm, int ring,
+                                 unsigned* sync, unsigned* deps, int prefetch, int blocks_per_sm,
                                  unsigned long long* timeline, int timeline_stride);
 extern "C" const char* rwkv7_step_error_string(int code);
 
@@ -73,12 +73,11 @@ torch::Tensor build(torch::Tensor dims, torch::Tensor model, torch::Tensor layer
 
 // One decode step: token/slot int64 device scalars; emb [V, C] and x [C] fp16, logits [V] fp32 (the tensors the
 // model entries point to); sync: 2 zeroed int32 on the device, deps: workspace(dims, 1) of them, zeroed (the kernel
-// leaves both zero). ring: the depth of the warps' weight rings asked for (0: none; the launcher fits it to shared
-// memory). timeline: empty, or int64 [nphases, 2, blocks] on the device (blocks at least the grid's), where
+// leaves both zero). timeline: empty, or int64 [nphases, 2, blocks] on the device (blocks at least the grid's), where
 // each block writes when it starts and ends each phase (ns; entries of blocks past the grid are left as they are).
 void launch(torch::Tensor program, torch::Tensor dims, torch::Tensor token, torch::Tensor slot, torch::Tensor emb,
             torch::Tensor x, torch::Tensor logits, torch::Tensor sync, torch::Tensor deps, int64_t prefetch,
-            int64_t blocks_per_sm, int64_t ring, torch::Tensor timeline, int64_t stream) {
+            int64_t blocks_per_sm, torch::Tensor timeline, int64_t stream) {
     TORCH_CHECK(program.is_cuda(), "rwkv7_step: the program must be on a CUDA device");
     const torch::Device device = program.device();
     check_dims(dims);
@@ -101,7 +100,7 @@ void launch(torch::Tensor program, torch::Tensor dims, torch::Tensor token, torc
                                       slot.data_ptr<int64_t>(), emb.data_ptr(), x.data_ptr(), logits.data_ptr<float>(),
                                       reinterpret_cast<unsigned*>(sync.data_ptr<int32_t>()),
                                       reinterpret_cast<unsigned*>(deps.data_ptr<int32_t>()), static_cast<int>(prefetch),
-                                      static_cast<int>(blocks_per_sm), static_cast<int>(ring),
+                                      static_cast<int>(blocks_per_sm),
                                       timed ? reinterpret_cast<unsigned long long*>(timeline.data_ptr<int64_t>())
                                             : nullptr,
                                       timed ? static_cast<int>(timeline.size(2)) : 0);
@@ -114,6 +113,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("workspace", &workspace, "workspace(dims, which): fp32 partial sums (0) and int32 counters (1) a step needs");
     m.def("build", &build, "build(dims, model, layers): the step's program (host bytes)");
     m.def("launch", &launch,
-          "launch(program, dims, token, slot, emb, x, logits, sync, deps, prefetch, blocks_per_sm, ring, timeline, "
-          "stream)");
+          "launch(program, dims, token, slot, emb, x, logits, sync, deps, prefetch, blocks_per_sm, timeline, stream)");
 }

@@ -7,8 +7,7 @@ random fp16 model (two heads, LoRA rows of 32-64 halves, several GEMV units a wa
 - logits against the fp32 readable forward of the same (fp16-rounded) weights: within 3x the drift of the
   readable forward run in fp16 itself (the issue's criterion for the half-precision paths), greedy tokens equal;
   the slot's states after the prompt likewise;
-- the same bits on every grid, with the prefetch ahead of the barriers on or off, and the weights through each
-  warp's ring in shared memory (2-4 batches) or through registers (a unit's sums do not depend
+- the same bits on every grid and with the prefetch ahead of the barriers on or off (a unit's sums do not depend
   on the warp or block that computes it, the sparse FFN value's chunks are fixed by the shape);
 - the FFN value K-major (partial sums + reduce) and row-major (one GEMV phase); fp32 and fp16 WKV states;
 - another slot's state untouched, an out-of-range slot: NaN logits and no state written, and the grid barrier's
@@ -49,7 +48,7 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     so.emu_step_workspace.argtypes = [p, ctypes.c_int]
     so.emu_step_workspace.restype = ctypes.c_int64
     so.emu_step_run.argtypes = [p, p, p, p, p, p, ctypes.c_int, ctypes.c_int, ctypes.c_uint, p,
-                                ctypes.c_int, ctypes.c_int]
+                                ctypes.c_int]
     return so
 
 
@@ -79,19 +78,19 @@ class Stepper:
         self.model_entries, self.layer_entries = step_entries(model, self.pool, self.ws)
 
     def step(self, token: int, slot: int, grid: int, prefetch: bool = True, seed: int = 1,
-             timeline: torch.Tensor | None = None, ring: int = 3) -> torch.Tensor:
+             timeline: torch.Tensor | None = None) -> torch.Tensor:
         tok, sl = torch.tensor([token]), torch.tensor([slot])
         rc = self.lib.emu_step_run(self.dims.data_ptr(), self.model_entries.data_ptr(), self.layer_entries.data_ptr(),
                                    tok.data_ptr(), sl.data_ptr(), self.ws.sync.data_ptr(), int(prefetch), grid, seed,
                                    None if timeline is None else timeline.data_ptr(),
-                                   0 if timeline is None else timeline.shape[2], ring)
+                                   0 if timeline is None else timeline.shape[2])
         assert rc == 0, f"emulated step failed: {rc}"
         assert self.ws.sync.tolist() == [0, 0], "the grid barrier's counters must be zero after a step"
         assert not self.ws.deps.any(), "the merged phases' counters must be zero after a step"
         return self.ws.logits.clone()
 
-    def run(self, tokens: list[int], slot: int, grid: int, prefetch: bool = True, ring: int = 3) -> list[torch.Tensor]:
-        return [self.step(t, slot, grid, prefetch, seed=grid * 31 + i, ring=ring) for i, t in enumerate(tokens)]
+    def run(self, tokens: list[int], slot: int, grid: int, prefetch: bool = True) -> list[torch.Tensor]:
+        return [self.step(t, slot, grid, prefetch, seed=grid * 31 + i) for i, t in enumerate(tokens)]
 
 
 def _reference(model: RWKV7, tokens: list[int], slot: int, wkv_dtype=torch.float32):
@@ -132,17 +131,15 @@ def test_step_matches_the_readable_forward(lib, references, k_major, merge):
 
 
 @pytest.mark.parametrize("k_major", [True, False], ids=["ffn-k-major", "ffn-row-major"])
-def test_same_bits_on_every_grid_prefetch_merge_and_ring(lib, k_major):
-    """Merged phases only change who waits for whom, the weight ring only where the weights wait: the same bits as
-    grid barriers and weights through registers."""
+def test_same_bits_on_every_grid_prefetch_and_merge(lib, k_major):
+    """Merged phases only change who waits for whom: the same bits as grid barriers."""
     model = _model("fp16", k_major)
     runs = {}
-    for grid, prefetch, merge, ring in ((1, True, True, 3), (2, True, True, 0), (3, False, True, 2),
-                                        (3, True, True, 4), (2, True, False, 3), (3, False, False, 0),
-                                        (3, True, False, 2)):
+    for grid, prefetch, merge in ((1, True, True), (2, True, True), (3, False, True), (3, True, True),
+                                  (2, True, False), (3, False, False)):
         stepper = Stepper(lib, model, torch.float32, merge)
-        logits = stepper.run(PROMPT[:3], 0, grid, prefetch, ring)
-        runs[(grid, prefetch, merge, ring)] = (torch.stack(logits), stepper.pool.wkv.clone(),
+        logits = stepper.run(PROMPT[:3], 0, grid, prefetch)
+        runs[(grid, prefetch, merge)] = (torch.stack(logits), stepper.pool.wkv.clone(),
                                          stepper.pool.att_shift.clone(), stepper.pool.ffn_shift.clone())
     first = next(iter(runs.values()))
     for key, got in runs.items():
@@ -191,12 +188,12 @@ class EmulatedKernel:
         self.programs[program.data_ptr()] = (dims, model, layers, program)
         return program
 
-    def launch(self, program, dims, token, slot, emb, x, logits, sync, deps, prefetch, blocks, ring, timeline,
+    def launch(self, program, dims, token, slot, emb, x, logits, sync, deps, prefetch, blocks, timeline,
                stream) -> None:
         d, model, layers, _ = self.programs[program.data_ptr()]
         rc = self.lib.emu_step_run(d.data_ptr(), model.data_ptr(), layers.data_ptr(), token.data_ptr(),
                                    slot.data_ptr(), sync.data_ptr(), prefetch, 2, 5,
-                                   timeline.data_ptr() if timeline.numel() else None, timeline.shape[-1], ring)
+                                   timeline.data_ptr() if timeline.numel() else None, timeline.shape[-1])
         assert rc == 0
 
 

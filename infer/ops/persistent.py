@@ -1,10 +1,9 @@
 """A batch-1 decode step as one persistent CUDA kernel (``cuda/rwkv7_step.cu``): every block of a co-resident
 grid walks every phase of every layer with a grid barrier between phases, instead of the fused path's ~8 launches a
-layer. Opt-in with ``RWKV_PERSISTENT=1``: as first built it ran at half the launches' speed on an H100
-(docs/BENCHMARKS.md). ``RWKV_PERSISTENT_BLOCKS``: blocks a multiprocessor, default 2; ``RWKV_PERSISTENT_PREFETCH=0``:
-no loads ahead of the barriers; ``RWKV_PERSISTENT_RING``: batches of each warp's weight ring in shared memory,
-default 4 (as many as fit), 0 for weights through registers. It takes fp16 dense weights (the FFN value K-major or
-row-major), fp32 or fp16 states, and steps of one token of one row; the fused forward runs everything else.
+layer. Opt-in with ``RWKV_PERSISTENT=1``: as built it runs at half the launches' speed on an H100 (docs/BENCHMARKS.md)
+(``RWKV_PERSISTENT_BLOCKS``: blocks a multiprocessor, default 2; ``RWKV_PERSISTENT_PREFETCH=0``: no loads ahead of
+the barriers). It takes fp16 dense weights (the FFN value K-major or row-major), fp32 or fp16 states, and steps of
+one token of one row; the fused forward runs everything else.
 
 This module builds what the kernel reads: the model's tensors as entries (data pointers, and each matrix's row
 stride after its pointer) in the kernel's order (:data:`MODEL_ENTRIES`, :data:`LAYER_ENTRIES`), and the workspace
@@ -164,7 +163,6 @@ class PersistentStep:
         self.blocks_per_sm = env_int("RWKV_PERSISTENT_BLOCKS", 2)
         self.prefetch = env_flag("RWKV_PERSISTENT_PREFETCH", True)
         self.merge = env_flag("RWKV_PERSISTENT_MERGE", True)
-        self.ring = env_int("RWKV_PERSISTENT_RING", 4)
         # model -> {state pool's tensors: (program, dims, workspace) or None}; a plan lives as long as its model (its
         # program holds the model's addresses)
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -208,7 +206,7 @@ class PersistentStep:
         device = model.emb.device
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0  # 0: the emulation's
         self._m.launch(program, dims, batch.tokens, batch.slots, model.emb, ws.x, ws.logits, ws.sync, ws.deps,
-                       int(self.prefetch), self.blocks_per_sm, self.ring, timeline, stream)
+                       int(self.prefetch), self.blocks_per_sm, timeline, stream)
 
 
 _step: BuildOnce[PersistentStep] = BuildOnce("persistent step kernel")
