@@ -1,9 +1,10 @@
 // One decode step of one sequence (batch 1, fp16 weights) as ONE persistent kernel: every block of a
 // co-resident grid walks every phase of every layer, with a grid-wide barrier between phases, instead of the
 // fused path's ~8 launches a layer chained by PDL (cuda/rwkv7_fused.cu). Opt-in (RWKV_PERSISTENT=1,
-// infer/ops/persistent.py): on an H100 it ran at half the launches' speed (1.5B 385 against 732 tok/s; bound by the
-// memory parallelism inside its phases, not by its barriers: docs/BENCHMARKS.md, thirty-fifth session;
-// bench/h200_pending.sh persistent-step; per phase: bench/profile_persistent.py).
+// infer/ops/persistent.py): on an H100 it runs at 0.56x the launches' speed (1.5B 409 against 731 tok/s). Timed per
+// phase (bench/profile_persistent.py; docs/BENCHMARKS.md, thirty-sixth session): not bound by its barriers (~1 us
+// each) or by the bytes in flight, but by a fixed ~6-8 us of every phase (staging, first round trip, slowest warp's
+// tail) that no other work overlaps while every block waits at every barrier: 97 us a 1.5B layer against ~57.
 //
 // Why: at batch 1 a 1.5B layer reads ~20 us of weights at 4.3 TB/s but takes ~48 us as launches, each
 // launch waiting for the whole of the one before (thirtieth session). A grid barrier costs ~1 us, and each

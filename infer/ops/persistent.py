@@ -1,6 +1,6 @@
 """A batch-1 decode step as one persistent CUDA kernel (``cuda/rwkv7_step.cu``): every block of a co-resident
 grid walks every phase of every layer with a grid barrier between phases, instead of the fused path's ~8 launches a
-layer. Opt-in with ``RWKV_PERSISTENT=1``: as built it runs at half the launches' speed on an H100 (docs/BENCHMARKS.md)
+layer. Opt-in with ``RWKV_PERSISTENT=1``: it runs at 0.56x the launches' speed on an H100 (docs/BENCHMARKS.md)
 (``RWKV_PERSISTENT_BLOCKS``: blocks a multiprocessor, default 2; ``RWKV_PERSISTENT_PREFETCH=0``: no loads ahead of
 the barriers). It takes fp16 dense weights (the FFN value K-major or row-major), fp32 or fp16 states, and steps of
 one token of one row; the fused forward runs everything else.
