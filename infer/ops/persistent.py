@@ -188,8 +188,7 @@ class PersistentStep:
 
     def logits(self, model: "RWKV7", batch: PackedBatch, state: StatePool) -> torch.Tensor:
         """[1, V] fp32 logits of the batch's one token; the slot's state is updated in place."""
-        self._launch(model, batch, state, self._no_timeline)
-        return self._plan(model, state)[2].logits.view(1, -1).clone()
+        return self._launch(model, batch, state, self._no_timeline).logits.view(1, -1).clone()
 
     def timeline(self, model: "RWKV7", batch: PackedBatch, state: StatePool, blocks: int) -> torch.Tensor:
         """One step as :meth:`logits` (the slot's state is updated), returning when each block started and ended each
@@ -201,12 +200,14 @@ class PersistentStep:
         self._launch(model, batch, state, out)
         return out
 
-    def _launch(self, model: "RWKV7", batch: PackedBatch, state: StatePool, timeline: torch.Tensor) -> None:
+    def _launch(self, model: "RWKV7", batch: PackedBatch, state: StatePool, timeline: torch.Tensor) -> Workspace:
+        """One step of the plan for ``model`` on ``state``; returns the plan's workspace (its logits)."""
         program, dims, ws = self._plan(model, state)
         device = model.emb.device
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0  # 0: the emulation's
         self._m.launch(program, dims, batch.tokens, batch.slots, model.emb, ws.x, ws.logits, ws.sync, ws.deps,
                        int(self.prefetch), self.blocks_per_sm, timeline, stream)
+        return ws
 
 
 _step: BuildOnce[PersistentStep] = BuildOnce("persistent step kernel")
