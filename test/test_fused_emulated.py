@@ -909,6 +909,10 @@ GEMV_WIDE_BAND_CASES = {
     # 4-bit: whole bands of 32 and halved ones (rows of 2,048 and more), groups of 64 and 128; 64 slices of groups
     "uint4-one-row": (1, [(40, 256, U4(64), EPI_NONE, True), (64, 2048, U4(64), EPI_NONE, False)]),
     "uint4-long-rows": (1, [(32, 8192, U4(128), EPI_NONE, False), (12, 4096, U4(64), EPI_SIGMOID, False)]),
+    # 4-bit slices cut short by K (8 warps: slices of 16 and 24 rows of words; 16 warps: 8 and 16), channels past n:
+    # a row alone takes the loop without bound checks (uint4_rows) and must give the bits of the same row among two
+    "uint4-short-slices": (2, [(24, 2112, U4(64), EPI_NONE, True), (40, 4160, U4(64), EPI_RELU_SQUARE, False),
+                               (36, 1600, U4(64), EPI_NONE, False), (20, 1088, U4(32), EPI_NONE, True)]),
     # 4-bit and int8 bands in one launch, eight rows
     "mixed-eight-rows": (8, [(40, 256, U4(64), EPI_RELU_SQUARE, True), (48, 512, I8_BAND, EPI_TANH, False),
                              (64, 2048, U4(64), EPI_NONE, False), (64, 1040, I8_BAND, EPI_NONE, True)]),
