@@ -113,7 +113,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sse-json  # 1.5B serving, 256 streams: chunks by hand vs encoder
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-dequant-bound  # W4 batch 1 without most of its dequantization
 #                                                                   # (timing only, in a copy of the tree)
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-rows  # ~9 min: the 4-bit loop at one row A/B (w4_before.cu)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engine-256  # ~6 min on a fresh machine: the 1.5B engine alone
 #                                                                   # at 256 requests (ramp, steady rate, its steps)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-step  # ~7 min on a fresh machine: the persistent
@@ -467,19 +466,6 @@ persistent-profile)  # where the persistent step's time goes (bench/profile_pers
         copy "$out"
     done
     fused_tests
-    ;;
-w4-rows)  # the 4-bit bands at one row without a bound check per row (uint4_rows: lanes past their slice read rows 0..
-    # with zero scales), against the loop before it (w4_before.cu: `git show <base>:cuda/rwkv7_fused.cu > w4_before.cu`,
-    # untracked): SASS of the 4-bit batch loop 403 -> 337 (16-byte words) and 499 -> 394 (8-byte), 0 spills. The tree's
-    # 4-bit GPU tests, then the 4-bit launches alone (7.2B, one row) and W4 decode at 1 and 2 rows, two rounds each
-    [ -f w4_before.cu ] || { echo "w4_before.cu is missing" | log; exit 1; }
-    build
-    tuning_cache
-    step 560 "A/B of the 4-bit loop at one row" env ROUNDS=2 bash bench/ab_kernels.sh "{ [ {name} != tree ] || \
-[ {round} = 2 ] || python -m pytest -q -x -p no:cacheprovider test/test_fused_cuda.py -k 'uint4 or gemv' | tail -2; } && \
-python bench/bench_gemv.py --size 7.2b --weights uint4 --out bench/results/experiment_ab_{name}_{round}_gemv_h200.json && \
-python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 1,2 --steps 30 --wkv cuda \
---no-checks --out {out}" w4_before.cu
     ;;
 engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
     # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them
