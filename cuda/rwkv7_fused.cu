@@ -2082,39 +2082,55 @@ __device__ __forceinline__ void load_uint4_batch(const GemvTask& task, int col, 
     load_uint4_meta(task, col, c, group, end, b);
 }
 
-// d[i / 2] += the batch's products for the lane's channel pair i / 2 (see above), `count` rows from c on. next >= 0:
-// b is refilled with the batch from row `next` on (load_uint4_batch; its group next_group) as its values are used.
-template <int M, int kWords>
-__device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int count, int end, int g, int col,
-                                                int next, int next_group, Uint4Batch<kWords>& b,
-                                                float (&d)[kWords / 2][4]) {
-    __half2 scale[kWords], zero[kWords];  // channel i's scale and zero in both halves
+// Channel i's scale and zero of the batch b in both halves of a pair.
+template <int kWords>
+__device__ __forceinline__ void spread_uint4_meta(const Uint4Batch<kWords>& b, __half2 (&scale)[kWords],
+                                                  __half2 (&zero)[kWords]) {
 #pragma unroll
     for (int i = 0; i < kWords; ++i) {
         const unsigned dup = i % 2 ? 0x3232u : 0x1010u;
         scale[i] = as_half2(__byte_perm(word_of(b.scale, i / 2), 0u, dup));
         zero[i] = as_half2(__byte_perm(word_of(b.zero, i / 2), 0u, dup));
     }
+}
+
+// d[i / 2] += the products of one row of the lane's words (channel pair i / 2, see above) with x's pairs of that row.
+// At one row the nibbles are taken with one shift a word (dequant_uint4x8_one_shift; the same weights).
+template <int M, int kWords>
+__device__ __forceinline__ void mma_uint4_words(const typename Uint4Lane<kWords>::Words& w,
+                                                const __half2 (&scale)[kWords], const __half2 (&zero)[kWords],
+                                                const uint32_t (&x)[4], float (&d)[kWords / 2][4]) {
+#pragma unroll
+    for (int h = 0; h < kWords / 2; ++h) {
+        uint32_t lo[4], hi[4];  // channels 2h (A's row g) and 2h + 1 (row g + 8)
+        if constexpr (M == 1) {
+            dequant_uint4x8_one_shift(word_of(w, 2 * h), scale[2 * h], zero[2 * h], lo);
+            dequant_uint4x8_one_shift(word_of(w, 2 * h + 1), scale[2 * h + 1], zero[2 * h + 1], hi);
+        } else {
+            dequant_uint4x8(word_of(w, 2 * h), scale[2 * h], zero[2 * h], lo);
+            dequant_uint4x8(word_of(w, 2 * h + 1), scale[2 * h + 1], zero[2 * h + 1], hi);
+        }
+        const uint32_t a0[4] = {lo[0], hi[0], lo[1], hi[1]}, a1[4] = {lo[2], hi[2], lo[3], hi[3]};
+        mma_16x8x16(d[h], a0, x[0], x[1]);
+        mma_16x8x16(d[h], a1, x[2], x[3]);
+    }
+}
+
+// d[i / 2] += the batch's products for the lane's channel pair i / 2 (see above), `count` rows from c on. next >= 0:
+// b is refilled with the batch from row `next` on (load_uint4_batch; its group next_group) as its values are used.
+template <int M, int kWords>
+__device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int count, int end, int g, int col,
+                                                int next, int next_group, Uint4Batch<kWords>& b,
+                                                float (&d)[kWords / 2][4]) {
+    __half2 scale[kWords], zero[kWords];
+    spread_uint4_meta(b, scale, zero);
     if (next >= 0) load_uint4_meta(task, col, next, next_group, end, b);  // first: the next batch starts with them
 #pragma unroll
     for (int j = 0; j < b.kLoads; ++j) {
         if (j >= count) break;  // block-uniform: every lane reaches every mma
         uint32_t x[4] = {0u, 0u, 0u, 0u};  // x row g (whatever the lane's channels), zeros past M or the rows
         if (g < M && c + j < end) load_x_pairs(task.x + int64_t(g) * task.k + (c + j) * 8, x);
-#pragma unroll
-        for (int h = 0; h < kWords / 2; ++h) {
-            uint32_t lo[4], hi[4];  // channels 2h (A's row g) and 2h + 1 (row g + 8)
-            if constexpr (M == 1) {
-                dequant_uint4x8_one_shift(word_of(b.w[j], 2 * h), scale[2 * h], zero[2 * h], lo);
-                dequant_uint4x8_one_shift(word_of(b.w[j], 2 * h + 1), scale[2 * h + 1], zero[2 * h + 1], hi);
-            } else {
-                dequant_uint4x8(word_of(b.w[j], 2 * h), scale[2 * h], zero[2 * h], lo);
-                dequant_uint4x8(word_of(b.w[j], 2 * h + 1), scale[2 * h + 1], zero[2 * h + 1], hi);
-            }
-            const uint32_t a0[4] = {lo[0], hi[0], lo[1], hi[1]}, a1[4] = {lo[2], hi[2], lo[3], hi[3]};
-            mma_16x8x16(d[h], a0, x[0], x[1]);
-            mma_16x8x16(d[h], a1, x[2], x[3]);
-        }
+        mma_uint4_words<M, kWords>(b.w[j], scale, zero, x, d);
         if (next >= 0) load_uint4_words(task, col, next, j, count, end, b);
     }
 }
@@ -2125,7 +2141,7 @@ __device__ __forceinline__ void mma_uint4_batch(const GemvTask& task, int c, int
 // finite). The same operations in the same order as mma_uint4_batch, so the same sums, without its bound checks,
 // predicated loads and counts per row: a batch of 16 words, 337 SASS instructions instead of 403 (16-byte words)
 // and 394 instead of 499 (8-byte words), 0 spills at 64 registers. Offsets, not pointers, and x loaded by the lanes
-// of column 0 only: 64-bit pointers or x loaded by every lane spilled.
+// of B's column 0 only: 64-bit pointers, or x loaded by every lane, spilled.
 struct Uint4Rows {  // where a lane's batch lies (32-bit offsets: fewer registers)
     int words;  // its words of the batch's first row, in words of its kWords channels (row j: + j * n / kWords)
     int row;    // that row (x's 8 values: 16-byte vector `row` of x)
@@ -2167,27 +2183,14 @@ __device__ __forceinline__ void mma_uint4_rows(const GemvTask& task, int g, cons
                                                const Uint4Rows& next, Uint4Batch<kWords>& b,
                                                float (&d)[kWords / 2][4]) {
     __half2 scale[kWords], zero[kWords];
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) {
-        const unsigned dup = i % 2 ? 0x3232u : 0x1010u;
-        scale[i] = as_half2(__byte_perm(word_of(b.scale, i / 2), 0u, dup));
-        zero[i] = as_half2(__byte_perm(word_of(b.zero, i / 2), 0u, dup));
-    }
+    spread_uint4_meta(b, scale, zero);
     if (more) load_uint4_meta(task, next, b);
     const int stride = task.n / kWords;
 #pragma unroll
     for (int j = 0; j < b.kLoads; ++j) {
         uint32_t x[4] = {0u, 0u, 0u, 0u};  // B's column g: only column 0 is stored
         if (g == 0) load_x_pairs(task.x + (r.row + j) * 8, x);
-#pragma unroll
-        for (int h = 0; h < kWords / 2; ++h) {
-            uint32_t lo[4], hi[4];
-            dequant_uint4x8_one_shift(word_of(b.w[j], 2 * h), scale[2 * h], zero[2 * h], lo);
-            dequant_uint4x8_one_shift(word_of(b.w[j], 2 * h + 1), scale[2 * h + 1], zero[2 * h + 1], hi);
-            const uint32_t a0[4] = {lo[0], hi[0], lo[1], hi[1]}, a1[4] = {lo[2], hi[2], lo[3], hi[3]};
-            mma_16x8x16(d[h], a0, x[0], x[1]);
-            mma_16x8x16(d[h], a1, x[2], x[3]);
-        }
+        mma_uint4_words<1, kWords>(b.w[j], scale, zero, x, d);
         if (more) b.w[j] = __ldcs(uint4_words<kWords>(task) + (next.words + j * stride));
     }
 }
