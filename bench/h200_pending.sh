@@ -113,6 +113,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sse-json  # 1.5B serving, 256 streams: chunks by hand vs encoder
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-dequant-bound  # W4 batch 1 without most of its dequantization
 #                                                                   # (timing only, in a copy of the tree)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-split  # ~7 min on a fresh machine: W4 at one row with full
+#                                                                   # 4-bit bands against halved ones
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engine-256  # ~6 min on a fresh machine: the 1.5B engine alone
 #                                                                   # at 256 requests (ramp, steady rate, its steps)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-step  # ~7 min on a fresh machine: the persistent
@@ -466,6 +468,25 @@ persistent-profile)  # where the persistent step's time goes (bench/profile_pers
         copy "$out"
     done
     fused_tests
+    ;;
+w4-split)  # 4-bit tasks in full bands of 32 channels (16-byte words: the one-row loop's 337 SASS instructions a batch
+    # of 16 words) against halved bands (8-byte words: 394) for rows of 2,048 columns and more: the default
+    # (RWKV_UINT4_SPLIT_MIN_K=2048: at 7.2B every matrix halves) against 8192 (only the FFN value halves) and 1000000
+    # (none). 7.2B and 1.5B W4 at one row: the launches alone (7.2B) and decode, two rounds
+    build_fused
+    tuning_cache
+    for round in 1 2; do
+        for mk in 2048 8192 1000000; do
+            step 60 "4-bit launches, split from K $mk, round $round" env RWKV_UINT4_SPLIT_MIN_K=$mk python \
+                bench/bench_gemv.py --size 7.2b --weights uint4 \
+                --out "bench/results/experiment_w4_split${mk}_${round}_gemv_h200.json"
+            step 90 "W4 decode, split from K $mk, round $round" env RWKV_UINT4_SPLIT_MIN_K=$mk python \
+                bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 1 --steps 30 \
+                --wkv cuda --no-checks --out "bench/results/experiment_w4_split${mk}_${round}_h200.json"
+            copy "bench/results/experiment_w4_split${mk}_${round}_gemv_h200.json" \
+                "bench/results/experiment_w4_split${mk}_${round}_h200.json"
+        done
+    done
     ;;
 engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
     # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them

@@ -3134,6 +3134,14 @@ inline int64_t gemv_split_rows() {
     return value;
 }
 
+// 4-bit tasks halve their band at rows of at least this many columns: kUint4SplitMinK, RWKV_UINT4_SPLIT_MIN_K
+// instead if set (read once; for A/B timing of full bands, whose one-row loop issues a sixth fewer instructions per
+// word than a halved band's).
+inline int64_t uint4_split_min_k() {
+    static const int64_t value = env_int("RWKV_UINT4_SPLIT_MIN_K", kUint4SplitMinK);
+    return value;
+}
+
 inline void plan_gemv_splits(GemvArgs& args) {
     int64_t units = 0;
     for (int i = 0; i < args.count; ++i) {
@@ -3147,7 +3155,7 @@ inline void plan_gemv_splits(GemvArgs& args) {
             const GemvTask& t = args.task[i];
             const int slice = gemv_vectors(t) / t.splits;
             const bool splittable = t.weight_type == kWeightUint4
-                                        ? t.splits < kUint4MaxSplits && t.k >= kUint4SplitMinK
+                                        ? t.splits < kUint4MaxSplits && t.k >= uint4_split_min_k()
                                         : t.weight_type != kWeightInt8Band && t.splits < kGemvWarps &&
                                               t.rows_per_warp == 1 && slice % 2 == 0 && slice / 2 >= kGemvMinSlice;
             if (splittable && slice > best_slice) {
