@@ -472,8 +472,9 @@ persistent-profile)  # where the persistent step's time goes (bench/profile_pers
 w4-split)  # 4-bit tasks in full bands of 32 channels (16-byte words: the one-row loop's 337 SASS instructions a batch
     # of 16 words) against halved bands (8-byte words: 394) for rows of 2,048 columns and more: the default
     # (RWKV_UINT4_SPLIT_MIN_K=2048: at 7.2B every matrix halves) against 8192 (only the FFN value halves) and 1000000
-    # (none). 7.2B and 1.5B W4 at one row: the launches alone (7.2B) and decode, two rounds
-    build_fused
+    # (none). 7.2B and 1.5B W4 at one row: the launches alone (7.2B) and decode, two rounds (the 4-bit models load the
+    # W8A16 extension too: build both first)
+    build
     tuning_cache
     for round in 1 2; do
         for mk in 2048 8192 1000000; do
