@@ -115,6 +115,8 @@
 #                                                                   # (timing only, in a copy of the tree)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-split  # ~7 min on a fresh machine: W4 at one row with full
 #                                                                   # 4-bit bands against halved ones
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-x-staged  # ~9 min: halved 4-bit bands reading x from shared
+#                                                                   # memory (bench/variants/uint4_x_staged.patch), A/B
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engine-256  # ~6 min on a fresh machine: the 1.5B engine alone
 #                                                                   # at 256 requests (ramp, steady rate, its steps)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-step  # ~7 min on a fresh machine: the persistent
@@ -488,6 +490,21 @@ w4-split)  # 4-bit tasks in full bands of 32 channels (16-byte words: the one-ro
                 "bench/results/experiment_w4_split${mk}_${round}_h200.json"
         done
     done
+    ;;
+w4-x-staged)  # prepared, not yet timed: bench/variants/uint4_x_staged.patch (halved 4-bit bands at one row read x's
+    # pairs from a copy staged in shared memory: SASS 395 -> 319 a batch). Its 4-bit GPU tests (round 1, into
+    # experiment_ab_x_staged_tests.txt), then the 7.2B 4-bit launches alone and W4 decode at 1 and 2 rows against the
+    # tree, two rounds each
+    cp cuda/rwkv7_fused.cu x_staged.cu && patch -s x_staged.cu < bench/variants/uint4_x_staged.patch || exit 1
+    build
+    tuning_cache
+    step 560 "A/B of x's pairs staged in shared memory" env ROUNDS=2 bash bench/ab_kernels.sh "{ [ {name} = tree ] || \
+[ {round} = 2 ] || { python -m pytest -q -x -p no:cacheprovider test/test_fused_cuda.py -k 'uint4 or gemv' \
+> bench/results/experiment_ab_{name}_tests.txt 2>&1; tail -1 bench/results/experiment_ab_{name}_tests.txt; }; } && \
+python bench/bench_gemv.py --size 7.2b --weights uint4 --out bench/results/experiment_ab_{name}_{round}_gemv_h200.json && \
+python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 1,2 --steps 30 --wkv cuda \
+--no-checks --out {out}" x_staged.cu
+    rm -f x_staged.cu
     ;;
 engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
     # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them
