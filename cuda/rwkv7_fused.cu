@@ -2253,7 +2253,7 @@ __device__ __forceinline__ void gemv_uint4_band(const GemvTask& task, float (&ba
             }
         }
 #pragma unroll 1
-        for (int c = whole ? begin + slice : begin, last = begin + slice; c < last;) {
+        for (int c = whole ? begin + slice : begin, last = begin + slice; c < last;) {  // (whole: done above)
             const int next = c + count;
             const bool new_group = batches_left == 1;
             // counted at one row; a division at more rows, whose 16-warp kernels spill with the counters held
