@@ -113,10 +113,9 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh sse-json  # 1.5B serving, 256 streams: chunks by hand vs encoder
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-dequant-bound  # W4 batch 1 without most of its dequantization
 #                                                                   # (timing only, in a copy of the tree)
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-split  # ~7 min on a fresh machine: W4 at one row with full
-#                                                                   # 4-bit bands against halved ones
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-x-staged  # ~9 min: halved 4-bit bands reading x from shared
-#                                                                   # memory (bench/variants/uint4_x_staged.patch), A/B
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-bands  # ~9 min on a fresh machine: W4 at one row with full
+#                                                                   # 4-bit bands, halved ones, and halved ones reading x
+#                                                                   # from shared memory (uint4_x_staged.patch)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engine-256  # ~6 min on a fresh machine: the 1.5B engine alone
 #                                                                   # at 256 requests (ramp, steady rate, its steps)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-step  # ~7 min on a fresh machine: the persistent
@@ -471,39 +470,23 @@ persistent-profile)  # where the persistent step's time goes (bench/profile_pers
     done
     fused_tests
     ;;
-w4-split)  # 4-bit tasks in full bands of 32 channels (16-byte words: the one-row loop's 337 SASS instructions a batch
-    # of 16 words) against halved bands (8-byte words: 394) for rows of 2,048 columns and more: the default
-    # (RWKV_UINT4_SPLIT_MIN_K=2048: at 7.2B every matrix halves) against 8192 (only the FFN value halves) and 1000000
-    # (none). 7.2B and 1.5B W4 at one row: the launches alone (7.2B) and decode, two rounds (the 4-bit models load the
-    # W8A16 extension too: build both first)
-    build
-    tuning_cache
-    for round in 1 2; do
-        for mk in 2048 8192 1000000; do
-            step 60 "4-bit launches, split from K $mk, round $round" env RWKV_UINT4_SPLIT_MIN_K=$mk python \
-                bench/bench_gemv.py --size 7.2b --weights uint4 \
-                --out "bench/results/experiment_w4_split${mk}_${round}_gemv_h200.json"
-            step 90 "W4 decode, split from K $mk, round $round" env RWKV_UINT4_SPLIT_MIN_K=$mk python \
-                bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 1 --steps 30 \
-                --wkv cuda --no-checks --out "bench/results/experiment_w4_split${mk}_${round}_h200.json"
-            copy "bench/results/experiment_w4_split${mk}_${round}_gemv_h200.json" \
-                "bench/results/experiment_w4_split${mk}_${round}_h200.json"
-        done
-    done
-    ;;
-w4-x-staged)  # prepared, not yet timed: bench/variants/uint4_x_staged.patch (halved 4-bit bands at one row read x's
-    # pairs from a copy staged in shared memory: SASS 395 -> 319 a batch). Its 4-bit GPU tests (round 1, into
-    # experiment_ab_x_staged_tests.txt), then the 7.2B 4-bit launches alone and W4 decode at 1 and 2 rows against the
-    # tree, two rounds each
+w4-bands)  # the 4-bit bands at one row, three ways in one call: halved bands (8-byte words, the one-row loop 394 SASS
+    # instructions a batch of 16 words) from 2,048 columns (the default RWKV_UINT4_SPLIT_MIN_K: at 7.2B every matrix),
+    # full bands of 32 channels (16-byte words: 337) everywhere (RWKV_UINT4_SPLIT_MIN_K=1000000), and halved bands
+    # reading x's pairs from a copy staged in shared memory (bench/variants/uint4_x_staged.patch: 319). Its 4-bit GPU
+    # tests first (experiment_ab_x_staged_tests.txt); then per variant and round the 7.2B 4-bit launches alone
+    # (round 1) and W4 decode at 1 and 2 rows (7.2B, 1.5B), two rounds. The 4-bit models load the W8A16 extension too
     cp cuda/rwkv7_fused.cu x_staged.cu && patch -s x_staged.cu < bench/variants/uint4_x_staged.patch || exit 1
     build
     tuning_cache
-    step 560 "A/B of x's pairs staged in shared memory" env ROUNDS=2 bash bench/ab_kernels.sh "{ [ {name} = tree ] || \
-[ {round} = 2 ] || { python -m pytest -q -x -p no:cacheprovider test/test_fused_cuda.py -k 'uint4 or gemv' \
+    step 480 "A/B of full, halved and x-staged 4-bit bands" env ROUNDS=2 bash bench/ab_kernels.sh '{ [ {name} = tree ] \
+|| [ {round} = 2 ] || { python -m pytest -q -x -p no:cacheprovider test/test_fused_cuda.py -k "uint4 or gemv" \
 > bench/results/experiment_ab_{name}_tests.txt 2>&1; tail -1 bench/results/experiment_ab_{name}_tests.txt; }; } && \
-python bench/bench_gemv.py --size 7.2b --weights uint4 --out bench/results/experiment_ab_{name}_{round}_gemv_h200.json && \
-python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 1,2 --steps 30 --wkv cuda \
---no-checks --out {out}" x_staged.cu
+for mk in 2048 1000000; do [ {name} = tree ] || [ $mk = 2048 ] || continue; tag={name}_k$mk; \
+[ {round} = 2 ] || RWKV_UINT4_SPLIT_MIN_K=$mk python bench/bench_gemv.py --size 7.2b --weights uint4 \
+--out bench/results/experiment_ab_${tag}_gemv_h200.json; RWKV_UINT4_SPLIT_MIN_K=$mk python bench/bench_decode.py \
+--engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 1,2 --steps 30 --wkv cuda --no-checks \
+--out bench/results/experiment_ab_${tag}_{round}_h200.json; done' x_staged.cu
     rm -f x_staged.cu
     ;;
 engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
