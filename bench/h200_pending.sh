@@ -493,7 +493,7 @@ engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HT
     # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them
     # (twenty-sixth session). The engine alone (no HTTP, no event loop), 256 requests of 256 tokens, twice: its ramp
     # (last first token), steady tok/s after it, its steps' mean duration and how many ran ahead; the forward at 256
-    # rows in the same call
+    # rows and the HTTP server at 256 streams in the same call
     build_fused
     step 120 "1.5b decode, batch 256" python bench/bench_decode.py --sizes 1.5b --batches 256 --wkv cuda --no-checks \
         --out bench/results/decode_h200_1.5b_b256_engine.json
@@ -504,6 +504,10 @@ engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HT
             --out "bench/results/engine_h200_1.5b_256_$round.json"
         copy "bench/results/engine_h200_1.5b_256_$round.json"
     done
+    # the HTTP server on the same machine: 256 streams of 256 tokens, the engine's and the forward's figures beside it
+    step 110 "HTTP 1.5B, 256 streams" env NAME=h200_1.5b_engine256 LEVELS=256 MAX_TOKENS=256 \
+        MODEL=/tmp/rwkv7-1.5b-random-fp16.pth N_LAYER=24 N_EMBD=2048 bash bench/h200_serving.sh
+    copy bench/results/serving_h200_1.5b_engine256.json
     ;;
 graphs-recheck)  # the graph GPU tests alone, then the sampler-capture test (it failed once after the fused tests
     # in one process, verify-fused) three times alone: order or chance?
