@@ -116,6 +116,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-bands  # ~9 min on a fresh machine: W4 at one row with full
 #                                                                   # 4-bit bands, halved ones, and halved ones reading x
 #                                                                   # from shared memory (uint4_x_staged.patch)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-halve  # ~7 min on a fresh machine: which 4-bit launches
+#                                                                   # halve their bands, A/B, then the 4-bit GPU tests
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engine-256  # ~6 min on a fresh machine: the 1.5B engine alone
 #                                                                   # at 256 requests (ramp, steady rate, its steps)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-step  # ~7 min on a fresh machine: the persistent
@@ -488,6 +490,27 @@ for mk in 2048 1000000; do [ {name} = tree ] || [ $mk = 2048 ] || continue; tag=
 --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 1,2 --steps 30 --wkv cuda --no-checks \
 --out bench/results/experiment_ab_${tag}_{round}_h200.json; done' x_staged.cu
     rm -f x_staged.cu
+    ;;
+w4-halve)  # which 4-bit launches halve their bands (kUint4HalveBelowBlocks: launches of fewer than 448 blocks of full
+    # bands, at 7.2B the output projection and FFN value, at 1.5B every layer launch) against halving every 4-bit
+    # task of 2,048 columns or more (RWKV_UINT4_HALVE_BELOW_BLOCKS=1000000, as before): W4 decode at 1-8 rows (7.2B,
+    # 1.5B), two rounds; the 7.2B launches alone; then the 4-bit and GEMV GPU tests
+    build
+    tuning_cache
+    for round in 1 2; do
+        for below in 448 1000000; do
+            out=bench/results/experiment_w4_halve${below}_${round}_h200.json
+            step 90 "W4 decode, halve below $below blocks, round $round" env RWKV_UINT4_HALVE_BELOW_BLOCKS=$below \
+                python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b --batches 1,2,4,8 \
+                --steps 30 --wkv cuda --no-checks --out "$out"
+            copy "$out"
+        done
+    done
+    step 60 "4-bit launches alone" python bench/bench_gemv.py --size 7.2b --weights uint4 \
+        --out bench/results/experiment_w4_halve448_gemv_h200.json
+    copy bench/results/experiment_w4_halve448_gemv_h200.json
+    step 150 "4-bit and GEMV GPU tests" python -m pytest -q -rf -p no:cacheprovider test/test_fused_cuda.py \
+        test/test_quant_cuda.py -k "uint4 or gemv or w4 or A16W4 or invariance"
     ;;
 engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
     # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them

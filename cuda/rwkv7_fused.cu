@@ -1959,6 +1959,12 @@ __device__ __forceinline__ void store_band_sums(const GemvTask& task, const floa
 constexpr int kUint4Band = 32;      // output channels per block at splits == 1
 constexpr int kUint4MaxSplits = 2;  // 16 channels at the most
 constexpr int kUint4SplitMinK = 2048;  // only long rows are worth the narrower loads of a halved band
+// ... and only in launches of fewer blocks of full bands than this. With more (7.2B's r/k/v + LoRAs, 712 blocks,
+// and FFN key, 512) full bands, whose one-row loop issues a sixth fewer instructions a word, beat halving on the
+// H200 (12.7 against 14.6 us, 13.3 against 16.2); with fewer (7.2B's output and FFN value, 128; 1.5B's launches,
+// 328 at most) halving won (5.5 against 5.9 us, 15.1 against 18.5; 1.5B W4 batch 1 1,129 against 976 tok/s).
+// bench/results/experiment_ab_tree_k*_h200.json (thirty-eighth session)
+constexpr int kUint4HalveBelowBlocks = 448;
 // Bytes of words in flight per lane: 4 rows of 16-byte loads, or 8 of 8-byte ones in a halved band (16
 // registers either way: see gemv_kernel). With 4 rows of 8 bytes in a halved band (most of a 7.2B layer's
 // matrices), a layer at batch 1 took 86 us on an H200, the per-thread version with 64 bytes 76 us.
@@ -3142,6 +3148,13 @@ inline int64_t uint4_split_min_k() {
     return value;
 }
 
+// 4-bit tasks keep full bands in launches of at least this many blocks of full bands: kUint4HalveBelowBlocks,
+// RWKV_UINT4_HALVE_BELOW_BLOCKS instead if set (read once; for A/B timing). Shapes only: the same plan at any rows.
+inline int64_t uint4_halve_below_blocks() {
+    static const int64_t value = env_int("RWKV_UINT4_HALVE_BELOW_BLOCKS", kUint4HalveBelowBlocks);
+    return value;
+}
+
 inline void plan_gemv_splits(GemvArgs& args) {
     int64_t units = 0;
     for (int i = 0; i < args.count; ++i) {
@@ -3149,13 +3162,14 @@ inline void plan_gemv_splits(GemvArgs& args) {
         args.task[i].rows_per_warp = gemv_rows_per_warp(args.task[i]);
         units += gemv_units(args.task[i], 1);
     }
+    const bool uint4_halves = units < uint4_halve_below_blocks() * kGemvWarps;
     while (units < gemv_split_rows()) {
         int best = -1, best_slice = 0;
         for (int i = 0; i < args.count; ++i) {
             const GemvTask& t = args.task[i];
             const int slice = gemv_vectors(t) / t.splits;
             const bool splittable = t.weight_type == kWeightUint4
-                                        ? t.splits < kUint4MaxSplits && t.k >= uint4_split_min_k()
+                                        ? uint4_halves && t.splits < kUint4MaxSplits && t.k >= uint4_split_min_k()
                                         : t.weight_type != kWeightInt8Band && t.splits < kGemvWarps &&
                                               t.rows_per_warp == 1 && slice % 2 == 0 && slice / 2 >= kGemvMinSlice;
             if (splittable && slice > best_slice) {
