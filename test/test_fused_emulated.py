@@ -832,6 +832,33 @@ GEMV_ROWS_PER_WARP = {"one-row": [8], "lora-and-ffn": [16, 16, 16, 8, 4], "eight
                       "lora-up": [16, 16, 4, 32]}
 
 
+# The 4-bit model's GEMV launches at batch 1 (RELEASED_LORA_RANKS; W4 r/k/v, output, FFN and head, fp16 LoRAs): which
+# 4-bit tasks halve their band (splits 2). Launches of fewer than kUint4HalveBelowBlocks (448) blocks of full bands
+# halve those of 2,048 columns or more; larger ones keep full bands (measured on the H200, thirty-eighth session).
+def _w4_launches(C: int, ranks: tuple[int, int, int, int]) -> dict[str, list[tuple[int, int, str]]]:
+    rw, ra, rv, rg = ranks
+    loras = [(r, C, F16) for r in (rw, ra, rg, rv)] + [(C, r, F16) for r in (rw, ra, rg, rv)]
+    return {"r/k/v + LoRAs": loras + [(C, C, "u4")] * 3, "output": [(C, C, "u4")],
+            "FFN key": [(4 * C, C, "u4")], "FFN value": [(C, 4 * C, "u4")], "head": [(65536, C, "u4")]}
+
+
+W4_HALVED = {2048: {"r/k/v + LoRAs": True, "output": True, "FFN key": True, "FFN value": True, "head": False},
+             4096: {"r/k/v + LoRAs": False, "output": True, "FFN key": False, "FFN value": True, "head": False}}
+
+
+@pytest.mark.parametrize("C", sorted(W4_HALVED))
+def test_uint4_bands_halve_in_small_launches(C, libs):
+    from infer.random_model import RELEASED_LORA_RANKS
+    so = libs["fused-cuda"]
+    for launch, specs in _w4_launches(C, RELEASED_LORA_RANKS[C]).items():
+        splits, rows_per_warp = (ctypes.c_int * len(specs))(), (ctypes.c_int * len(specs))()
+        so.emu_fused_gemv_splits(len(specs), _ints([n for n, _, _ in specs], ctypes.c_int64),
+                                 _ints([k for _, k, _ in specs], ctypes.c_int64),
+                                 _ints([WEIGHT_TYPE[w] for _, _, w in specs], ctypes.c_int), splits, rows_per_warp)
+        uint4 = [s for s, (_, _, w) in zip(splits, specs) if w == "u4"]
+        assert uint4 == [2 if W4_HALVED[C][launch] else 1] * len(uint4), (C, launch, list(splits))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", GEMV_CASES)
 def test_gemv(variant, case, libs):
