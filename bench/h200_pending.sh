@@ -494,7 +494,7 @@ for mk in 2048 1000000; do [ {name} = tree ] || [ $mk = 2048 ] || continue; tag=
 w4-halve)  # which 4-bit launches halve their bands (kUint4HalveBelowBlocks: launches of fewer than 448 blocks of full
     # bands, at 7.2B the output projection and FFN value, at 1.5B every layer launch) against halving every 4-bit
     # task of 2,048 columns or more (RWKV_UINT4_HALVE_BELOW_BLOCKS=1000000, as before): W4 decode at 1-8 rows (7.2B,
-    # 1.5B), two rounds; the 7.2B launches alone; then the 4-bit and GEMV GPU tests
+    # 1.5B), round 1; the 4-bit and GEMV GPU tests; round 2; the 7.2B launches alone
     build
     tuning_cache
     for round in 1 2; do
@@ -505,12 +505,12 @@ w4-halve)  # which 4-bit launches halve their bands (kUint4HalveBelowBlocks: lau
                 --steps 30 --wkv cuda --no-checks --out "$out"
             copy "$out"
         done
+        [ $round = 2 ] || step 150 "4-bit and GEMV GPU tests" python -m pytest -q -rf -p no:cacheprovider \
+            test/test_fused_cuda.py test/test_quant_cuda.py -k "uint4 or gemv or w4 or A16W4 or invariance"
     done
     step 60 "4-bit launches alone" python bench/bench_gemv.py --size 7.2b --weights uint4 \
         --out bench/results/experiment_w4_halve448_gemv_h200.json
     copy bench/results/experiment_w4_halve448_gemv_h200.json
-    step 150 "4-bit and GEMV GPU tests" python -m pytest -q -rf -p no:cacheprovider test/test_fused_cuda.py \
-        test/test_quant_cuda.py -k "uint4 or gemv or w4 or A16W4 or invariance"
     ;;
 engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
     # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them
