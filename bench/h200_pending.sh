@@ -11,8 +11,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh quick     # after a kernel change: decode, PDL A/B, profile, prefill, W8
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh check-serve  # after a kernel change: fused GPU tests, then serving
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh batched   # the large-batch path: GPU tests, decode, profile, prefill
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite   # GemLite GPU tests, A16W8 decode (tunes Triton kernels)
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite2  # GemLite A16W4 decode, every engine's accuracy on the GPU
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh split     # GEMV row splitting: fused GPU tests, decode A/B, profile
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh gemlite-gemv  # GemLite A16W8_INT8 decode on the fused GEMV
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh hopper-w8 # the Hopper W8A16 GEMM: GPU tests, GEMMs alone, decode
@@ -116,6 +114,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-bands  # ~9 min on a fresh machine: W4 at one row with full
 #                                                                   # 4-bit bands, halved ones, and halved ones reading x
 #                                                                   # from shared memory (uint4_x_staged.patch)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh graphs-recheck  # graph GPU tests, then the sampler-capture test x3
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh admission-check  # graph GPU tests, 1.5B 128 streams 4 ms apart x3
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-halve  # ~7 min on a fresh machine: which 4-bit launches
 #                                                                   # halve their bands, A/B, then the 4-bit GPU tests
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engine-256  # ~6 min on a fresh machine: the 1.5B engine alone
