@@ -1959,11 +1959,13 @@ __device__ __forceinline__ void store_band_sums(const GemvTask& task, const floa
 constexpr int kUint4Band = 32;      // output channels per block at splits == 1
 constexpr int kUint4MaxSplits = 2;  // 16 channels at the most
 constexpr int kUint4SplitMinK = 2048;  // only long rows are worth the narrower loads of a halved band
-// ... and only in launches of fewer blocks of full bands than this. With more (7.2B's r/k/v + LoRAs, 712 blocks,
-// and FFN key, 512) full bands, whose one-row loop issues a sixth fewer instructions a word, beat halving on the
-// H200 (12.7 against 14.6 us, 13.3 against 16.2); with fewer (7.2B's output and FFN value, 128; 1.5B's launches,
-// 328 at most) halving won (5.5 against 5.9 us, 15.1 against 18.5; 1.5B W4 batch 1 1,129 against 976 tok/s).
-// bench/results/experiment_ab_tree_k*_h200.json (thirty-eighth session)
+// ... and only in launches of fewer blocks of full bands than this. With more (7.2B's r/k/v with the LoRAs, 488
+// blocks, 712 with their staged second halves, and FFN key, 512) full bands, whose one-row loop issues a sixth fewer
+// instructions a word, beat halving on the H200 (12.7 against 14.6 us, 13.3 against 16.2); with fewer (7.2B's output
+// and FFN value, 128; 1.5B's layer launches, 328 at most) halving won (5.5 against 5.9 us, 15.1 against 18.5; 1.5B
+// W4 batch 1 1,129 against 976 tok/s with every launch on full bands). The head (2,048 at either size) keeps full
+// bands. W4 7.2B batch 1 +7.5 % on an H100, 1.5B within 0.5 % (bench/results/experiment_ab_tree_k*_h200.json,
+// experiment_w4_halve*_h100.json; thirty-eighth session).
 constexpr int kUint4HalveBelowBlocks = 448;
 // Bytes of words in flight per lane: 4 rows of 16-byte loads, or 8 of 8-byte ones in a halved band (16
 // registers either way: see gemv_kernel). With 4 rows of 8 bytes in a halved band (most of a 7.2B layer's
