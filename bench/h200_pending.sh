@@ -511,6 +511,11 @@ w4-halve)  # which 4-bit launches halve their bands (kUint4HalveBelowBlocks: lau
     step 60 "4-bit launches alone" python bench/bench_gemv.py --size 7.2b --weights uint4 \
         --out bench/results/experiment_w4_halve448_gemv_h200.json
     copy bench/results/experiment_w4_halve448_gemv_h200.json
+    # the rule's round 2 as the summary's W4 figure (bench/summarize.py reads decode_h200*), on an H200 only
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+        cp bench/results/experiment_w4_halve448_2_h200.json bench/results/decode_h200_w4_halve.json &&
+            copy bench/results/decode_h200_w4_halve.json
+    fi
     ;;
 engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
     # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them
