@@ -832,6 +832,16 @@ GEMV_ROWS_PER_WARP = {"one-row": [8], "lora-and-ffn": [16, 16, 16, 8, 4], "eight
                       "lora-up": [16, 16, 4, 32]}
 
 
+def gemv_plan(so: ctypes.CDLL, tasks: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
+    """pack_gemv's plan (plan_gemv_splits) of a launch of (n, k, weight type code) tasks: each task's splits and rows
+    per warp."""
+    splits, rows_per_warp = (ctypes.c_int * len(tasks))(), (ctypes.c_int * len(tasks))()
+    so.emu_fused_gemv_splits(len(tasks), _ints([n for n, _, _ in tasks], ctypes.c_int64),
+                             _ints([k for _, k, _ in tasks], ctypes.c_int64),
+                             _ints([w for _, _, w in tasks], ctypes.c_int), splits, rows_per_warp)
+    return list(splits), list(rows_per_warp)
+
+
 # The 4-bit model's GEMV launches at batch 1 (RELEASED_LORA_RANKS; W4 r/k/v, output, FFN and head, fp16 LoRAs, whose
 # second halves join the r/k/v launch when staged, the default): which 4-bit tasks halve their band (splits 2).
 # Launches of fewer than kUint4HalveBelowBlocks (448) blocks of full bands halve those of 2,048 columns or more;
@@ -855,12 +865,9 @@ def test_uint4_bands_halve_in_small_launches(C, libs):
     from infer.random_model import RELEASED_LORA_RANKS
     so = libs["fused-cuda"]
     for launch, specs in _w4_launches(C, RELEASED_LORA_RANKS[C]).items():
-        splits, rows_per_warp = (ctypes.c_int * len(specs))(), (ctypes.c_int * len(specs))()
-        so.emu_fused_gemv_splits(len(specs), _ints([n for n, _, _ in specs], ctypes.c_int64),
-                                 _ints([k for _, k, _ in specs], ctypes.c_int64),
-                                 _ints([WEIGHT_TYPE[w] for _, _, w in specs], ctypes.c_int), splits, rows_per_warp)
+        splits, _ = gemv_plan(so, [(n, k, WEIGHT_TYPE[w]) for n, k, w in specs])
         uint4 = [s for s, (_, _, w) in zip(splits, specs) if w == "u4"]
-        assert uint4 == [2 if W4_HALVED[C][launch] else 1] * len(uint4), (C, launch, list(splits))
+        assert uint4 == [2 if W4_HALVED[C][launch] else 1] * len(uint4), (C, launch, splits)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -873,14 +880,11 @@ def test_gemv(variant, case, libs):
     so = libs[f"fused-{variant}"]
     gen = torch.Generator().manual_seed(len(case) * 31 + M)
     tasks = [gemv_task(gen, M, *spec) for spec in specs]
-    splits, rows_per_warp = (ctypes.c_int * len(tasks))(), (ctypes.c_int * len(tasks))()
-    so.emu_fused_gemv_splits(len(tasks), _ints([t["n"] for t in tasks], ctypes.c_int64),
-                             _ints([t["k"] for t in tasks], ctypes.c_int64),
-                             _ints([t["type"] for t in tasks], ctypes.c_int), splits, rows_per_warp)
+    splits, rows_per_warp = gemv_plan(so, [(t["n"], t["k"], t["type"]) for t in tasks])
     if case in GEMV_SPLITS:
-        assert list(splits) == GEMV_SPLITS[case]
+        assert splits == GEMV_SPLITS[case]
     if case in GEMV_ROWS_PER_WARP:
-        assert list(rows_per_warp) == GEMV_ROWS_PER_WARP[case]
+        assert rows_per_warp == GEMV_ROWS_PER_WARP[case]
     ys = run_gemv(so, tasks, M)
     for i, (t, y) in enumerate(zip(tasks, ys)):
         check_gemv(t, y, f"task {i}")
