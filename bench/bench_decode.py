@@ -3,9 +3,9 @@
 Checks first (small model): CUDA fp16 vs the CPU fp32 path (which matches the official package
 to ~1e-5, see oracle_cpu.json): logit drift, greedy agreement, batch invariance, graph replay
 equal to eager. Then times one decode step (forward only, no sampling) at several batch sizes,
-eager and replayed as a CUDA graph, and reports tok/s and the share of the H200 roofline
-(../shared/spec/performance-limits.md Table L3, fp16 weights + fp32 state; fp16-state rows
-have no limit column here).
+eager and replayed as a CUDA graph, and reports tok/s and the share of the H200 limit for that
+shape, batch, state dtype and weight format (bench/limits.py, after ../shared/spec/performance-limits.md
+§3); prefill rows likewise against the prefill ceiling, and one-prompt rows' time against the TTFT floor.
 
     python bench/bench_decode.py --sizes 0.1b,1.5b,7.2b --batches 1,8,64,256,512 --states fp32,fp16
 """
@@ -28,13 +28,10 @@ from infer.ops.wkv import TorchWKV  # noqa: E402
 from infer.ops.fused import select_fused  # noqa: E402
 from infer.ops.wkv_cuda import select_wkv  # noqa: E402
 from infer.random_model import data_dir, make_config, random_state_dict  # noqa: E402
+from bench import limits  # noqa: E402
 
 SIZES = {"0.1b": (12, 768), "1.5b": (24, 2048), "7.2b": (32, 4096)}
 ENGINES = ("fp16", "cutlass", "gemlite:A16W8_INT8", "gemlite:A16W8_FP8", "gemlite:A16W4_HQQ_INT")
-# H200 roofline, fp16 weights + fp32 state, aggregate tok/s (performance-limits.md Table L3).
-LIMITS = {"0.1b": {1: 15019, 8: 108000, 32: 316000, 256: 730000, 1024: 849000},
-          "1.5b": {1: 1529, 8: 11500, 32: 38171, 64: 62225, 128: 90848, 256: 117985, 512: 138700},
-          "7.2b": {1: 309, 8: 2388, 32: 8576, 64: 15100, 128: 24368, 256: 35157, 512: 45152}}
 
 
 def checks() -> dict:
@@ -209,9 +206,9 @@ def bench_size(name: str, batches: list[int], steps: int, states: list[str], eng
                "batch": B, "state": state, "eager_ms": round(eager * 1000, 3),
                "graph_ms": round(replay * 1000, 3), "eager_tok_s": round(B / eager, 1),
                "graph_tok_s": round(B / replay, 1), "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
-        limit = LIMITS.get(name, {}).get(B) if state == "fp32" and engine == "fp16" else None
-        if limit:
-            row["graph_pct_of_limit"] = round(100 * row["graph_tok_s"] / limit, 1)
+        limit = limits.decode_tok_s(name, B, state, engine)
+        row["limit_tok_s"] = round(limit)
+        row["graph_pct_of_limit"] = limits.percent(row["graph_tok_s"], limit)
         rows.append(row)
         print(row, flush=True)
         del graph, pool
@@ -240,6 +237,9 @@ def bench_prefill(name: str, lengths: list[int], rows_list: list[int], engine: s
             row = {"size": name, "engine": engine, "forward": "fused" if model.fused else "readable",
                    "wkv": model.wkv.name, "prompt_tokens": length, "rows": rows,
                    "ms": round(seconds * 1000, 2), "tok_s": round(rows * length / seconds, 1)}
+            row["pct_of_limit"] = limits.percent(row["tok_s"], limits.prefill_tok_s(name))
+            if rows == 1:  # one prompt: its time to the first logits against the floor
+                row["ttft_floor_ms"] = round(limits.ttft_floor_ms(name, length, engine), 2)
             out.append(row)
             print(row, flush=True)
     return out
@@ -283,7 +283,7 @@ def main() -> None:
               f"{r.get('graph_pct_of_limit', '-'):>8} {r.get('peak_mem_gb', '-'):>8}  {r.get('wkv', 'cuda')}")
     for r in result["prefill"]:
         print(f"prefill {r['size']:>5} {r['engine']:>21} {r['forward']:>8} {r['rows']:>3} x {r['prompt_tokens']:>6}: "
-              f"{r['ms']:>9} ms {r['tok_s']:>10} tok/s  ({r['wkv']})")
+              f"{r['ms']:>9} ms {r['tok_s']:>10} tok/s {r['pct_of_limit']:>5} % of the limit  ({r['wkv']})")
 
 
 if __name__ == "__main__":

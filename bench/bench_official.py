@@ -109,6 +109,9 @@ def time_size(rwkv_cls, size: str, args) -> dict:
                 "greedy_tok_s": round(args.tokens / greedy, 1)})
     if cuda:
         row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+        from bench import limits  # (the worker has put the repository on sys.path)
+        if size in limits.SHAPES:  # against the H200's batch-1 limit of the shape, as our rows are
+            row["pct_of_limit"] = limits.percent(row["tok_s"], limits.decode_tok_s(size, 1))
     del model, state, out
     gc.collect()
     if cuda:

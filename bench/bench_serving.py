@@ -19,6 +19,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,6 +32,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench import limits  # noqa: E402
 from bench.pyspy import print_profile, recorded  # noqa: E402
 LONG_PROMPT_DELAY_S = 1.0  # after a level's streams start: they are decoding by then
 STORY_PROMPT = "User: Write a long story about a lighthouse keeper and the sea.\n\nAssistant:"  # 19 tokens
@@ -45,6 +47,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def arg_value(args: list[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in a command line, else None."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def limit_of(size: str | None, server_args: list[str], streams: int) -> float | None:
+    """The H200's decode limit (bench/limits.py) for the served shape at ``streams`` rows a step, with the server's
+    state dtype and weights; None when the shape or the weight format is not known from the command line."""
+    engine = {"fp16": "fp16", "cutlass": "cutlass"}.get(arg_value(server_args, "--inference-engine") or "fp16")
+    if size is None:
+        match = re.search(r"(\d+\.\d+b)", arg_value(server_args, "--model-path") or "")
+        size = match.group(1) if match else None
+    if size not in limits.SHAPES or engine is None:
+        return None
+    return limits.decode_tok_s(size, streams, arg_value(server_args, "--state-dtype") or "fp32", engine)
 
 
 def device_name(server_args: list[str]) -> str:
@@ -205,6 +229,9 @@ def main() -> None:
                     help="after the levels, the largest once more (unmeasured) under py-spy --gil: how long each "
                          "server thread holds the GIL a step, and where")
     ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--size", choices=sorted(limits.SHAPES), default=None,
+                    help="the served shape, for each level's share of the H200 limit (default: the size named in "
+                         "--model-path, e.g. rwkv7-7.2b-random-fp16.pth)")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -236,8 +263,12 @@ def main() -> None:
             sys.exit("--stagger-ms: one value, or one per level")
         for n, stagger_ms in zip(levels, staggers * len(levels) if len(staggers) == 1 else staggers):
             prompt = filler_prompt(args.prompt_tokens) if args.prompt_tokens else STORY_PROMPT
-            result["levels"].append({**level(base, int(n), args.max_tokens, args.client_procs, args.long_prompt,
-                                             prompt, stagger_ms / 1000), "stagger_ms": stagger_ms})
+            measured = level(base, int(n), args.max_tokens, args.client_procs, args.long_prompt, prompt,
+                             stagger_ms / 1000)
+            limit = limit_of(args.size, server_args, int(n))
+            if limit is not None:
+                measured.update(limit_tok_s=round(limit), pct_of_limit=limits.percent(measured["tok_s"], limit))
+            result["levels"].append({**measured, "stagger_ms": stagger_ms})
             print(result["levels"][-1], flush=True)
             for path in [out] + ([copy] if copy else []):  # after every level: a later timeout keeps these
                 path.write_text(json.dumps(result, indent=2) + "\n")
@@ -261,11 +292,11 @@ def main() -> None:
             server.kill()
             server.wait()
     long = f" {'long TTFT':>9}" if args.long_prompt else ""
-    print(f"{'clients':>7} {'apart':>6} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'srv TTFT':>9} {'ITL p50':>8} "
+    print(f"{'clients':>7} {'apart':>6} {'tok/s':>9} {'% limit':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'srv TTFT':>9} {'ITL p50':>8} "
           f"{'ITL p99':>8} {'ITL max':>8} {'srv ITL':>8} {'srv step':>8}{long}  (ms; srv: the server's means)")
     for r in result["levels"]:
         long = f" {r['long_prompt_ttft_ms']:>9}" if args.long_prompt else ""
-        print(f"{r['clients']:>7} {r['stagger_ms']:>6} {r['tok_s']:>9} {r['ttft_ms_p50']:>9} {r['ttft_ms_p99']:>9} "
+        print(f"{r['clients']:>7} {r['stagger_ms']:>6} {r['tok_s']:>9} {r.get('pct_of_limit', '-'):>7} {r['ttft_ms_p50']:>9} {r['ttft_ms_p99']:>9} "
               f"{r['server_ttft_ms_mean']:>9} {r['itl_ms_p50']:>8} {r['itl_ms_p99']:>8} {r['itl_ms_max']:>8} "
               f"{r['server_itl_ms_mean']:>8} {r['server_step_ms_mean']:>8}{long}")
     if "profile" in result:

@@ -4,7 +4,9 @@ Stable keys (e.g. ``decode_bsz1_7.2b_fp16_tok_s``), each with its value, GPU, da
 file; figures not measured yet are listed under ``missing``. Sources: ``decode_h200*.json``
 (bench_decode.py; the newest measurement of a figure wins; ``experiment_*.json`` are variants kept
 for the record and never summarized), ``official_h200*.json`` (bench_official.py, the official ``rwkv`` package) and
-``serving_h200_<size>.json`` (bench_serving.py --name h200_<size>, e.g. from h200_serving.sh).
+``serving_h200_<size>.json`` (bench_serving.py --name h200_<size>, e.g. from h200_serving.sh). Each figure also
+carries the H200 limit for its shape (bench/limits.py) and its share of it (``pct_of_limit``; for times, the
+floor over the measured time).
 
     python bench/summarize.py [--results DIR]
 """
@@ -13,7 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import limits  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WANTED = ["decode_bsz1_7.2b_fp16_tok_s", "decode_bsz1_1.5b_fp16_tok_s", "decode_b256_7.2b_fp16_tok_s",
@@ -37,6 +43,12 @@ WANTED += ["decode_b256_7.2b_fp16_fp16state_tok_s", "decode_b512_7.2b_fp16_fp16s
 BATCHED_PREFILL_ROWS = 16
 
 
+def against(limit: float, measured: float, time: bool = False) -> dict:
+    """A figure's limit and its share of it: rate over limit, or for a time the floor over the time."""
+    return {"limit": round(limit, 2 if time else None),
+            "pct_of_limit": limits.percent(limit, measured) if time else limits.percent(measured, limit)}
+
+
 def decode_figures(path: Path) -> dict[str, dict]:
     data = json.loads(path.read_text())
     out = {}
@@ -48,6 +60,8 @@ def decode_figures(path: Path) -> dict[str, dict]:
         suffix = "_fp16state" if state == "fp16" else ""
         key = f"decode_{batch}_{row['size']}_{ENGINE_NAMES[row.get('engine', 'fp16')]}{suffix}_tok_s"
         out[key] = {"value": row["graph_tok_s"], "gpu": data["gpu"], "date": data["date"], "source": path.name,
+                    **against(limits.decode_tok_s(row["size"], row["batch"], state, row.get("engine", "fp16")),
+                              row["graph_tok_s"]),
                     "note": f"model forward ({row.get('forward', 'readable')}) replayed as a CUDA graph, {state} WKV "
                             "state, no sampling"}
     for row in data.get("prefill", []):
@@ -56,11 +70,12 @@ def decode_figures(path: Path) -> dict[str, dict]:
         base = {"gpu": data["gpu"], "date": data["date"], "source": path.name}
         if row["rows"] == 1 and row["prompt_tokens"] == 1024:
             out[f"ttft_1k_{row['size']}_ms"] = {**base, "value": row["ms"],
+                                                 **against(limits.ttft_floor_ms(row["size"], 1024), row["ms"], True),
                                                  "note": "one forward over a 1,024-token prompt (model only)"}
         if row["rows"] >= BATCHED_PREFILL_ROWS:
             key = f"prefill_batched_{row['size']}_tok_s"
             if row["tok_s"] > out.get(key, {}).get("value", 0):
-                out[key] = {**base, "value": row["tok_s"],
+                out[key] = {**base, "value": row["tok_s"], **against(limits.prefill_tok_s(row["size"]), row["tok_s"]),
                             "note": f"{row['rows']} prompts x {row['prompt_tokens']} tokens in one packed forward"}
     return out
 
@@ -76,6 +91,7 @@ def official_figures(path: Path) -> dict[str, dict]:
             continue
         out[f"official_rwkv_bsz1_{row['size']}_tok_s"] = {
             "value": row["tok_s"], "gpu": data["gpu"], "date": data["date"], "source": path.name,
+            **against(limits.decode_tok_s(row["size"], 1), row["tok_s"]),
             "note": f"official rwkv {data.get('rwkv')} ({data.get('strategy')}, {row.get('mode')}, JIT), "
                     f"model.forward([token], state) per token, no sampling; greedy loop with a host sync per token: "
                     f"{row.get('greedy_tok_s')} tok/s"}
@@ -95,8 +111,11 @@ def serving_figures(path: Path) -> dict[str, dict]:
         for stat in SERVING_STATS:
             if stat in row:
                 what = "aggregate output tokens/s" if stat == "tok_s" else stat.replace("_ms_", " ms ")
+                # bench_serving.py writes each level's limit (older files: the server's default fp32 state)
+                limit = against(row.get("limit_tok_s") or limits.decode_tok_s(size, n), row[stat]) \
+                    if stat == "tok_s" else {}
                 out[f"serving_{n}_{size}_{stat}"] = {
-                    **base, "value": row[stat],
+                    **base, "value": row[stat], **limit,
                     "note": f"{n} concurrent streaming /v1/completions clients, {data.get('max_tokens')} tokens each, "
                             f"{what}, client side; server {' '.join(data.get('server_args', []))}"}
     return out
@@ -124,7 +143,8 @@ def main() -> None:
     (results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     for key, fig in summary.items():
         if key != "missing":
-            print(f"{key:<34} {fig['value']:>10}  {fig['gpu']}  {fig['date']}")
+            share = f"{fig['pct_of_limit']:>5} % of {fig['limit']}" if "limit" in fig else ""
+            print(f"{key:<38} {fig['value']:>10} {share:<22} {fig['gpu']}  {fig['date']}")
     print("not measured yet:", ", ".join(summary["missing"]))
 
 
