@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app import CPU_PREFILL_STEP_TOKENS, GPU_PREFILL_STEP_TOKENS, build_parser  # noqa: E402
 from infer.engine import Engine, GenerationOptions, Request, RowFinished, RowText  # noqa: E402
 from infer.model import RWKV7  # noqa: E402
 from infer.random_model import make_config, random_state_dict  # noqa: E402
@@ -121,7 +122,11 @@ def main() -> None:
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--long-prompt", type=int, default=4096)
-    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="prompt tokens a step while streams decode, for prompts longer than this (default: app.py's "
+                         "--prefill-chunk-size)")
+    ap.add_argument("--step-tokens", type=int, default=None,
+                    help="most prompt tokens a step (default: app.py's rule, 2048 on a GPU and 512 on the CPU)")
     ap.add_argument("--requests", default="1,8,32", help="concurrency levels")
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--device", default="cpu")
@@ -143,7 +148,11 @@ def main() -> None:
     runner = ModelRunner(model, args.slots, cuda_graphs=args.graphs)
     runner.warm_up_graphs()
     tokenizer = load_world_tokenizer()
-    engine = Engine(runner, tokenizer, prefill_chunk_size=args.chunk, decode_ahead=args.decode_ahead)
+    # the server's prompt budgets, so that the ramp of a burst is the server's
+    args.chunk = args.chunk or build_parser().get_default("prefill_chunk_size")
+    args.step_tokens = args.step_tokens or max(args.chunk, GPU_PREFILL_STEP_TOKENS if on_gpu else CPU_PREFILL_STEP_TOKENS)
+    engine = Engine(runner, tokenizer, prefill_chunk_size=args.chunk, prefill_step_tokens=args.step_tokens,
+                    decode_ahead=args.decode_ahead)
     engine.start()
     prompt = tokenizer.encode("User: write a short story about a lighthouse keeper.\n\nAssistant:")
     concurrent_breakdown(engine, [prompt] * 2, 4)  # warm-up
@@ -174,6 +183,7 @@ def main() -> None:
 
     latency = {
         "streams": 8, "long_prompt_tokens": args.long_prompt, "prefill_chunk_size": args.chunk,
+        "prefill_step_tokens": args.step_tokens,
         "long_prompt_ttft_s": round(long_done - long_submit, 3),
         "itl_ms_without_long_prompt": {"p50": round(percentile(quiet, 0.5), 2), "p99": round(percentile(quiet, 0.99), 2),
                                        "max": round(max(quiet), 2)},
