@@ -118,6 +118,8 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh admission-check  # graph GPU tests, 1.5B 128 streams 4 ms apart x3
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh w4-halve  # ~7 min on a fresh machine: which 4-bit launches
 #                                                                   # halve their bands, A/B, then the 4-bit GPU tests
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh grid-w4   # ~9 min on a fresh machine: the decode grid of the
+#                                                                   # tree (every row against its limit), W4 at 1-8 rows
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engine-256  # ~6 min on a fresh machine: the 1.5B engine alone
 #                                                                   # at 256 requests (ramp, steady rate, its steps)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-step  # ~7 min on a fresh machine: the persistent
@@ -516,6 +518,18 @@ w4-halve)  # which 4-bit launches halve their bands (kUint4HalveBelowBlocks: lau
         cp bench/results/experiment_w4_halve448_2_h200.json bench/results/decode_h200_w4_halve.json &&
             copy bench/results/decode_h200_w4_halve.json
     fi
+    ;;
+grid-w4)  # issue 6's decode grid on the tree (the last full one is of 2026-12-01, before most kernel work), each row
+    # against the H200 limit of its shape, batch and state dtype (bench/limits.py), then the W4 figure with the
+    # tree's 4-bit band rule (the w4-halve part's A/B ran on an H100 only); the W4 rows go to the summary on an H200
+    build
+    tuning_cache
+    step 230 "decode grid" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1,8,32,64,128,256,512,1024 \
+        --states fp32,fp16 --steps 20 --wkv cuda --no-checks --out bench/results/decode_h200_grid.json
+    copy bench/results/decode_h200_grid.json
+    step 170 "W4 decode at 1-8 rows" python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b \
+        --batches 1,2,4,8 --steps 30 --wkv cuda --no-checks --out bench/results/decode_h200_w4_halve.json
+    copy bench/results/decode_h200_w4_halve.json
     ;;
 engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
     # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them
