@@ -99,12 +99,15 @@ class StubRunner:
     """The engine-facing surface of ``ModelRunner`` with a simulated GPU."""
 
     def __init__(self, num_slots: int, gpu: GpuModel, token_ids: Sequence[int], launch_ops: int = 24,
-                 launch_op_us: float = 10.0, sampler_ms: float = 0.0, seed: int = 0):
+                 launch_op_us: float = 10.0, sampler_ms: float = 0.0, seed: int = 0, eager_host_ms: float = 0.0):
         from infer.runner import StepOutput
         self._output = StepOutput
         self.num_slots = num_slots
         self.gpu, self.launch_ops, self.launch_op_s = gpu, launch_ops, launch_op_us / 1e6
         self.sampler_s = sampler_ms / 1000
+        # a step the real runner cannot replay from CUDA graphs (StepGraphs.covers: two prompt rows or more, or a
+        # prompt of more than PROMPT_GRAPH_MAX_TOKENS) launches its forward op by op: this much host time
+        self.eager_ops = round(eager_host_ms * 1000 / launch_op_us) if launch_op_us > 0 else 0
         rng = random.Random(seed)
         self._tokens = [rng.choice(token_ids) for _ in range(1 << 16)]
         self._next = 0
@@ -134,7 +137,7 @@ class StubRunner:
         start = time.perf_counter()
         fed = sum(map(len, rows))
         gpu_s = self.gpu.ms(fed) / 1000
-        done_at = self._queue(gpu_s)
+        done_at = self._queue(gpu_s, self.launch_ops if graphed(rows) else max(self.launch_ops, self.eager_ops))
         if on_launched is not None:
             on_launched()
         n = sum(sample)
@@ -146,16 +149,16 @@ class StubRunner:
         """The next decode step of the same rows, queued behind ``step`` on the simulated GPU."""
         start, rows = time.perf_counter(), len(step.out.tokens)
         gpu_s = self.gpu.ms(rows) / 1000
-        done_at = self._queue(gpu_s)
+        done_at = self._queue(gpu_s, self.launch_ops)
         logprobs = [-1.0] * rows if step.out.logprobs is not None else None
         return StubStep(self, (start, rows, rows, gpu_s), done_at, self._output(self._draw(rows), logprobs, None, None))
 
-    def _queue(self, gpu_s: float) -> float:
+    def _queue(self, gpu_s: float, ops: int) -> float:
         """The step's Python-side launches (hold the GIL, then drop it, as a torch call does); returns when the
         simulated GPU finishes the step, which starts at the graph replay (the first launch) or when the GPU is
         done with the step queued before it."""
         done_at = 0.0
-        for i in range(self.launch_ops):
+        for i in range(ops):
             end = time.perf_counter() + self.launch_op_s
             while time.perf_counter() < end:
                 pass
@@ -170,6 +173,13 @@ class StubRunner:
             self._next = 0
         self._next += n
         return self._tokens[self._next - n:self._next]
+
+
+def graphed(rows) -> bool:
+    """Whether the real runner replays this step from CUDA graphs (StepGraphs.covers, mixed steps on)."""
+    from infer.runner import PROMPT_GRAPH_MAX_TOKENS
+    last = len(rows[-1]) if rows else 1
+    return all(len(r) == 1 for r in rows[:-1]) and (last == 1 or 2 <= last <= PROMPT_GRAPH_MAX_TOKENS)
 
 
 class StubStep:
@@ -197,7 +207,7 @@ class StubRunnerNoHook(StubRunner):
 def make_runner(args, slots: int, tokenizer) -> StubRunner:
     cls = StubRunnerNoHook if args.flush_before_launch else StubRunner
     return cls(slots, GpuModel(args.gpu_ms), text_token_ids(tokenizer), args.launch_ops, args.launch_op_us,
-               args.sampler_ms)
+               args.sampler_ms, eager_host_ms=args.eager_host_ms)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -238,7 +248,8 @@ def server_engine(args, runner, tokenizer):
     from app import GPU_PREFILL_STEP_TOKENS, build_parser
     from infer.engine import Engine
     return Engine(runner, tokenizer, prefill_chunk_size=build_parser().get_default("prefill_chunk_size"),
-                  prefill_step_tokens=GPU_PREFILL_STEP_TOKENS, decode_ahead=args.decode_ahead)
+                  prefill_step_tokens=GPU_PREFILL_STEP_TOKENS, decode_ahead=args.decode_ahead,
+                  prompt_hold_ms=args.prompt_hold_ms)
 
 
 # ---------------------------------------------------------------------------- (a) engine alone
@@ -450,7 +461,9 @@ def stub_args(args) -> list[str]:
     return [*(["--flush-before-launch"] if args.flush_before_launch else []),
             *(["--decode-ahead"] if args.decode_ahead else []), "--gpu-ms", args.gpu_ms,
             "--launch-ops", str(args.launch_ops), "--launch-op-us", str(args.launch_op_us),
-            "--sampler-ms", str(args.sampler_ms), "--max-tokens", str(args.max_tokens),
+            "--sampler-ms", str(args.sampler_ms), "--eager-host-ms", str(args.eager_host_ms),
+            "--prompt-hold-ms", str(args.prompt_hold_ms),
+            "--max-tokens", str(args.max_tokens),
             "--stream-interval", str(args.stream_interval),
             *(["--stop", *args.stop] if args.stop else [])]
 
@@ -572,6 +585,10 @@ def main() -> None:
     ap.add_argument("--launch-ops", type=int, default=24, help="torch calls per step (each drops the GIL once)")
     ap.add_argument("--launch-op-us", type=float, default=10.0, help="Python time of one torch call")
     ap.add_argument("--sampler-ms", type=float, default=0.0, help="extra GPU time per step after the last launch")
+    ap.add_argument("--prompt-hold-ms", type=float, default=0.0, help="the engine's prompt_hold_ms (app.py's flag)")
+    ap.add_argument("--eager-host-ms", type=float, default=0.0,
+                    help="host time (GIL held, in --launch-op-us pieces) of a step that CUDA graphs do not cover, "
+                         "e.g. 8 for the 1.5B forward's eager launches on an H200 (bench/results/mixed_steps_h200.json)")
     ap.add_argument("--profile", action="store_true",
                     help="py-spy --gil of the server at the largest http level (the GIL holder only)")
     ap.add_argument("--cprofile", action="store_true",
@@ -604,7 +621,9 @@ def main() -> None:
                  "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=REPO).stdout.strip(),
                  "config": {"gpu_ms": args.gpu_ms, "launch_ops": args.launch_ops, "launch_op_us": args.launch_op_us,
-                            "sampler_ms": args.sampler_ms, "max_tokens": args.max_tokens, "stop": args.stop,
+                            "sampler_ms": args.sampler_ms, "eager_host_ms": args.eager_host_ms,
+                            "prompt_hold_ms": args.prompt_hold_ms,
+                            "max_tokens": args.max_tokens, "stop": args.stop,
                             "flush_before_launch": args.flush_before_launch, "decode_ahead": args.decode_ahead,
                             "stream_interval": args.stream_interval,
                             "server_switch_interval_ms": args.switch_interval_ms or DEFAULT_GIL_SWITCH_MS}}
