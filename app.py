@@ -72,10 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most prompt tokens one engine step feeds: prompts of at most --prefill-chunk-size "
                          "tokens are fed whole up to this, so a burst of them is admitted in few steps; default: "
                          "2048 on GPU, 512 on CPU (at least --prefill-chunk-size)")
-    ap.add_argument("--prompt-hold-ms", type=float, default=0.0,
-                    help="while rows decode, new prompts that would share a step wait up to this long for more "
-                         "and are fed together: fewer steps without CUDA graphs during a burst of requests "
-                         "(0: no wait)")
     ap.add_argument("--max-queued-requests", type=int, default=1024, help="beyond this, requests get HTTP 429")
     ap.add_argument("--max-tokens", type=int, default=8192, help="upper limit for a request's max_tokens")
     ap.add_argument("--max-prompt-tokens", type=int, default=131072, help="upper limit for one prompt")
@@ -143,8 +139,6 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("state_flush_interval", "state_ttl", "gil_switch_ms"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    if not 0 <= args.prompt_hold_ms <= 1000:  # (also rejects NaN)
-        parser.error("--prompt-hold-ms must be between 0 and 1000")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
@@ -216,13 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     decode_ahead = args.decode_ahead == "on" or (args.decode_ahead == "auto" and model.device.type == "cuda")
     engine = Engine(runner, load_world_tokenizer(), prefill_chunk_size=args.prefill_chunk_size,
                     prefill_step_tokens=step_tokens,
-                    max_queued_requests=args.max_queued_requests, decode_ahead=decode_ahead,
-                    prompt_hold_ms=args.prompt_hold_ms)
+                    max_queued_requests=args.max_queued_requests, decode_ahead=decode_ahead)
     log.info("decode   %s", "steps queued ahead of the host" if decode_ahead else "one step at a time")
     log.info("prefill  up to %d prompt tokens a step; prompts over %d tokens fed that many a step", step_tokens,
              args.prefill_chunk_size)
-    if args.prompt_hold_ms:
-        log.info("prefill  new prompts beside decoding rows wait up to %g ms to be fed together", args.prompt_hold_ms)
     state_db = Path(args.state_db) if args.state_db else data_dir() / "sessions.db"
     log.info("session states: %s (model fingerprint %s)", state_db, model_id)
     store = SessionStore(state_db, model_id, model.config, device=model.device, l1=capacities["state_l1"],

@@ -248,8 +248,7 @@ def server_engine(args, runner, tokenizer):
     from app import GPU_PREFILL_STEP_TOKENS, build_parser
     from infer.engine import Engine
     return Engine(runner, tokenizer, prefill_chunk_size=build_parser().get_default("prefill_chunk_size"),
-                  prefill_step_tokens=GPU_PREFILL_STEP_TOKENS, decode_ahead=args.decode_ahead,
-                  prompt_hold_ms=args.prompt_hold_ms)
+                  prefill_step_tokens=GPU_PREFILL_STEP_TOKENS, decode_ahead=args.decode_ahead)
 
 
 # ---------------------------------------------------------------------------- (a) engine alone
@@ -462,7 +461,6 @@ def stub_args(args) -> list[str]:
             *(["--decode-ahead"] if args.decode_ahead else []), "--gpu-ms", args.gpu_ms,
             "--launch-ops", str(args.launch_ops), "--launch-op-us", str(args.launch_op_us),
             "--sampler-ms", str(args.sampler_ms), "--eager-host-ms", str(args.eager_host_ms),
-            "--prompt-hold-ms", str(args.prompt_hold_ms),
             "--max-tokens", str(args.max_tokens),
             "--stream-interval", str(args.stream_interval),
             *(["--stop", *args.stop] if args.stop else [])]
@@ -585,7 +583,6 @@ def main() -> None:
     ap.add_argument("--launch-ops", type=int, default=24, help="torch calls per step (each drops the GIL once)")
     ap.add_argument("--launch-op-us", type=float, default=10.0, help="Python time of one torch call")
     ap.add_argument("--sampler-ms", type=float, default=0.0, help="extra GPU time per step after the last launch")
-    ap.add_argument("--prompt-hold-ms", type=float, default=0.0, help="the engine's prompt_hold_ms (app.py's flag)")
     ap.add_argument("--eager-host-ms", type=float, default=0.0,
                     help="host time (GIL held, in --launch-op-us pieces) of a step that CUDA graphs do not cover, "
                          "e.g. 8 for the 1.5B forward's eager launches on an H200 (bench/results/mixed_steps_h200.json)")
@@ -622,7 +619,6 @@ def main() -> None:
                                        cwd=REPO).stdout.strip(),
                  "config": {"gpu_ms": args.gpu_ms, "launch_ops": args.launch_ops, "launch_op_us": args.launch_op_us,
                             "sampler_ms": args.sampler_ms, "eager_host_ms": args.eager_host_ms,
-                            "prompt_hold_ms": args.prompt_hold_ms,
                             "max_tokens": args.max_tokens, "stop": args.stop,
                             "flush_before_launch": args.flush_before_launch, "decode_ahead": args.decode_ahead,
                             "stream_interval": args.stream_interval,

@@ -120,8 +120,6 @@
 #                                                                   # halve their bands, A/B, then the 4-bit GPU tests
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh grid-w4   # ~9 min on a fresh machine: the decode grid of the
 #                                                                   # tree (every row against its limit), W4 at 1-8 rows
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh prompt-hold  # ~6 min on a fresh machine: 1.5B HTTP serving,
-#                                                                   # new prompts held 20 ms for company against not
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh engine-256  # ~6 min on a fresh machine: the 1.5B engine alone
 #                                                                   # at 256 requests (ramp, steady rate, its steps)
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-step  # ~7 min on a fresh machine: the persistent
@@ -532,22 +530,6 @@ grid-w4)  # issue 6's decode grid on the tree (the last full one is of 2026-12-0
     step 170 "W4 decode at 1-8 rows" python bench/bench_decode.py --engine gemlite:A16W4_HQQ_INT --sizes 7.2b,1.5b \
         --batches 1,2,4,8 --steps 30 --wkv cuda --no-checks --out bench/results/decode_h200_w4_halve.json
     copy bench/results/decode_h200_w4_halve.json
-    ;;
-prompt-hold)  # --prompt-hold-ms: while rows decode, new prompts that would share a step (an eager forward: ~8 ms of
-    # host launches at 1.5B, GIL held) wait up to 20 ms for more. 1.5B HTTP, 256 streams at once and 128 streams 4 ms
-    # apart (arrivals that rarely coincide), 256 tokens each, with and without, two rounds; the forward at 256 rows
-    build_fused
-    step 60 "1.5b decode, batch 256" python bench/bench_decode.py --sizes 1.5b --batches 256 --wkv cuda --no-checks \
-        --steps 20 --out bench/results/decode_h200_1.5b_b256_hold.json
-    copy bench/results/decode_h200_1.5b_b256_hold.json
-    for round in 1 2; do
-        for hold in 20 0; do
-            step 90 "HTTP 1.5B, hold $hold ms, round $round" env NAME=h200_1.5b_hold${hold}_$round LEVELS=256,128 \
-                STAGGER_MS=0,4 MAX_TOKENS=256 MODEL=/tmp/rwkv7-1.5b-random-fp16.pth N_LAYER=24 N_EMBD=2048 \
-                EXTRA_SERVER_ARGS="--prompt-hold-ms $hold" bash bench/h200_serving.sh
-            copy bench/results/serving_h200_1.5b_hold${hold}_$round.json
-        done
-    done
     ;;
 engine-256)  # Is 1.5B serving at 256 streams bound by the engine itself? The HTTP server's steps take 5.2-5.3 ms against
     # the GPU's 4.4 (forward 4.0 + sampler 0.35), and a quarter of the chunks (--stream-interval 4) did not shorten them

@@ -172,7 +172,7 @@ class _Row:
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: WorldTokenizer, prefill_chunk_size: int = 512,
                  max_queued_requests: int = 1024, metrics: EngineMetrics | None = None, decode_ahead: bool = False,
-                 prefill_step_tokens: int | None = None, prompt_hold_ms: float = 0.0):
+                 prefill_step_tokens: int | None = None):
         """A step feeds what is left of a prompt whole when that is at most ``prefill_chunk_size``
         tokens, up to ``prefill_step_tokens`` prompt tokens in all (default: ``prefill_chunk_size``);
         longer prompts get pieces that share ``prefill_chunk_size`` tokens a step: a burst of short
@@ -181,13 +181,7 @@ class Engine:
 
         ``decode_ahead``: while every running row decodes, queue the next decode step (fed the
         tokens just sampled, on the device) before reading this step's tokens, so the device does
-        not wait for the host's handling of each step (``ModelRunner.launch_next``). Same outputs.
-
-        ``prompt_hold_ms``: while rows decode, new prompts that would be fed two or more in one step wait up to
-        this long after the first of them was submitted (less once they fill ``prefill_step_tokens``), and are
-        then fed together. A step feeding several prompts runs its forward op by op (CUDA graphs cover one
-        prompt at a time) and holds the host, and the GIL, for milliseconds; in a burst of arrivals fewer such
-        steps leave the event loop more time to take in the rest. Same outputs. 0: no wait."""
+        not wait for the host's handling of each step (``ModelRunner.launch_next``). Same outputs."""
         prefill_step_tokens = prefill_step_tokens or prefill_chunk_size
         if prefill_chunk_size < 1 or prefill_step_tokens < 1:
             raise ValueError("prefill_chunk_size and prefill_step_tokens must be >= 1")
@@ -197,9 +191,6 @@ class Engine:
         self.prefill_chunk_size = prefill_chunk_size
         self.prefill_step_tokens = prefill_step_tokens
         self.max_queued_requests = max_queued_requests
-        if prompt_hold_ms < 0:
-            raise ValueError("prompt_hold_ms must be >= 0")
-        self.prompt_hold_s = prompt_hold_ms / 1000
         self.metrics = metrics or EngineMetrics()
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._queued_lock = threading.Lock()
@@ -429,8 +420,6 @@ class Engine:
             else:
                 prompts.append(row)
         decoding = len(rows)
-        if decoding and self._holds(prompts):
-            prompts = []
         samples = [True] * decoding
         budget = self.prefill_step_tokens  # prompt tokens this step
         if any(row.phase is Phase.PREFILL and row.request.options.prompt_logprobs is not None for row in prompts):
@@ -479,17 +468,6 @@ class Engine:
         if self._at_flush:  # a runner that never called on_launched
             self._flush()
         return rows, decoding, samples, score, out
-
-    def _holds(self, prompts: list[_Row]) -> bool:
-        """Whether this step leaves the new prompts for a later one (``prompt_hold_ms``): two or more prompts not
-        yet started, less than a step's budget of tokens between them, the oldest submitted under the hold ago."""
-        if self.prompt_hold_s <= 0 or len(prompts) < 2:
-            return False
-        if any(row.phase is not Phase.PREFILL or row.pos for row in prompts):  # a prompt under way goes on
-            return False
-        if sum(len(row.feed) for row in prompts) >= self.prefill_step_tokens:
-            return False
-        return time.monotonic() - min(row.request.submitted_at for row in prompts) < self.prompt_hold_s
 
     def _can_run_ahead(self, rows: list[_Row]) -> bool:
         """Whether the next step may be queued before this one's tokens are read: this step's rows are

@@ -30,10 +30,9 @@ def tokenizer():
     return load_world_tokenizer()
 
 
-def make_engine(model, tokenizer, slots=8, chunk=16, queue=64, decode_ahead=False, step_tokens=None,
-                hold_ms=0.0) -> Engine:
+def make_engine(model, tokenizer, slots=8, chunk=16, queue=64, decode_ahead=False, step_tokens=None) -> Engine:
     return Engine(ModelRunner(model, slots), tokenizer, prefill_chunk_size=chunk, max_queued_requests=queue,
-                  decode_ahead=decode_ahead, prefill_step_tokens=step_tokens, prompt_hold_ms=hold_ms)
+                  decode_ahead=decode_ahead, prefill_step_tokens=step_tokens)
 
 
 class Collector:
@@ -214,53 +213,6 @@ def test_a_short_prompt_is_not_kept_behind_a_long_one(model, tokenizer):
     drain(engine, late, short)
     assert late.tokens() == run_alone(model, tokenizer, long_prompt, max_tokens=4, sampling=GREEDY).tokens()
     assert short.tokens() == run_alone(model, tokenizer, short_prompt, max_tokens=8, sampling=GREEDY).tokens()
-
-
-HOLD_PROMPTS = ["One two", "Three four", "Five six"]
-
-
-@pytest.mark.parametrize("decode_ahead", [False, True])
-def test_new_prompts_wait_for_each_other_while_rows_decode(model, tokenizer, decode_ahead):
-    """prompt_hold_ms: two or more new prompts beside decoding rows wait (the rows keep decoding) until the first
-    of them was submitted the hold ago, then go in one step; the same tokens as alone."""
-    engine = make_engine(model, tokenizer, step_tokens=64, hold_ms=60_000, decode_ahead=decode_ahead)
-    streaming = submit(engine, [tokenizer.encode("Hello")], max_tokens=40, sampling=GREEDY)
-    engine.run_once()
-    engine.run_once()
-    late = [submit(engine, [tokenizer.encode(p)], max_tokens=5, sampling=GREEDY) for p in HOLD_PROMPTS]
-    for _ in range(3):
-        decoded = len(streaming.tokens())
-        engine.run_once()
-        assert len(streaming.tokens()) > decoded and not any(c.tokens() for c in late)
-    late[1].request.submitted_at -= 61  # one of them has waited the hold: all go together
-    engine.run_once()
-    assert [len(c.tokens()) for c in late] == [1, 1, 1]
-    drain(engine, streaming, *late)
-    assert [c.tokens() for c in late] == [run_alone(model, tokenizer, tokenizer.encode(p), max_tokens=5,
-                                                    sampling=GREEDY).tokens() for p in HOLD_PROMPTS]
-    assert streaming.tokens() == run_alone(model, tokenizer, tokenizer.encode("Hello"), max_tokens=40,
-                                           sampling=GREEDY).tokens()
-
-
-def test_prompts_are_not_held_alone_in_a_full_step_or_with_nothing_decoding(model, tokenizer):
-    prompts = [tokenizer.encode(p) for p in HOLD_PROMPTS]
-
-    def first_tokens_after_one_step(engine, stream: bool, batch: list[list[int]]) -> list[int]:
-        if stream:
-            submit(engine, [tokenizer.encode("Hello")], max_tokens=40, sampling=GREEDY)
-            engine.run_once()
-        late = [submit(engine, [p], max_tokens=5, sampling=GREEDY) for p in batch]
-        engine.run_once()
-        return [len(c.tokens()) for c in late]
-    hold = dict(step_tokens=64, hold_ms=60_000)
-    assert first_tokens_after_one_step(make_engine(model, tokenizer, **hold), True, prompts[:1]) == [1]
-    assert first_tokens_after_one_step(make_engine(model, tokenizer, **hold), False, prompts) == [1, 1, 1]
-    full = sum(map(len, prompts))  # the prompts fill the step's budget: no reason to wait for more
-    assert first_tokens_after_one_step(make_engine(model, tokenizer, step_tokens=full, hold_ms=60_000), True,
-                                       prompts) == [1, 1, 1]
-    assert first_tokens_after_one_step(make_engine(model, tokenizer, step_tokens=64), True, prompts) == [1, 1, 1]
-    with pytest.raises(ValueError):
-        make_engine(model, tokenizer, hold_ms=-1)
 
 
 def reference_output(model, tokenizer, prompt, n=40):
