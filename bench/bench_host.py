@@ -100,8 +100,8 @@ class StubRunner:
 
     def __init__(self, num_slots: int, gpu: GpuModel, token_ids: Sequence[int], launch_ops: int = 24,
                  launch_op_us: float = 10.0, sampler_ms: float = 0.0, seed: int = 0, eager_host_ms: float = 0.0):
-        from infer.runner import StepOutput
-        self._output = StepOutput
+        from infer.runner import StepOutput, graph_covers
+        self._output, self._graphed = StepOutput, graph_covers
         self.num_slots = num_slots
         self.gpu, self.launch_ops, self.launch_op_s = gpu, launch_ops, launch_op_us / 1e6
         self.sampler_s = sampler_ms / 1000
@@ -137,7 +137,7 @@ class StubRunner:
         start = time.perf_counter()
         fed = sum(map(len, rows))
         gpu_s = self.gpu.ms(fed) / 1000
-        done_at = self._queue(gpu_s, self.launch_ops if graphed(rows) else max(self.launch_ops, self.eager_ops))
+        done_at = self._queue(gpu_s, self.launch_ops if self._graphed(rows) else max(self.launch_ops, self.eager_ops))
         if on_launched is not None:
             on_launched()
         n = sum(sample)
@@ -173,13 +173,6 @@ class StubRunner:
             self._next = 0
         self._next += n
         return self._tokens[self._next - n:self._next]
-
-
-def graphed(rows) -> bool:
-    """Whether the real runner replays this step from CUDA graphs (StepGraphs.covers, mixed steps on)."""
-    from infer.runner import PROMPT_GRAPH_MAX_TOKENS
-    last = len(rows[-1]) if rows else 1
-    return all(len(r) == 1 for r in rows[:-1]) and (last == 1 or 2 <= last <= PROMPT_GRAPH_MAX_TOKENS)
 
 
 class StubStep:

@@ -79,6 +79,17 @@ PROMPT_GRAPH_MAX_TOKENS = 64
 CAPTURE_MODE = "thread_local"
 
 
+def graph_covers(rows: Sequence[Sequence[int]], prompt_lengths: range = range(2, PROMPT_GRAPH_MAX_TOKENS + 1),
+                 mixed_steps: bool = True) -> bool:
+    """Whether StepGraphs replays a step feeding ``rows``: every row one token; or one row a prompt of a length in
+    ``prompt_lengths``, alone or (``mixed_steps``) last after rows of one token (the engine puts decoding rows
+    first). Any other step runs its forward op by op."""
+    if not all(len(r) == 1 for r in rows[:-1]):
+        return False
+    last = len(rows[-1]) if rows else 1
+    return last == 1 or (last in prompt_lengths and (len(rows) == 1 or mixed_steps))
+
+
 class StepGraphs:
     """Model forwards captured as CUDA graphs: decode steps at bucketed batch sizes, and steps that feed
     one row a short prompt, one graph per length.
@@ -146,12 +157,8 @@ class StepGraphs:
         return self._graphs[kind, size]
 
     def covers(self, rows: Sequence[Sequence[int]]) -> bool:
-        """Whether a step feeding ``rows`` replays graphs: every row one token; or one row a short prompt, alone or
-        (``mixed_steps``) last after rows of one token (the engine puts decoding rows first)."""
-        if not all(len(r) == 1 for r in rows[:-1]):
-            return False
-        last = len(rows[-1]) if rows else 1
-        return last == 1 or (last in self.prompt_lengths and (len(rows) == 1 or self.mixed_steps))
+        """Whether a step feeding ``rows`` replays graphs (``graph_covers`` with this object's prompt lengths)."""
+        return graph_covers(rows, self.prompt_lengths, self.mixed_steps)
 
     def run(self, rows: Sequence[Sequence[int]] | torch.Tensor, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, V] and the slot-id tensor [B] of a step that ``covers`` (``rows`` may also be a tensor of one
