@@ -31,7 +31,7 @@ from infer.random_model import data_dir, make_config, random_state_dict  # noqa:
 from bench import limits  # noqa: E402
 
 SIZES = {"0.1b": (12, 768), "1.5b": (24, 2048), "7.2b": (32, 4096)}
-ENGINES = ("fp16", "cutlass", "gemlite:A16W8_INT8", "gemlite:A16W8_FP8", "gemlite:A16W4_HQQ_INT")
+ENGINES = tuple(limits.ENGINE_FORMATS)  # --engine: fp16, cutlass (W8A16) or gemlite:FORMAT, each with its limit
 
 
 def checks() -> dict:

@@ -105,8 +105,8 @@ class StubRunner:
         self.num_slots = num_slots
         self.gpu, self.launch_ops, self.launch_op_s = gpu, launch_ops, launch_op_us / 1e6
         self.sampler_s = sampler_ms / 1000
-        # a step the real runner cannot replay from CUDA graphs (StepGraphs.covers: two prompt rows or more, or a
-        # prompt of more than PROMPT_GRAPH_MAX_TOKENS) launches its forward op by op: this much host time
+        # a step the real runner cannot replay from CUDA graphs (graph_covers: two prompt rows or more, or a prompt
+        # of more than PROMPT_GRAPH_MAX_TOKENS) launches its forward op by op: this much host time
         self.eager_ops = round(eager_host_ms * 1000 / launch_op_us) if launch_op_us > 0 else 0
         rng = random.Random(seed)
         self._tokens = [rng.choice(token_ids) for _ in range(1 << 16)]
