@@ -126,6 +126,10 @@
 #                                                                   # batch-1 step (RWKV_PERSISTENT=1) against the launches
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-profile  # ~7 min on a fresh machine: GPU tests of
 #                                                                   # the step and the fused path, the step per phase
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-algos  # ~6 min on a fresh machine: each large-batch decode GEMM
+#                                                                   # as torch runs it against every algorithm cuBLASLt's
+#                                                                   # heuristic offers (7.2B/1.5B, 128-1,024 rows), then
+#                                                                   # 7.2B decode at 256/512 rows with cuBLASLt preferred
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -1600,6 +1604,20 @@ gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off
             --out /tmp/ncu_decode.json
         copy $out
         grep -E "^  [a-z_:]+.*gemv|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size|Issued Warp|No Eligible|Warp Cycles Per Issued|stall|Stall" $out | head -80
+    done
+    ;;
+blas-algos)  # does cuBLAS's heuristic pick the best kernel it has for the batch-256/512 GEMMs? (no build: ctypes)
+    out=bench/results/experiment_blas_algos_h200.json
+    step 330 "decode GEMMs: torch against cuBLASLt's algorithms" python bench/experiment_blas_algos.py \
+        --sizes 7.2b,1.5b --rows 256,512,128,1024 --out $out
+    copy $out
+    build_fused
+    for lt in 1 0; do  # the whole step with torch's GEMMs on cuBLASLt (its one heuristic choice) and on cuBLAS
+        out=bench/results/experiment_blas_lt${lt}_h200.json
+        step 90 "7.2B decode, fp16 state, TORCH_BLAS_PREFER_CUBLASLT=$lt" env TORCH_BLAS_PREFER_CUBLASLT=$lt \
+            python bench/bench_decode.py --sizes 7.2b --batches 256,512 --states fp16 --steps 20 --wkv cuda \
+            --no-checks --out $out
+        copy $out
     done
     ;;
 *)

@@ -1,0 +1,92 @@
+"""bench/experiment_blas_algos.py on the CPU: its GEMMs are the model's, its torch calls compute what the fused
+forward's do, and its column-major cuBLASLt problems (run on the GPU through ctypes) compute the same products,
+checked here by an emulation of cuBLASLt's layout rules."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench import experiment_blas_algos as exp
+from infer.random_model import make_config, random_state_dict
+
+LAYERS, WIDTH, VOCAB = 2, 64, 256
+
+
+def lt_emulated(p: exp.LtProblem, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """D = op(A) op(B) + beta C as cuBLASLt reads and writes column-major buffers: element (i, j) of a matrix of
+    leading dimension ld at i + j * ld, batch item t at t * stride; op(B) = B (this experiment's transb is N)."""
+    a, b, d = a.reshape(-1), b.reshape(-1), c.reshape(-1).clone()
+
+    def matrix(flat: torch.Tensor, start: int, rows: int, cols: int, ld: int) -> torch.Tensor:
+        return flat[start:start + ld * cols].reshape(cols, ld)[:, :rows].t()
+
+    for t in range(p.batch):
+        stored_a = matrix(a, t * p.stride_a, p.rows_a, p.cols_a, p.lda)
+        op_a = stored_a.t() if p.trans_a == exp.CUBLAS_OP_T else stored_a
+        assert op_a.shape == (p.m, p.k)
+        op_b = matrix(b, t * p.stride_b, p.k, p.n, p.k)
+        out = op_a @ op_b + p.beta * matrix(d, t * p.stride_d, p.m, p.n, p.m)
+        d[t * p.stride_d:t * p.stride_d + p.m * p.n] = out.t().reshape(-1)
+    return d.reshape(c.shape)
+
+
+def model_weights() -> dict[str, torch.Tensor]:
+    config = make_config(LAYERS, WIDTH, VOCAB)
+    sd = random_state_dict(config, seed=3, dtype=torch.float32, device="cpu")
+    blk = "blocks.0."
+    return {"rkv": torch.stack([sd[blk + f"att.{m}.weight"] for m in ("receptance", "key", "value")]),
+            "output": sd[blk + "att.output.weight"], "ffn_key": sd[blk + "ffn.key.weight"],
+            "ffn_value": sd[blk + "ffn.value.weight"], "head": sd["head.weight"]}
+
+
+def test_heuristic_result_matches_the_header_layout():
+    # cublasLtMatmulHeuristicResult_t: algo (8 x uint64), size_t workspaceSize, status, float wavesCount, int[4]
+    assert ctypes.sizeof(exp.LtAlgo) == 64
+    assert ctypes.sizeof(exp.LtHeuristic) == 96
+    assert exp.LtHeuristic.waves_count.offset == 76
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gemms_are_the_models_products(rows):
+    """Every GEMM has the shape of the model matrix it stands for; its torch call and its cuBLASLt problem both give
+    x W^T (+ y for the residual adds) with the weights stored as the fused forward stores them."""
+    weights = model_weights()
+    gemms = exp.decode_gemms(LAYERS, WIDTH, VOCAB)
+    assert [g.name for g in gemms] == list(weights)
+    assert sum(g.per_step for g in gemms) == 4 * LAYERS + 1
+    variants = {"output_beta0": "output", "ffn_value_nk": "ffn_value"}
+    assert [g.name for g in exp.variant_gemms(WIDTH)] == list(variants)
+    gen = torch.Generator().manual_seed(rows)
+    for gemm in gemms + exp.variant_gemms(WIDTH):
+        w = weights[variants.get(gemm.name, gemm.name)]  # nn.Linear layout [out, in] (stacked for r/k/v)
+        assert w.shape[-2:] == (gemm.n, gemm.k), gemm.name
+        stored = w.transpose(-1, -2).contiguous() if gemm.layout == "kn" else w  # the K-major FFN value
+        lead = (gemm.batch,) if gemm.batch > 1 else ()
+        x = torch.randn(*lead, rows, gemm.k, generator=gen)
+        y0 = torch.randn(*lead, rows, gemm.n, generator=gen)
+        want = F.linear(x, w) + gemm.beta * y0 if gemm.batch == 1 else \
+            torch.stack([F.linear(x[i], w[i]) for i in range(gemm.batch)])
+        got = y0.clone()
+        exp.torch_call(gemm)(stored, x, got)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        problem = exp.lt_problem(gemm, rows)
+        torch.testing.assert_close(lt_emulated(problem, stored, x, y0), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_emulation_rejects_a_wrong_layout():
+    """The check above can fail: the r/k/v problem with its operand read as not transposed gives other values."""
+    gemm = exp.decode_gemms(LAYERS, WIDTH, VOCAB)[0]
+    w = model_weights()["rkv"]
+    x, y0 = torch.randn(3, 4, WIDTH), torch.zeros(3, 4, WIDTH)
+    right = exp.lt_problem(gemm, 4)
+    wrong = exp.LtProblem(**{**right.__dict__, "trans_a": exp.CUBLAS_OP_N})
+    assert torch.allclose(lt_emulated(right, w, x, y0), torch.bmm(x, w.transpose(1, 2)), atol=1e-5)
+    assert not torch.allclose(lt_emulated(wrong, w, x, y0), torch.bmm(x, w.transpose(1, 2)), atol=1e-3)
+
+
+def test_unknown_layout_is_an_error():
+    with pytest.raises(ValueError):
+        exp.lt_problem(exp.Gemm("x", 4, 4, layout="mn"), 2)
