@@ -343,7 +343,11 @@ def measure(lt: CublasLt, gemm: Gemm, rows: int, max_algos: int) -> dict:
         seconds = with_backend(backend, lambda: time_call(lambda w: torch_fn(w, x, y), weights))
         row[f"{key}_us"], row[f"{key}_pct_of_peak"] = round(seconds * 1e6, 2), pct(seconds)
         row[f"{key}_kernels"] = with_backend(backend, lambda: kernel_names(lambda: torch_fn(weights[0], x, y)))
-    plan = lt.plan(lt_problem(gemm, rows), max_algos)
+    try:
+        plan = lt.plan(lt_problem(gemm, rows), max_algos)
+    except RuntimeError as exc:  # no algorithm for the problem: torch's figures stand alone
+        row["lt_error"] = str(exc)
+        return row
     best = None
     for i, h in enumerate(plan.algos):
         entry = {"index": i, "workspace": int(h.workspace_size), "waves": round(float(h.waves_count), 3),
