@@ -747,6 +747,20 @@ streams)  # decode batches of 128-512 as 2 or 4 parts on their own streams in on
         --batches 128,256,512 --parts 2,4 --out bench/results/experiment_split_streams_h200.json
     copy bench/results/experiment_split_streams_h200.json
     ;;
+blas-algos)  # does cuBLAS's heuristic pick the best kernel it has for the batch-256/512 GEMMs? (no build: ctypes)
+    out=bench/results/experiment_blas_algos_h200.json
+    step 330 "decode GEMMs: torch against cuBLASLt's algorithms" python bench/experiment_blas_algos.py \
+        --sizes 7.2b,1.5b --rows 256,512,128,1024 --out $out
+    copy $out
+    build_fused
+    for lt in 1 0; do  # the whole step with torch's GEMMs on cuBLASLt (its one heuristic choice) and on cuBLAS
+        out=bench/results/experiment_blas_lt${lt}_h200.json
+        step 90 "7.2B decode, fp16 state, TORCH_BLAS_PREFER_CUBLASLT=$lt" env TORCH_BLAS_PREFER_CUBLASLT=$lt \
+            python bench/bench_decode.py --sizes 7.2b --batches 256,512 --states fp16 --steps 20 --wkv cuda \
+            --no-checks --out $out
+        copy $out
+    done
+    ;;
 gemlite-8bit)  # GemLite 8-bit layers read pre-scaled: the range experiment, GPU tests, engines on the trained model
     tuning_cache
     build
@@ -1604,20 +1618,6 @@ gemv-ncu)  # what bounds the batch-1 GEMV launches (7.2B, one layer, staging off
             --out /tmp/ncu_decode.json
         copy $out
         grep -E "^  [a-z_:]+.*gemv|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size|Issued Warp|No Eligible|Warp Cycles Per Issued|stall|Stall" $out | head -80
-    done
-    ;;
-blas-algos)  # does cuBLAS's heuristic pick the best kernel it has for the batch-256/512 GEMMs? (no build: ctypes)
-    out=bench/results/experiment_blas_algos_h200.json
-    step 330 "decode GEMMs: torch against cuBLASLt's algorithms" python bench/experiment_blas_algos.py \
-        --sizes 7.2b,1.5b --rows 256,512,128,1024 --out $out
-    copy $out
-    build_fused
-    for lt in 1 0; do  # the whole step with torch's GEMMs on cuBLASLt (its one heuristic choice) and on cuBLAS
-        out=bench/results/experiment_blas_lt${lt}_h200.json
-        step 90 "7.2B decode, fp16 state, TORCH_BLAS_PREFER_CUBLASLT=$lt" env TORCH_BLAS_PREFER_CUBLASLT=$lt \
-            python bench/bench_decode.py --sizes 7.2b --batches 256,512 --states fp16 --steps 20 --wkv cuda \
-            --no-checks --out $out
-        copy $out
     done
     ;;
 *)
