@@ -126,10 +126,12 @@
 #                                                                   # batch-1 step (RWKV_PERSISTENT=1) against the launches
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh persistent-profile  # ~7 min on a fresh machine: GPU tests of
 #                                                                   # the step and the fused path, the step per phase
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-algos  # ~6 min on a fresh machine: each large-batch decode GEMM
-#                                                                   # as torch runs it against every algorithm cuBLASLt's
-#                                                                   # heuristic offers (7.2B/1.5B, 128-1,024 rows), then
-#                                                                   # 7.2B decode at 256/512 rows with cuBLASLt preferred
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-algos  # ~4 min, no build: each large-batch decode GEMM as
+#                                                                   # torch runs it against every algorithm cuBLASLt's
+#                                                                   # heuristic offers (7.2B/1.5B, 128-1,024 rows)
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-ab   # ~8 min on a fresh machine: 7.2B decode at 256/512
+#                                                                   # rows (fp16 state): the tree, cuBLASLt preferred,
+#                                                                   # residual products as product + add, the tree again
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -749,15 +751,23 @@ streams)  # decode batches of 128-512 as 2 or 4 parts on their own streams in on
     ;;
 blas-algos)  # does cuBLAS's heuristic pick the best kernel it has for the batch-256/512 GEMMs? (no build: ctypes)
     out=bench/results/experiment_blas_algos_h200.json
-    step 330 "decode GEMMs: torch against cuBLASLt's algorithms" python bench/experiment_blas_algos.py \
+    step 500 "decode GEMMs: torch against cuBLASLt's algorithms" python bench/experiment_blas_algos.py \
         --sizes 7.2b,1.5b --rows 256,512,128,1024 --out $out
     copy $out
+    ;;
+blas-ab)  # the whole 7.2B step at 256/512 rows (fp16 state) as the tree runs it, with cuBLASLt preferred for torch's
+    # GEMMs (its one heuristic choice), with the residual products as a product then an add (beta 0), then the tree
+    # again (the machine's noise)
     build_fused
-    for lt in 1 0; do  # the whole step with torch's GEMMs on cuBLASLt (its one heuristic choice) and on cuBLAS
-        out=bench/results/experiment_blas_lt${lt}_h200.json
-        step 90 "7.2B decode, fp16 state, TORCH_BLAS_PREFER_CUBLASLT=$lt" env TORCH_BLAS_PREFER_CUBLASLT=$lt \
-            python bench/bench_decode.py --sizes 7.2b --batches 256,512 --states fp16 --steps 20 --wkv cuda \
-            --no-checks --out $out
+    for run in tree lt residual tree2; do
+        case $run in
+            lt) switch=TORCH_BLAS_PREFER_CUBLASLT=1 ;;
+            residual) switch=RWKV_RESIDUAL_ADDMM=0 ;;
+            *) switch=RWKV_RESIDUAL_ADDMM=1 ;;
+        esac
+        out=bench/results/experiment_blas_ab_${run}_h200.json
+        step 100 "7.2B decode, fp16 state, $run ($switch)" env $switch python bench/bench_decode.py --sizes 7.2b \
+            --batches 256,512 --states fp16 --steps 20 --wkv cuda --no-checks --out $out
         copy $out
     done
     ;;

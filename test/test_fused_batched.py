@@ -105,14 +105,28 @@ def test_add_product_adds_the_product_in_place():
     y = torch.randn(ROWS, 768, generator=gen).half()
     x = torch.randn(ROWS, 768, generator=gen).half()
     want = x.float() + y.float() @ lin.weight.float().t()
-    target = x.clone()
-    add_product(target, lin, y)
-    assert float((target.float() - want).abs().max()) <= 1e-2 * float(want.abs().max())
+    for addmm in (True, False):  # one call with beta = 1, or the product then the add (RWKV_RESIDUAL_ADDMM=0)
+        target = x.clone()
+        add_product(target, lin, y, addmm)
+        assert float((target.float() - want).abs().max()) <= 1e-2 * float(want.abs().max()), addmm
+    assert not torch.equal(target, x)
     q = torch.randint(-127, 128, (768, 768), dtype=torch.int8, generator=gen)
     quant = W8A16Linear(q, torch.full((768,), 1e-3, dtype=torch.float16))
     target = x.clone()
-    add_product(target, quant, y)
+    add_product(target, quant, y, addmm=False)  # a quantized linear adds its own product either way
     assert torch.equal(target, x + quant(y))
+
+
+def test_residual_addmm_switch(monkeypatch):
+    """RWKV_RESIDUAL_ADDMM: on by default (beta = 1), off at 0 (the product, then the add; results as above)."""
+    from types import SimpleNamespace
+
+    from infer.ops.fused import FusedKernels
+    module = SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 4)
+    monkeypatch.delenv("RWKV_RESIDUAL_ADDMM", raising=False)
+    assert FusedKernels(module).residual_addmm
+    monkeypatch.setenv("RWKV_RESIDUAL_ADDMM", "0")
+    assert not FusedKernels(module).residual_addmm
 
 
 def test_a_failed_4bit_self_test_switches_off_only_the_4bit_tasks():

@@ -224,10 +224,13 @@ def _gate_lora(blk: "Block", xg: torch.Tensor, g: torch.Tensor) -> None:
     torch.mm(torch.sigmoid(torch.mm(xg, blk.g1.weight.t())), blk.g2.weight.t(), out=g)
 
 
-def add_product(x: torch.Tensor, linear, y: torch.Tensor) -> None:
-    """x += y W^T; with dense weights one cuBLAS call with the add folded in (beta = 1)."""
-    if isinstance(linear, DenseLinear):
+def add_product(x: torch.Tensor, linear, y: torch.Tensor, addmm: bool = True) -> None:
+    """x += y W^T; with dense weights one cuBLAS call with the add folded in (beta = 1), or with ``addmm`` False
+    the product (beta = 0) and then the add (see FusedKernels.residual_addmm)."""
+    if isinstance(linear, DenseLinear) and addmm:
         x.addmm_(y, linear.weight.t())
+    elif isinstance(linear, DenseLinear):
+        x.add_(torch.mm(y, linear.weight.t()))
     else:
         x.add_(linear(y))
 
@@ -283,6 +286,12 @@ class FusedKernels:
         # (bench/results/experiment_lora_streams*_h200.json). RWKV_LORA_STREAM=0/1 for A/B runs.
         self.lora_streams: int = min(max(env_int("RWKV_LORA_STREAM", 2), 0), 2)
         self._side_streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
+        # Above the GEMV's rows, whether dense products that add into the residual (the output projection, the FFN
+        # value) are one cuBLAS call with beta = 1, or (RWKV_RESIDUAL_ADDMM=0, for A/B runs) the product alone and
+        # then the add: at 7.2B and 256 rows cuBLAS runs the output projection's beta-add kernel at ~50 % of the
+        # tensor cores' peak, the other products at 80-90 % (bench/results/profile_b256_fp16_state_pipelined_h200.json;
+        # bench/experiment_blas_algos.py times both forms).
+        self.residual_addmm: bool = env_flag("RWKV_RESIDUAL_ADDMM", True)
         self._forward_stream: int | None = None  # the stream handle of the forward running (forward)
         # Steps of one token of one row as one persistent kernel (infer.ops.persistent; RWKV_PERSISTENT=1, set by
         # select_fused), where it covers the model; None: the launches below.
@@ -346,7 +355,7 @@ class FusedKernels:
         the kernel takes go through the linear's own product."""
         int8 = isinstance(linear, KMajorW8A16Linear)
         if x.shape[0] > (self.sparse_int8_rows if int8 else self.sparse_rows):
-            add_product(y, linear, x)
+            add_product(y, linear, x, self.residual_addmm)
             return
         partial, arrivals = linear.workspace
         scale = linear.scale if int8 else _empty(x.device)
@@ -472,9 +481,9 @@ class FusedKernels:
                 else:
                     self.gemv([(blk.ffn_value, hidden, x, EPI_NONE, x)])
             else:
-                add_product(x, blk.output, y)
+                add_product(x, blk.output, y, self.residual_addmm)
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
-                add_product(x, blk.ffn_value, self.relu_square_(blk.ffn_key(kf)))
+                add_product(x, blk.ffn_value, self.relu_square_(blk.ffn_key(kf)), self.residual_addmm)
         if not all_logits:
             x = x[batch.last]
         x = F.layer_norm(x, (C,), model.ln_out_w, model.ln_out_b, 1e-5)
