@@ -8,7 +8,7 @@ decode step exactly as the fused forward calls it (the same operands' layouts, b
 
 * torch as the server runs it (cuBLAS), and torch with cuBLASLt preferred (``preferred_blas_library``);
 * every algorithm cuBLASLt's heuristic offers for the problem (up to --algos), each checked against torch's result
-  first, called through ctypes (no build: the library torch has loaded).
+  first, called through ctypes (infer/ops/blas_lt.py, which the server's RWKV_BLAS_TUNE=1 uses; no build).
 
 Each candidate is captured as a CUDA graph of calls that cycle through enough copies of the weights to exceed the
 50 MB L2 (a decode step reads each matrix once, from memory), and its median time a call over the replays is kept.
@@ -21,7 +21,6 @@ the profiler.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import statistics
@@ -36,41 +35,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import limits  # noqa: E402
+from infer.ops.blas_lt import ALGO_CONFIG, CublasLt, GemmShape, lt_problem  # noqa: E402
 
 L2_BYTES = 50 << 20
-WORKSPACE_BYTES = 32 << 20
 CALLS_PER_GRAPH = 24
 REPLAYS = 7
 # torch's own candidates: as the server runs (its preferred BLAS library left alone), and cuBLASLt preferred
 TORCH_CANDIDATES = {"torch": None, "torch_lt": "cublaslt"}
-
-# cuBLAS / cuBLASLt constants (cublas_api.h, cublasLt.h, library_types.h of CUDA 12 and 13)
-CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
-CUBLAS_COMPUTE_32F = 68
-CUDA_R_32F, CUDA_R_16F = 0, 2
-DESC_TRANSA, DESC_TRANSB = 3, 4
-LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
-PREF_MAX_WORKSPACE_BYTES = 1
-# cublasLtMatmulAlgoConfigAttributes_t: name -> (value, ctypes type)
-ALGO_CONFIG = {"algo_id": (0, ctypes.c_int32), "tile": (1, ctypes.c_uint32), "split_k": (2, ctypes.c_int32),
-               "reduction": (3, ctypes.c_uint32), "swizzle": (4, ctypes.c_uint32), "custom": (5, ctypes.c_uint32),
-               "stages": (6, ctypes.c_uint32), "inner_shape": (7, ctypes.c_uint16), "cluster": (8, ctypes.c_uint16)}
-
-
-class LtAlgo(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_uint64 * 8)]
-
-
-class LtHeuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
-    _fields_ = [("algo", LtAlgo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
 @dataclass(frozen=True)
 class Gemm:
     """One product of the decode step as the fused forward calls it: y[batch][M, n] (+)= x[batch][M, k] @ W^T, W
     stored [n, k] (layout "nk", nn.Linear's) or [k, n] ("kn": the K-major FFN value); beta 1 adds into y (the
-    residual); `per_step`: how many a step runs (once a layer, the head once)."""
+    residual); `per_step`: how many a step runs (once a layer, the head once; 0: timed for comparison only)."""
     name: str
     n: int
     k: int
@@ -78,6 +56,9 @@ class Gemm:
     batch: int = 1
     beta: float = 0.0
     per_step: int = 1
+
+    def shape(self, rows: int) -> GemmShape:
+        return GemmShape(rows, self.n, self.k, self.layout, self.batch, bool(self.beta))
 
 
 def decode_gemms(layers: int, width: int, vocab: int = limits.VOCAB) -> list[Gemm]:
@@ -97,154 +78,6 @@ def variant_gemms(width: int) -> list[Gemm]:
     (the K-major storage is there for the sparse batch-1 GEMV)."""
     return [Gemm("output_beta0", width, width, per_step=0),
             Gemm("ffn_value_nk", width, 4 * width, beta=1.0, per_step=0)]
-
-
-@dataclass(frozen=True)
-class LtProblem:
-    """The column-major cuBLASLt problem of a row-major Gemm at `rows` rows: D (m x n, ld ldd) = op(A) op(B) + beta C,
-    with m = the Gemm's n, n = rows; A the weights as stored (rows_a x cols_a, ld lda), B = x (k x rows, ld k)."""
-    trans_a: int
-    m: int
-    n: int
-    k: int
-    rows_a: int
-    cols_a: int
-    lda: int
-    batch: int
-    stride_a: int
-    stride_b: int
-    stride_d: int
-    beta: float
-
-
-def lt_problem(gemm: Gemm, rows: int) -> LtProblem:
-    """y [rows, n] row-major is y^T [n, rows] column-major: y^T = op(W) x^T. W [n, k] row-major is k x n column-major
-    (so op = T); W [k, n] row-major is n x k column-major (op = N). x [rows, k] row-major is k x rows column-major."""
-    if gemm.layout == "nk":
-        trans_a, rows_a, cols_a = CUBLAS_OP_T, gemm.k, gemm.n
-    elif gemm.layout == "kn":
-        trans_a, rows_a, cols_a = CUBLAS_OP_N, gemm.n, gemm.k
-    else:
-        raise ValueError(f"unknown layout {gemm.layout!r}")
-    return LtProblem(trans_a, gemm.n, rows, gemm.k, rows_a, cols_a, rows_a, gemm.batch, gemm.n * gemm.k,
-                     rows * gemm.k, rows * gemm.n, gemm.beta)
-
-
-class CublasLt:
-    """The cuBLASLt calls this experiment needs, through ctypes on the library torch has loaded."""
-
-    def __init__(self) -> None:
-        self.lib = ctypes.CDLL(_loaded_library("libcublasLt.so"))
-        lib = self.lib
-        vp, i32, u64, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
-        signatures = {
-            "cublasLtCreate": [vp],
-            "cublasLtMatmulDescCreate": [vp, i32, i32],
-            "cublasLtMatmulDescSetAttribute": [vp, i32, vp, sz],
-            "cublasLtMatrixLayoutCreate": [vp, i32, u64, u64, i64],
-            "cublasLtMatrixLayoutSetAttribute": [vp, i32, vp, sz],
-            "cublasLtMatmulPreferenceCreate": [vp],
-            "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
-            "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, ctypes.POINTER(LtHeuristic),
-                                               ctypes.POINTER(i32)],
-            "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(LtAlgo), i32, vp, sz, ctypes.POINTER(sz)],
-            "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(LtAlgo), vp, sz, vp],
-        }
-        for name, argtypes in signatures.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        lib.cublasLtGetVersion.restype = ctypes.c_size_t
-        self.version = int(lib.cublasLtGetVersion())
-        self.handle = ctypes.c_void_p()
-        self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-        self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-
-    @staticmethod
-    def _check(status: int, what: str) -> None:
-        if status != 0:
-            raise RuntimeError(f"{what}: cuBLAS status {status}")
-
-    def _set(self, fn_name: str, obj: ctypes.c_void_p, attr: int, value) -> None:
-        self._check(getattr(self.lib, fn_name)(obj, attr, ctypes.byref(value), ctypes.sizeof(value)), fn_name)
-
-    def _layout(self, rows: int, cols: int, ld: int, batch: int, stride: int) -> ctypes.c_void_p:
-        layout = ctypes.c_void_p()
-        self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), CUDA_R_16F, rows, cols, ld),
-                    "cublasLtMatrixLayoutCreate")
-        if batch > 1:
-            self._set("cublasLtMatrixLayoutSetAttribute", layout, LAYOUT_BATCH_COUNT, ctypes.c_int32(batch))
-            self._set("cublasLtMatrixLayoutSetAttribute", layout, LAYOUT_STRIDED_BATCH_OFFSET, ctypes.c_int64(stride))
-        return layout
-
-    def plan(self, p: LtProblem, max_algos: int) -> "LtPlan":
-        """The descriptors of problem p and the heuristic's algorithms for it (at most max_algos)."""
-        desc = ctypes.c_void_p()
-        self._check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
-                    "cublasLtMatmulDescCreate")
-        self._set("cublasLtMatmulDescSetAttribute", desc, DESC_TRANSA, ctypes.c_int32(p.trans_a))
-        self._set("cublasLtMatmulDescSetAttribute", desc, DESC_TRANSB, ctypes.c_int32(CUBLAS_OP_N))
-        a = self._layout(p.rows_a, p.cols_a, p.lda, p.batch, p.stride_a)
-        b = self._layout(p.k, p.n, p.k, p.batch, p.stride_b)
-        d = self._layout(p.m, p.n, p.m, p.batch, p.stride_d)
-        pref = ctypes.c_void_p()
-        self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        self._set("cublasLtMatmulPreferenceSetAttribute", pref, PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(WORKSPACE_BYTES))
-        results = (LtHeuristic * max_algos)()
-        count = ctypes.c_int(0)
-        self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, d, d, pref, max_algos, results,
-                                                            ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
-        algos = [results[i] for i in range(count.value) if results[i].state == 0]
-        return LtPlan(self, p, desc, a, b, d, algos)
-
-    def config(self, algo: LtAlgo) -> dict[str, int]:
-        out = {}
-        for name, (attr, ctype) in ALGO_CONFIG.items():
-            value, written = ctype(0), ctypes.c_size_t(0)
-            status = self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value),
-                                                                    ctypes.sizeof(value), ctypes.byref(written))
-            if status == 0:
-                out[name] = int(value.value)
-        return out
-
-
-@dataclass
-class LtPlan:
-    lt: CublasLt
-    problem: LtProblem
-    desc: ctypes.c_void_p
-    a: ctypes.c_void_p
-    b: ctypes.c_void_p
-    d: ctypes.c_void_p
-    algos: list[LtHeuristic]
-
-    def run(self, index: int, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y (+)= x W^T on the current stream with algorithm `index` (raises on a cuBLAS error)."""
-        lt, h = self.lt, self.algos[index]
-        beta = lt.one if self.problem.beta else lt.zero
-        stream = torch.cuda.current_stream().cuda_stream
-        lt._check(lt.lib.cublasLtMatmul(lt.handle, self.desc, ctypes.byref(lt.one), w.data_ptr(), self.a, x.data_ptr(),
-                                        self.b, ctypes.byref(beta), y.data_ptr(), self.d, y.data_ptr(), self.d,
-                                        ctypes.byref(h.algo), lt.workspace.data_ptr(), WORKSPACE_BYTES, stream),
-                  "cublasLtMatmul")
-
-
-def _loaded_library(stem: str) -> str:
-    """The path of the shared library `stem` as this process loaded it (torch's cuBLASLt), else one in an nvidia
-    wheel on sys.path, else the name for the loader to find."""
-    torch.mm(torch.ones(8, 8, device="cuda", dtype=torch.float16), torch.ones(8, 8, device="cuda", dtype=torch.float16))
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.split()[-1]
-            if Path(path).name.startswith(stem):
-                return path
-    major = torch.version.cuda.split(".")[0]
-    for root in sys.path:
-        for lib in ("cublas/lib", f"cu{major}/lib"):
-            candidate = Path(root or ".") / "nvidia" / lib / f"{stem}.{major}"
-            if candidate.exists():
-                return str(candidate)
-    return f"{stem}.{major}"
 
 
 def torch_call(gemm: Gemm) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
@@ -344,7 +177,7 @@ def measure(lt: CublasLt, gemm: Gemm, rows: int, max_algos: int) -> dict:
         row[f"{key}_us"], row[f"{key}_pct_of_peak"] = round(seconds * 1e6, 2), pct(seconds)
         row[f"{key}_kernels"] = with_backend(backend, lambda: kernel_names(lambda: torch_fn(weights[0], x, y)))
     try:
-        plan = lt.plan(lt_problem(gemm, rows), max_algos)
+        plan = lt.plan(lt_problem(gemm.shape(rows)), max_algos)
     except RuntimeError as exc:  # no algorithm for the problem: torch's figures stand alone
         row["lt_error"] = str(exc)
         return row
@@ -393,10 +226,10 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/experiment_blas_algos.json")
     args = parser.parse_args()
     torch.manual_seed(0)
-    lt = CublasLt()
+    lt = CublasLt(torch.device("cuda"))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-              "cublaslt_version": lt.version,
-              "torch_blas": str(torch.backends.cuda.preferred_blas_library()), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "cublaslt_version": lt.version, "torch_blas": str(torch.backends.cuda.preferred_blas_library()),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "peak_flops": limits.PEAK_FLOPS, "gemms": [], "steps": []}
     for size in args.sizes.split(","):
         shape = limits.SHAPES[size]

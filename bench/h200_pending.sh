@@ -132,6 +132,9 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-ab   # ~8 min on a fresh machine: 7.2B decode at 256/512
 #                                                                   # rows (fp16 state): the tree, cuBLASLt preferred,
 #                                                                   # residual products as product + add, the tree again
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-tune  # ~7 min on a fresh machine: GPU tests of the
+#                                                                   # cuBLASLt calls and the tuner, 7.2B decode at 256/512
+#                                                                   # rows with RWKV_BLAS_TUNE=1 / 0 / 1
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -174,6 +177,15 @@ load_persistent_step; assert load_persistent_step()"; p=$?; wait $f && exit $p'
 profile_b256_fp16() {
     step 150 "7.2B batch 256 per kernel, fp16 state" python bench/profile_decode.py --sizes 7.2b --batches 256 \
         --state fp16 --out "$1"
+}
+
+# blas_decode RUN VAR=VALUE: the 7.2B decode step at 256 and 512 rows (fp16 state) with that variable, into
+# bench/results/experiment_blas_ab_RUN_h200.json
+blas_decode() {
+    local out=bench/results/experiment_blas_ab_$1_h200.json
+    step 100 "7.2B decode, fp16 state, $1 ($2)" env "$2" python bench/bench_decode.py --sizes 7.2b --batches 256,512 \
+        --states fp16 --steps 20 --wkv cuda --no-checks --out $out
+    copy $out
 }
 
 # The fused GPU tests of the prefill and decode paths (without the 4-bit and GemLite ones).
@@ -759,17 +771,19 @@ blas-ab)  # the whole 7.2B step at 256/512 rows (fp16 state) as the tree runs it
     # GEMMs (its one heuristic choice), with the residual products as a product then an add (beta 0), then the tree
     # again (the machine's noise)
     build_fused
-    for run in tree lt residual tree2; do
-        case $run in
-            lt) switch=TORCH_BLAS_PREFER_CUBLASLT=1 ;;
-            residual) switch=RWKV_RESIDUAL_ADDMM=0 ;;
-            *) switch=RWKV_RESIDUAL_ADDMM=1 ;;
-        esac
-        out=bench/results/experiment_blas_ab_${run}_h200.json
-        step 100 "7.2B decode, fp16 state, $run ($switch)" env $switch python bench/bench_decode.py --sizes 7.2b \
-            --batches 256,512 --states fp16 --steps 20 --wkv cuda --no-checks --out $out
-        copy $out
-    done
+    blas_decode tree RWKV_RESIDUAL_ADDMM=1
+    blas_decode lt TORCH_BLAS_PREFER_CUBLASLT=1
+    blas_decode residual RWKV_RESIDUAL_ADDMM=0
+    blas_decode tree2 RWKV_RESIDUAL_ADDMM=1
+    ;;
+blas-tune)  # the dense products on cuBLASLt algorithms chosen by timing (RWKV_BLAS_TUNE=1): the GPU tests of the
+    # ctypes calls and of the tuner in the forward, then the 7.2B step at 256/512 rows with and without it, twice
+    build_fused
+    step 200 "GPU tests: cuBLASLt through ctypes, the tuner in the forward" python -m pytest -q -rf --tb=short \
+        -p no:cacheprovider test/test_fused_cuda.py -k "blas"
+    blas_decode tune RWKV_BLAS_TUNE=1
+    blas_decode notune RWKV_BLAS_TUNE=0
+    blas_decode tune2 RWKV_BLAS_TUNE=1
     ;;
 gemlite-8bit)  # GemLite 8-bit layers read pre-scaled: the range experiment, GPU tests, engines on the trained model
     tuning_cache

@@ -1,6 +1,6 @@
-"""bench/experiment_blas_algos.py on the CPU: its GEMMs are the model's, its torch calls compute what the fused
-forward's do, and its column-major cuBLASLt problems (run on the GPU through ctypes) compute the same products,
-checked here by an emulation of cuBLASLt's layout rules."""
+"""bench/experiment_blas_algos.py and infer/ops/blas_lt.py on the CPU: the experiment's GEMMs are the model's, its
+torch calls compute what the fused forward's do, and their column-major cuBLASLt problems (run on the GPU through
+ctypes) compute the same products, checked here by an emulation of cuBLASLt's layout rules."""
 from __future__ import annotations
 
 import ctypes
@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from bench import experiment_blas_algos as exp
+from infer.ops import blas_lt
 from infer.random_model import make_config, random_state_dict
 
 LAYERS, WIDTH, VOCAB = 2, 64, 256
 
 
-def lt_emulated(p: exp.LtProblem, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def lt_emulated(p: blas_lt.LtProblem, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """D = op(A) op(B) + beta C as cuBLASLt reads and writes column-major buffers: element (i, j) of a matrix of
     leading dimension ld at i + j * ld, batch item t at t * stride; op(B) = B (this experiment's transb is N)."""
     a, b, d = a.reshape(-1), b.reshape(-1), c.reshape(-1).clone()
@@ -25,7 +26,7 @@ def lt_emulated(p: exp.LtProblem, a: torch.Tensor, b: torch.Tensor, c: torch.Ten
 
     for t in range(p.batch):
         stored_a = matrix(a, t * p.stride_a, p.rows_a, p.cols_a, p.lda)
-        op_a = stored_a.t() if p.trans_a == exp.CUBLAS_OP_T else stored_a
+        op_a = stored_a.t() if p.trans_a == blas_lt.CUBLAS_OP_T else stored_a
         assert op_a.shape == (p.m, p.k)
         op_b = matrix(b, t * p.stride_b, p.k, p.n, p.k)
         out = op_a @ op_b + p.beta * matrix(d, t * p.stride_d, p.m, p.n, p.m)
@@ -44,9 +45,9 @@ def model_weights() -> dict[str, torch.Tensor]:
 
 def test_heuristic_result_matches_the_header_layout():
     # cublasLtMatmulHeuristicResult_t: algo (8 x uint64), size_t workspaceSize, status, float wavesCount, int[4]
-    assert ctypes.sizeof(exp.LtAlgo) == 64
-    assert ctypes.sizeof(exp.LtHeuristic) == 96
-    assert exp.LtHeuristic.waves_count.offset == 76
+    assert ctypes.sizeof(blas_lt.LtAlgo) == 64
+    assert ctypes.sizeof(blas_lt.LtHeuristic) == 96
+    assert blas_lt.LtHeuristic.waves_count.offset == 76
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -72,7 +73,7 @@ def test_gemms_are_the_models_products(rows):
         got = y0.clone()
         exp.torch_call(gemm)(stored, x, got)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        problem = exp.lt_problem(gemm, rows)
+        problem = blas_lt.lt_problem(gemm.shape(rows))
         torch.testing.assert_close(lt_emulated(problem, stored, x, y0), want, rtol=1e-5, atol=1e-5)
 
 
@@ -81,12 +82,12 @@ def test_the_emulation_rejects_a_wrong_layout():
     gemm = exp.decode_gemms(LAYERS, WIDTH, VOCAB)[0]
     w = model_weights()["rkv"]
     x, y0 = torch.randn(3, 4, WIDTH), torch.zeros(3, 4, WIDTH)
-    right = exp.lt_problem(gemm, 4)
-    wrong = exp.LtProblem(**{**right.__dict__, "trans_a": exp.CUBLAS_OP_N})
+    right = blas_lt.lt_problem(gemm.shape(4))
+    wrong = blas_lt.LtProblem(**{**right.__dict__, "trans_a": blas_lt.CUBLAS_OP_N})
     assert torch.allclose(lt_emulated(right, w, x, y0), torch.bmm(x, w.transpose(1, 2)), atol=1e-5)
     assert not torch.allclose(lt_emulated(wrong, w, x, y0), torch.bmm(x, w.transpose(1, 2)), atol=1e-3)
 
 
 def test_unknown_layout_is_an_error():
     with pytest.raises(ValueError):
-        exp.lt_problem(exp.Gemm("x", 4, 4, layout="mn"), 2)
+        blas_lt.lt_problem(blas_lt.GemmShape(2, 4, 4, layout="mn"))

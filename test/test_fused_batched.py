@@ -3,9 +3,13 @@ weights behind its batched matmuls, and what those matmuls compute, against the 
 Runs on the CPU; test_fused_cuda.py runs the whole fused forward on a GPU."""
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 
-from infer.ops.fused import BatchedWeights, add_product, batch_weights, batched_projections
+from infer.ops.blas_lt import GemmShape
+from infer.ops.fused import BatchedWeights, add_product, batch_weights, batched_projections, torch_matmul
 from infer.ops.linear_w8a16 import W8A16Linear
 from infer.model import RWKV7
 from infer.random_model import make_config, random_state_dict
@@ -107,14 +111,81 @@ def test_add_product_adds_the_product_in_place():
     want = x.float() + y.float() @ lin.weight.float().t()
     for addmm in (True, False):  # one call with beta = 1, or the product then the add (RWKV_RESIDUAL_ADDMM=0)
         target = x.clone()
-        add_product(target, lin, y, addmm)
+        add_product(target, lin, y, functools.partial(torch_matmul, addmm=addmm))
         assert float((target.float() - want).abs().max()) <= 1e-2 * float(want.abs().max()), addmm
     assert not torch.equal(target, x)
     q = torch.randint(-127, 128, (768, 768), dtype=torch.int8, generator=gen)
     quant = W8A16Linear(q, torch.full((768,), 1e-3, dtype=torch.float16))
     target = x.clone()
-    add_product(target, quant, y, addmm=False)  # a quantized linear adds its own product either way
+    add_product(target, quant, y, lambda *a: pytest.fail("a quantized linear adds its own product"))
     assert torch.equal(target, x + quant(y))
+
+
+def test_torch_matmul_forms():
+    """torch_matmul: x W^T for nn.Linear's layout, x W for a K-major one, batched for 3-D x, into or added to out."""
+    gen = torch.Generator().manual_seed(8)
+    w, x = torch.randn(6, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    out = torch.empty(3, 6)
+    torch_matmul(w, x, out)
+    torch.testing.assert_close(out, x @ w.t())
+    base = torch.randn(3, 6, generator=gen)
+    for addmm in (True, False):
+        added = base.clone()
+        torch_matmul(w.t().contiguous(), x, added, "kn", add=True, addmm=addmm)
+        torch.testing.assert_close(added, base + x @ w.t())
+    ws, xs = torch.randn(3, 6, 4, generator=gen), torch.randn(3, 5, 4, generator=gen)
+    outs = torch.empty(3, 5, 6)
+    torch_matmul(ws, xs, outs)
+    torch.testing.assert_close(outs, torch.bmm(xs, ws.transpose(1, 2)))
+    with pytest.raises(ValueError):
+        torch_matmul(ws, xs, outs, add=True)
+
+
+def test_products_go_through_the_tuner_when_switched_on(monkeypatch):
+    """RWKV_BLAS_TUNE=1: FusedKernels' dense products (the r/k/v batch, the residual adds, FFN key and head through
+    ``product``) reach its GemmTuner with their shapes and torch's call; off (the default) there is no tuner and
+    ``product`` is the linear's own call."""
+    from types import SimpleNamespace
+
+    from infer.ops.blas_lt import GemmTuner
+    from infer.ops.fused import FusedKernels, KMajorLinear
+    module = SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 4)
+    monkeypatch.delenv("RWKV_BLAS_TUNE", raising=False)
+    plain = FusedKernels(module)
+    assert plain.tuner is None
+    model = model_fp16()
+    blk = model.blocks[1]
+    gen = torch.Generator().manual_seed(9)
+    kf = torch.randn(ROWS, 768, generator=gen).half()
+    assert torch.equal(plain.product(blk.ffn_key, kf), blk.ffn_key(kf))
+
+    monkeypatch.setenv("RWKV_BLAS_TUNE", "1")
+    kernels = FusedKernels(module)
+    assert isinstance(kernels.tuner, GemmTuner)
+    seen = []
+
+    def run(shape, torch_call, w, x, y):
+        seen.append(shape)
+        torch_call(w, x, y)
+    kernels.tuner.run = run
+    hidden = kernels.product(blk.ffn_key, kf)
+    assert seen == [GemmShape(ROWS, 3072, 768)]
+    assert float((hidden.float() - blk.ffn_key(kf).float()).abs().max()) <= 1e-2 * float(hidden.abs().max())
+    x = torch.randn(ROWS, 768, generator=gen).half()
+    target = x.clone()
+    add_product(target, blk.output, kf, kernels._matmul)
+    k_major = KMajorLinear(blk.ffn_value.weight, (None, None))
+    add_product(target, k_major, hidden, kernels._matmul)
+    want = x.float() + kf.float() @ blk.output.weight.float().t() + hidden.float() @ blk.ffn_value.weight.float().t()
+    assert float((target.float() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    blk.batched = batch_weights(blk)
+    mixed = torch.randn(6, ROWS, 768, generator=gen).half()
+    r, k, v, *_ = batched_projections(blk, mixed, first_layer=False, matmul=kernels._matmul)
+    assert seen[1:] == [GemmShape(ROWS, 768, 768, accumulate=True), GemmShape(ROWS, 768, 3072, "kn", accumulate=True),
+                        GemmShape(ROWS, 768, 768, batch=3)]
+    for got, lin, inputs in zip((r, k, v), (blk.receptance, blk.key, blk.value), mixed[:3]):
+        want = lin(inputs)
+        assert float((got.float() - want.float()).abs().max()) <= 2e-3 * float(want.abs().max()) + 1e-3
 
 
 def test_residual_addmm_switch(monkeypatch):

@@ -121,6 +121,26 @@ def decode_steps(model, rows: int, num_slots: int, wkv_dtype, steps: int = 3):
     return logits, pool
 
 
+def decode_batch(rows: int, num_slots: int) -> PackedBatch:
+    """decode_steps' first step: its tokens, slots counted down from the top."""
+    tokens = [[(7 * i + 3) % 1024] for i in range(rows)]
+    return PackedBatch.from_rows(tokens, list(range(num_slots - 1, num_slots - 1 - rows, -1)), "cuda")
+
+
+def capture_forward(model, batch: PackedBatch, pool):
+    """``batch``'s forward captured as a CUDA graph after a warm-up forward on another stream, as StepGraphs does
+    (the warm-up changes the pool): (graph, its logits)."""
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        model.forward(batch, pool)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = model.forward(batch, pool)
+    return graph, logits
+
+
 @pytest.mark.parametrize("wkv_dtype", [torch.float32, torch.float16])
 def test_pipelined_time_mix_equals_the_per_row_kernel(pair, wkv_dtype, monkeypatch):
     """time_mix_pipelined_kernel (a fixed grid walking the rows, each next state block prefetched) gives the bits of
@@ -591,22 +611,79 @@ def test_lora_side_stream_changes_no_output(pair, quantized, monkeypatch):
     # one step captured (after a warm-up on another stream, as StepGraphs does), replayed from decode_steps' start
     monkeypatch.setattr(model.fused, "lora_streams", 2)
     pool = model.new_state_pool(slots)
-    tokens = [[(7 * i + 3) % 1024] for i in range(rows)]
-    batch = PackedBatch.from_rows(tokens, list(range(slots - 1, slots - 1 - rows, -1)), "cuda")
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        model.forward(batch, pool)
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = model.forward(batch, pool)
+    batch = decode_batch(rows, slots)  # held while the graph replays: it reads the batch's buffers
+    graph, logits = capture_forward(model, batch, pool)
     pool.att_shift.zero_()
     pool.ffn_shift.zero_()
     pool.wkv.copy_(torch.randn(pool.wkv.shape, generator=torch.Generator().manual_seed(rows)).to(pool.wkv) * 0.2)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(logits, want[0])
+
+
+@pytest.mark.parametrize("shape", [(64, 96, 128, "nk", 1, False), (64, 96, 128, "kn", 1, True),
+                                   (64, 96, 128, "nk", 3, False), (48, 64, 256, "nk", 1, True)])
+def test_blas_lt_algorithms_compute_torchs_product(kernels, shape):
+    """infer/ops/blas_lt.py's ctypes calls into cuBLASLt: every algorithm the heuristic offers (up to 8) for the
+    column-major problem of a row-major product gives torch's result (the layouts as the fused forward stores them:
+    nn.Linear's, K-major, r/k/v's strided batch, added into the output)."""
+    from infer.ops.blas_lt import CublasLt, GemmShape, lt_problem
+    from infer.ops.fused import torch_matmul
+    rows, n, k, layout, batch, add = shape
+    gemm = GemmShape(rows, n, k, layout, batch, add)
+    lead = (batch,) if batch > 1 else ()
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(*lead, *((n, k) if layout == "nk" else (k, n)), generator=gen) * k ** -0.5).half().cuda()
+    x = torch.randn(*lead, rows, k, generator=gen).half().cuda()
+    y0 = torch.randn(*lead, rows, n, generator=gen).half().cuda()
+    want = y0.clone()
+    torch_matmul(w, x, want, layout, add)
+    plan = CublasLt(w.device).plan(lt_problem(gemm), 8)
+    assert plan.algos, "cuBLASLt offered no algorithm"
+    for index in range(len(plan.algos)):
+        got = y0.clone()
+        plan.run(index, w, x, got)
+        torch.cuda.synchronize()
+        assert (got.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item(), index
+
+
+def test_blas_tune_keeps_the_forward(pair, monkeypatch):
+    """RWKV_BLAS_TUNE's GemmTuner in the fused forward above the GEMV's rows: the first (eager) step tunes every dense
+    product's shape with the real cuBLASLt (offered algorithms, each checked), the logits stay those of torch's
+    products within fp16 rounding, and a CUDA graph captured afterwards replays the tuned step's bits."""
+    from infer.ops.blas_lt import TUNED_ROWS, GemmTuner
+    model = pair[1]
+    rows, slots = 32, 40
+    assert rows in TUNED_ROWS and rows > model.fused.rows_for(model)
+    monkeypatch.setattr(model.fused, "tuner", None)
+    want, _ = decode_steps(model, rows, slots, torch.float32)
+    tuner = GemmTuner(TUNED_ROWS, reps=2)
+    monkeypatch.setattr(model.fused, "tuner", tuner)
+    got, _ = decode_steps(model, rows, slots, torch.float32)
+    names = {(s.rows, s.n, s.k, s.layout, s.batch, s.accumulate) for s in tuner.report}
+    C, F, V = model.config.n_embd, model.config.ffn_dim, model.config.vocab_size
+    assert names == {(rows, C, C, "nk", 3, False), (rows, C, C, "nk", 1, True), (rows, F, C, "nk", 1, False),
+                     (rows, C, F, "kn", 1, True), (rows, V, C, "nk", 1, False)}
+    assert all(r["algos"] > 0 for r in tuner.report.values()), tuner.report
+    # the first step's logits (later steps feed each path's own argmax: a near-tie may pick other tokens)
+    assert (got[0] - want[0]).abs().max().item() <= 1e-2 * want[0].abs().max().item() + 1e-2
+    # one step eagerly and replayed from a graph captured after a warm-up on another stream (as StepGraphs does),
+    # from the same random state: the same bits (the tuned algorithms are deterministic, checked when chosen)
+    pool = model.new_state_pool(slots)
+    pool.wkv.copy_(torch.randn(pool.wkv.shape, generator=torch.Generator().manual_seed(5)).to(pool.wkv) * 0.2)
+    start = [t.clone() for t in (pool.wkv, pool.att_shift, pool.ffn_shift)]
+
+    def restore():
+        for saved, live in zip(start, (pool.wkv, pool.att_shift, pool.ffn_shift)):
+            live.copy_(saved)
+    batch = decode_batch(rows, slots)
+    eager = model.forward(batch, pool).clone()
+    restore()
+    graph, logits = capture_forward(model, batch, pool)
+    restore()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(logits, eager)
 
 
 def test_relu_square_matches_torch(kernels):
