@@ -162,6 +162,7 @@ def test_products_go_through_the_tuner_when_switched_on(monkeypatch):
     monkeypatch.setenv("RWKV_BLAS_TUNE", "1")
     kernels = FusedKernels(module)
     assert isinstance(kernels.tuner, GemmTuner)
+    assert "cuBLASLt" in kernels.name and "cuBLASLt" not in plain.name  # the startup log says so
     seen = []
 
     def run(shape, torch_call, w, x, y):

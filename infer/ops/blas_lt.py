@@ -302,9 +302,9 @@ class GemmTuner:
                 self.report[shape] = {"error": f"cuBLASLt unavailable: {exc}"}
                 return None
         timer = self._make_timer(y.device, self.reps)
-        want = y.clone()
+        want, first, second = y.clone(), torch.empty_like(y), torch.empty_like(y)  # 3 copies of y at most (logits)
         torch_call(w, x, want)
-        torch_s = timer(lambda out: torch_call(w, x, out), y.clone())
+        torch_s = timer(lambda out: torch_call(w, x, out), first.copy_(y))
         report = {"torch_us": round(torch_s * 1e6, 2), "algos": 0, "rejected": 0}
         try:
             plan = self._lt.plan(lt_problem(shape), self.max_algos)
@@ -313,17 +313,18 @@ class GemmTuner:
             self.report[shape] = report
             return None
         best: tuple[float, int] | None = None
+        scale = float(want.float().abs().max().clamp_min(1e-6))
         for index in range(len(plan.algos)):
             report["algos"] += 1
             try:
-                first, second = y.clone(), y.clone()
+                first.copy_(y)
+                second.copy_(y)
                 plan.run(index, w, x, first)
                 plan.run(index, w, x, second)
-                scale = float(want.float().abs().max().clamp_min(1e-6))
                 if float((first.float() - want.float()).abs().max()) > 2e-2 * scale or not torch.equal(first, second):
                     report["rejected"] += 1
                     continue
-                seconds = timer(lambda out, i=index: plan.run(i, w, x, out), y.clone())
+                seconds = timer(lambda out, i=index: plan.run(i, w, x, out), first)
             except RuntimeError:  # an algorithm the library offers but cannot run here
                 report["rejected"] += 1
                 continue

@@ -263,7 +263,11 @@ def add_product(x: torch.Tensor, linear, y: torch.Tensor, matmul: Matmul = torch
 class FusedKernels:
     """The compiled ops plus the fused forward built on them."""
 
-    name = "fused cuda kernels (rwkv7_fused)"
+    @property
+    def name(self) -> str:
+        """What the startup log says of this forward."""
+        tuned = ", large-batch GEMMs timed against cuBLASLt's algorithms (RWKV_BLAS_TUNE)" if self.tuner else ""
+        return f"fused cuda kernels (rwkv7_fused){tuned}"
 
     def __init__(self, module) -> None:
         self._m = module
