@@ -382,12 +382,12 @@ class FusedKernels:
     def _matmul(self, w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, layout: str = "nk",
                 add: bool = False) -> None:
         """:func:`torch_matmul` (with this object's residual_addmm), or the tuner's choice for the shape."""
+        if self.tuner is None:
+            torch_matmul(w, x, out, layout, add, self.residual_addmm)
+            return
+
         def torch_call(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
             torch_matmul(w, x, out, layout, add, self.residual_addmm)
-
-        if self.tuner is None:
-            torch_call(w, x, out)
-            return
         batch = x.shape[0] if x.dim() == 3 else 1
         self.tuner.run(GemmShape(x.shape[-2], out.shape[-1], x.shape[-1], layout, batch, add), torch_call, w, x, out)
 
