@@ -214,4 +214,52 @@ __device__ __forceinline__ float token_step(float (&s)[N], const float* a, const
     return hsum4(out);
 }
 
+// A state row of fp16 storage held as its eight 16-byte vectors (32 registers instead of 64 floats), for a row of
+// one token: each value is widened when used, and the updated values are rounded back once, in the pairs
+// Vec16<__half>::from_f32 rounds, so the row gets the bits token_step on the fp32 row and regs_to_row give it.
+struct HalfRow {
+    uint4 vec[N / 8];
+};
+
+// Values 4c .. 4c + 3 of the row as floats, and back (rounded to nearest, in pairs).
+__device__ __forceinline__ void half_row_get4(const HalfRow& s, int c, float (&f)[4]) {
+    const uint4 u = s.vec[c / 2];
+    __half h[4];
+    memcpy(h, c % 2 ? &u.z : &u.x, sizeof(h));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f[e] = __half2float(h[e]);
+}
+__device__ __forceinline__ void half_row_set4(HalfRow& s, int c, const float (&f)[4]) {
+    const __half2 lo = __floats2half2_rn(f[0], f[1]), hi = __floats2half2_rn(f[2], f[3]);
+    uint4& u = s.vec[c / 2];
+    memcpy(c % 2 ? &u.z : &u.x, &lo, sizeof(lo));
+    memcpy(c % 2 ? &u.w : &u.y, &hi, sizeof(hi));
+}
+
+// token_step on a HalfRow: the same operations in the same order as on the fp32 row.
+__device__ __forceinline__ float token_step(HalfRow& s, const float* a, const float* w, const float* k,
+                                            const float* b, const float* r, float v) {
+    const float4 *a4 = reinterpret_cast<const float4*>(a), *w4 = reinterpret_cast<const float4*>(w),
+                 *k4 = reinterpret_cast<const float4*>(k), *b4 = reinterpret_cast<const float4*>(b),
+                 *r4 = reinterpret_cast<const float4*>(r);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c) {
+        float f[4];
+        half_row_get4(s, c, f);
+        dot4(f, a4[c], acc);
+    }
+    const float sa = hsum4(acc);
+    float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+    // (unrolled whole, the shared key-axis loads are hoisted and their registers spill at 85 a thread)
+#pragma unroll 2
+    for (int c = 0; c < N / 4; ++c) {
+        float f[4];
+        half_row_get4(s, c, f);
+        update4(f, w4[c], b4[c], k4[c], r4[c], sa, v, out);
+        half_row_set4(s, c, f);
+    }
+    return hsum4(out);
+}
+
 }  // namespace wkv7
