@@ -490,16 +490,25 @@ __device__ __forceinline__ void time_mix_tokens(const TimeMixArgs& p, const Chan
     }
 }
 
+// A block of one (row, head) of a time-mix grid: its head, the width C, its thread's channel col, and its row's tokens
+// and slot.
+struct TimeMixBlock {
+    int h;
+    int64_t C, col, first, last, slot;
+};
+__device__ __forceinline__ TimeMixBlock time_mix_block(int H, const int64_t* slots, const int64_t* starts,
+                                                       const int64_t* lasts) {
+    const int h = blockIdx.x % H;
+    const auto [first, last, slot] = time_mix_row(blockIdx.x / H, slots, starts, lasts);
+    return {h, int64_t(H) * N, int64_t(h) * N + threadIdx.x, first, last, slot};
+}
+
 template <typename S>
 __global__ void __launch_bounds__(N)
 time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state, const int64_t* __restrict__ slots,
                 const int64_t* __restrict__ starts, const int64_t* __restrict__ lasts, TimeMixArgs p) {
-    const int h = blockIdx.x % H;
     const int i = threadIdx.x;
-    const int64_t C = int64_t(H) * N;
-    const int64_t col = int64_t(h) * N + i;
-
-    const auto [first, last, slot] = time_mix_row(blockIdx.x / H, slots, starts, lasts);
+    const auto [h, C, col, first, last, slot] = time_mix_block(H, slots, starts, lasts);
     if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
 
     __shared__ __align__(16) float tile[N][wkv7::LD];
@@ -675,12 +684,8 @@ __global__ void __launch_bounds__(N, kLeanBlocksPerSm)
 time_mix_lean_kernel(int H, int64_t num_slots, int64_t num_tokens, __half* __restrict__ state,
                      const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
                      const int64_t* __restrict__ lasts, TimeMixArgs p) {
-    const int h = blockIdx.x % H;
     const int i = threadIdx.x;
-    const int64_t C = int64_t(H) * N;
-    const int64_t col = int64_t(h) * N + i;
-
-    const auto [first, last, slot] = time_mix_row(blockIdx.x / H, slots, starts, lasts);
+    const auto [h, C, col, first, last, slot] = time_mix_block(H, slots, starts, lasts);
     if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
 
     __shared__ TimeMixShared sh;
