@@ -30,7 +30,7 @@ from infer.ops.wkv_cuda import select_wkv  # noqa: E402
 from infer.random_model import data_dir, make_config, random_state_dict  # noqa: E402
 from bench import limits  # noqa: E402
 
-SIZES = {"0.1b": (12, 768), "1.5b": (24, 2048), "7.2b": (32, 4096)}
+SIZES = {name: (shape.layers, shape.width) for name, shape in limits.SHAPES.items()}  # (L, C) of each benchmarked size
 ENGINES = tuple(limits.ENGINE_FORMATS)  # --engine: fp16, cutlass (W8A16) or gemlite:FORMAT, each with its limit
 
 

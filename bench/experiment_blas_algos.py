@@ -35,7 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import limits  # noqa: E402
-from infer.ops.blas_lt import ALGO_CONFIG, CublasLt, GemmShape, lt_problem  # noqa: E402
+from bench.bench_decode import capture_calls  # noqa: E402
+from infer.ops.blas_lt import ALGO_CONFIG, CublasLt, GemmShape, lt_problem, relative_error  # noqa: E402
 
 L2_BYTES = 50 << 20
 CALLS_PER_GRAPH = 24
@@ -107,15 +108,11 @@ def operands(gemm: Gemm, rows: int) -> tuple[list[torch.Tensor], torch.Tensor, t
 def time_call(call: Callable[[torch.Tensor], None], weights: list[torch.Tensor]) -> float:
     """Median seconds a call, over REPLAYS replays of one CUDA graph of calls cycling through the weight copies."""
     calls = max(CALLS_PER_GRAPH, len(weights))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call(weights[0])  # warm-up (lazy initialisation outside the capture)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def cycle() -> None:
         for i in range(calls):
             call(weights[i % len(weights)])
+    graph, _ = capture_calls(cycle)  # (warmed up first: lazy initialisation outside the capture)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -154,11 +151,6 @@ def with_backend(backend: str | None, fn: Callable[[], object]) -> object:
         torch.backends.cuda.preferred_blas_library(previous)
 
 
-def close(y: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest difference relative to the largest value of the reference."""
-    return float((y.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
-
-
 def measure(lt: CublasLt, gemm: Gemm, rows: int, max_algos: int) -> dict:
     flops = 2 * gemm.batch * rows * gemm.n * gemm.k
     weights, x, y0 = operands(gemm, rows)
@@ -189,7 +181,7 @@ def measure(lt: CublasLt, gemm: Gemm, rows: int, max_algos: int) -> dict:
             got = y0.clone()
             plan.run(i, weights[0], x, got)
             torch.cuda.synchronize()
-            entry["error"] = close(got, want)
+            entry["error"] = relative_error(got, want)
             if not entry["error"] <= 2e-2:
                 entry["rejected"] = "result differs from torch's"
             else:

@@ -675,7 +675,7 @@ time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t 
 // above are latency-bound at 16 warps a multiprocessor (eight 64-thread blocks of 128 registers, half of them the
 // fp32 state row; the pipelined one also ~24 KB of shared memory a block: seventeenth session, BENCHMARKS.md). Here a
 // block per (row, head) holds its thread's state row as fp16 (wkv7::HalfRow: 32 registers), read and written straight
-// from and to global memory (128 contiguous bytes a thread, no staging tile), so a block takes ~1.4 KB of shared
+// from and to global memory (128 contiguous bytes a thread, no staging tile), so a block takes 3.4 KB of shared
 // memory and registers alone set how many share a multiprocessor (12 at <= 85). The same bits as time_mix_kernel
 // for rows of one token, the only ones the launcher gives it (a longer row would round its state after every token).
 #define FUSED_TIME_MIX_LEAN 1  // (asked by the CPU emulator's harness: the HIP port has no such kernel)

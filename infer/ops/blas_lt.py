@@ -219,6 +219,11 @@ class LtPlan:
                   "cublasLtMatmul")
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference from the reference relative to its largest value (how a candidate is checked)."""
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+
+
 Product = Callable[[torch.Tensor], None]  # writes (or adds) one candidate's product into the tensor it is given
 
 
@@ -312,16 +317,15 @@ class GemmTuner:
             report["error"] = str(exc)
             self.report[shape] = report
             return None
+        report["algos"] = len(plan.algos)
         best: tuple[float, int] | None = None
-        scale = float(want.float().abs().max().clamp_min(1e-6))
         for index in range(len(plan.algos)):
-            report["algos"] += 1
             try:
                 first.copy_(y)
                 second.copy_(y)
                 plan.run(index, w, x, first)
                 plan.run(index, w, x, second)
-                if float((first.float() - want.float()).abs().max()) > 2e-2 * scale or not torch.equal(first, second):
+                if relative_error(first, want) > 2e-2 or not torch.equal(first, second):
                     report["rejected"] += 1
                     continue
                 seconds = timer(lambda out, i=index: plan.run(i, w, x, out), first)

@@ -180,8 +180,29 @@ def batch_weights(blk: "Block") -> BatchedWeights | None:
     return BatchedWeights(rkv, lora_down, lora_up)
 
 
+def torch_matmul(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, layout: str = "nk", add: bool = False,
+                 addmm: bool = True) -> None:
+    """out (+)= x W^T for W [n, k] (layout "nk") or x W for W [k, n] ("kn", K-major), batched when x is 3-D, as one
+    cuBLAS call; with ``add``, one call with the add folded in (beta = 1), or with ``addmm`` False the product and then
+    the add (see FusedKernels.residual_addmm)."""
+    wt = w.transpose(-1, -2) if layout == "nk" else w
+    if x.dim() == 3:
+        if add:
+            raise ValueError("batched products are not added into their output")
+        torch.bmm(x, wt, out=out)
+    elif add and addmm:
+        out.addmm_(x, wt)
+    elif add:
+        out.add_(torch.mm(x, wt))
+    else:
+        torch.mm(x, wt, out=out)
+
+
+Matmul = Callable[..., None]  # torch_matmul's signature: (w, x, out, layout="nk", add=False)
+
+
 def batched_projections(blk: "Block", mixed: torch.Tensor, first_layer: bool, sides: Sequence[torch.cuda.Stream] = (),
-                        matmul: "Matmul | None" = None) -> tuple[torch.Tensor, ...]:
+                        matmul: Matmul = torch_matmul) -> tuple[torch.Tensor, ...]:
     """r, k, v, dw, da, dv (None in layer 0), g of ``blk`` (``blk.batched`` set) from ``mixed`` [6, T, C], the mixed
     inputs in the order r, k, v, w, a, g: one batched matmul for r/k/v (with quantized r/k/v, one product each) and
     two LoRA chains: w/a/v (two batched matmuls and tanh) and g (two products and sigmoid). ``sides``: CUDA streams
@@ -205,7 +226,7 @@ def batched_projections(blk: "Block", mixed: torch.Tensor, first_layer: bool, si
         _gate_lora(blk, mixed[5], g)
     if weights.rkv is not None:
         rkv = mixed.new_empty(3, mixed.shape[1], weights.rkv.shape[1])
-        (matmul or torch_matmul)(weights.rkv, mixed[:3], rkv)
+        matmul(weights.rkv, mixed[:3], rkv)
         r, k, v = rkv.unbind(0)
     else:
         r, k, v = blk.receptance(mixed[0]), blk.key(mixed[1]), blk.value(mixed[2])
@@ -226,27 +247,6 @@ def _stacked_loras(blk: "Block", mixed: torch.Tensor, first_layer: bool, ups: to
 def _gate_lora(blk: "Block", xg: torch.Tensor, g: torch.Tensor) -> None:
     """The gate LoRA of batched_projections into ``g``."""
     torch.mm(torch.sigmoid(torch.mm(xg, blk.g1.weight.t())), blk.g2.weight.t(), out=g)
-
-
-def torch_matmul(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, layout: str = "nk", add: bool = False,
-                 addmm: bool = True) -> None:
-    """out (+)= x W^T for W [n, k] (layout "nk") or x W for W [k, n] ("kn", K-major), batched when x is 3-D, as one
-    cuBLAS call; with ``add``, one call with the add folded in (beta = 1), or with ``addmm`` False the product and then
-    the add (see FusedKernels.residual_addmm)."""
-    wt = w.transpose(-1, -2) if layout == "nk" else w
-    if x.dim() == 3:
-        if add:
-            raise ValueError("batched products are not added into their output")
-        torch.bmm(x, wt, out=out)
-    elif add and addmm:
-        out.addmm_(x, wt)
-    elif add:
-        out.add_(torch.mm(x, wt))
-    else:
-        torch.mm(x, wt, out=out)
-
-
-Matmul = Callable[..., None]  # torch_matmul's signature: (w, x, out, layout="nk", add=False)
 
 
 def add_product(x: torch.Tensor, linear, y: torch.Tensor, matmul: Matmul = torch_matmul) -> None:
