@@ -135,9 +135,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-tune  # ~7 min on a fresh machine: GPU tests of the
 #                                                                   # cuBLASLt calls and the tuner, 7.2B decode at 256/512
 #                                                                   # rows with RWKV_BLAS_TUNE=1 / 0 / 1
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh time-mix-lean  # ~8 min on a fresh machine: the fused GPU
-#                                                                   # tests with RWKV_TIME_MIX_LEAN=1, decode A/B of it at
-#                                                                   # 128-512 rows (fp16 state), 7.2B at 256/512 twice
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -787,21 +784,6 @@ blas-tune)  # the dense products on cuBLASLt algorithms chosen by timing (RWKV_B
     blas_decode tune RWKV_BLAS_TUNE=1
     blas_decode notune RWKV_BLAS_TUNE=0
     blas_decode tune2 RWKV_BLAS_TUNE=1
-    ;;
-time-mix-lean)  # fp16-state decode steps on time_mix_lean_kernel (RWKV_TIME_MIX_LEAN=1: state rows as fp16 registers,
-    # 12 blocks a multiprocessor instead of 8): GPU tests with it on (its bits against the per-row kernel's, batch
-    # invariance), then decode A/B, 7.2B and 1.5B, then 7.2B again
-    build_fused
-    step 200 "fused GPU tests, RWKV_TIME_MIX_LEAN=1" env RWKV_TIME_MIX_LEAN=1 python -m pytest -q -rf --tb=short \
-        -p no:cacheprovider test/test_fused_cuda.py -k "lean or invariance"
-    for run in 1 0 1_2 0_2; do
-        case $run in 1 | 0) sizes=7.2b,1.5b batches=128,256,512 ;; *) sizes=7.2b batches=256,512 ;; esac
-        out=bench/results/experiment_time_mix_lean${run}_h200.json
-        step 120 "decode, fp16 state, RWKV_TIME_MIX_LEAN=${run%_2}" env RWKV_TIME_MIX_LEAN=${run%_2} python \
-            bench/bench_decode.py --sizes $sizes --batches $batches --states fp16 --steps 20 --wkv cuda --no-checks \
-            --out $out
-        copy $out
-    done
     ;;
 gemlite-8bit)  # GemLite 8-bit layers read pre-scaled: the range experiment, GPU tests, engines on the trained model
     tuning_cache

@@ -443,12 +443,10 @@ struct TimeMixShared {
     float scratch[6];
 };
 
-// Every token of one row through one head, a thread per state row (s = S[i][:], updated in place: fp32 registers, or
-// for a row of one token a wkv7::HalfRow) and channel col. `in` holds the first token's inputs; each token fetches
-// the next one's before the barrier that ends it.
-template <typename Row>
+// Every token of one row through one head, a thread per state row (s = S[i][:], updated in place) and channel
+// col. `in` holds the first token's inputs; each token fetches the next one's before the barrier that ends it.
 __device__ __forceinline__ void time_mix_tokens(const TimeMixArgs& p, const ChannelParams& cp, int64_t first,
-                                                int64_t last, int64_t C, int64_t col, TokenInputs in, Row& s,
+                                                int64_t last, int64_t C, int64_t col, TokenInputs in, float (&s)[N],
                                                 TimeMixShared& sh) {
     const int i = threadIdx.x;
     for (int64_t t = first; t <= last; ++t) {
@@ -490,25 +488,16 @@ __device__ __forceinline__ void time_mix_tokens(const TimeMixArgs& p, const Chan
     }
 }
 
-// A block of one (row, head) of a time-mix grid: its head, the width C, its thread's channel col, and its row's tokens
-// and slot.
-struct TimeMixBlock {
-    int h;
-    int64_t C, col, first, last, slot;
-};
-__device__ __forceinline__ TimeMixBlock time_mix_block(int H, const int64_t* slots, const int64_t* starts,
-                                                       const int64_t* lasts) {
-    const int h = blockIdx.x % H;
-    const auto [first, last, slot] = time_mix_row(blockIdx.x / H, slots, starts, lasts);
-    return {h, int64_t(H) * N, int64_t(h) * N + threadIdx.x, first, last, slot};
-}
-
 template <typename S>
 __global__ void __launch_bounds__(N)
 time_mix_kernel(int H, int64_t num_slots, int64_t num_tokens, S* __restrict__ state, const int64_t* __restrict__ slots,
                 const int64_t* __restrict__ starts, const int64_t* __restrict__ lasts, TimeMixArgs p) {
+    const int h = blockIdx.x % H;
     const int i = threadIdx.x;
-    const auto [h, C, col, first, last, slot] = time_mix_block(H, slots, starts, lasts);
+    const int64_t C = int64_t(H) * N;
+    const int64_t col = int64_t(h) * N + i;
+
+    const auto [first, last, slot] = time_mix_row(blockIdx.x / H, slots, starts, lasts);
     if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
 
     __shared__ __align__(16) float tile[N][wkv7::LD];
@@ -668,40 +657,6 @@ time_mix_pipelined_kernel(int H, int64_t num_slots, int64_t num_tokens, int64_t 
         }
     }
     copy_async_wait<0>();
-}
-
-// ------------------------------------------------------------------------------------ time_mix, lean
-// Decode launches (rows of one token) with fp16 states, opt-in (RWKV_TIME_MIX_LEAN=1) until timed: the two kernels
-// above are latency-bound at 16 warps a multiprocessor (eight 64-thread blocks of 128 registers, half of them the
-// fp32 state row; the pipelined one also ~24 KB of shared memory a block: seventeenth session, BENCHMARKS.md). Here a
-// block per (row, head) holds its thread's state row as fp16 (wkv7::HalfRow: 32 registers), read and written straight
-// from and to global memory (128 contiguous bytes a thread, no staging tile), so a block takes 3.4 KB of shared
-// memory and registers alone set how many share a multiprocessor (12 at <= 85). The same bits as time_mix_kernel
-// for rows of one token, the only ones the launcher gives it (a longer row would round its state after every token).
-#define FUSED_TIME_MIX_LEAN 1  // (asked by the CPU emulator's harness: the HIP port has no such kernel)
-constexpr int kLeanBlocksPerSm = 12;
-__global__ void __launch_bounds__(N, kLeanBlocksPerSm)
-time_mix_lean_kernel(int H, int64_t num_slots, int64_t num_tokens, __half* __restrict__ state,
-                     const int64_t* __restrict__ slots, const int64_t* __restrict__ starts,
-                     const int64_t* __restrict__ lasts, TimeMixArgs p) {
-    const int i = threadIdx.x;
-    const auto [h, C, col, first, last, slot] = time_mix_block(H, slots, starts, lasts);
-    if (!row_has_work(p, first, last, slot, num_slots, num_tokens, C, col, 0, 1)) return;
-
-    __shared__ TimeMixShared sh;
-    __shared__ ChannelParams channel[N];  // (held in registers across the token they cost a spill)
-    uint4* row = reinterpret_cast<uint4*>(state + ((slot * H + h) * N + i) * N);  // S[i][:], 128 bytes
-    wkv7::HalfRow s;
-#pragma unroll
-    for (int c = 0; c < N / 8; ++c) s.vec[c] = row[c];  // only this kernel writes the state: safe before the wait
-    channel[i] = load_channel_params(p, col);
-    const ChannelParams& cp = channel[i];
-
-    dependency_wait();
-    const TokenInputs in = load_token_inputs(p, first * C + col);
-    time_mix_tokens(p, cp, first, last, C, col, in, s, sh);
-#pragma unroll
-    for (int c = 0; c < N / 8; ++c) row[c] = s.vec[c];
 }
 
 // ------------------------------------------------------------------------------------ time_mix, prefill
@@ -3507,13 +3462,6 @@ extern "C" int fused_time_mix_launch(int device, int64_t stream, int state_dtype
         return cudaErrorInvalidConfiguration;
     if (kernel == kTimeMixSplit && (scratch == nullptr || scratch_floats < split_scratch_floats(num_tokens, H)))
         return cudaErrorInvalidValue;
-    // fp16 decode rows on time_mix_lean_kernel (RWKV_TIME_MIX_LEAN=1), unless a launch asked for blocks of its own
-    static const bool lean = env_flag("RWKV_TIME_MIX_LEAN", false);
-    if (lean && kernel == kTimeMixDecode && max_len == 1 && state_dtype == wkv7::kFloat16 && pipeline_blocks == 0)
-        return on_device(device, [&] {
-            return launch(time_mix_lean_kernel, grid, N, s, h, num_slots, num_tokens, static_cast<__half*>(state),
-                          slots, starts, lasts, p);
-        });
     auto run = [&](auto* pool, auto decode_kernel, auto pipelined_kernel, auto prefill_kernel, auto chunked_kernel,
                    auto chunked_tc_kernel, auto split2_kernel, auto split4_kernel) {
         return on_device(device, [&] {

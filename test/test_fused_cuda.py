@@ -4,7 +4,6 @@ and is the `--check` for any CUDA machine: ``python -m pytest -q test/test_fused
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -164,24 +163,6 @@ def test_pipelined_time_mix_equals_the_per_row_kernel(pair, wkv_dtype, monkeypat
     got, pool = decode_steps(fused, big, big, wkv_dtype, steps=2)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert torch.equal(pool.wkv, want_pool.wkv)
-
-
-@pytest.mark.skipif(os.environ.get("RWKV_TIME_MIX_LEAN") != "1", reason="the launcher reads RWKV_TIME_MIX_LEAN once "
-                    "a process: run with RWKV_TIME_MIX_LEAN=1 (bench/h200_pending.sh time-mix-lean)")
-@pytest.mark.parametrize("rows", [40, 300])
-def test_lean_time_mix_equals_the_per_row_kernel(pair, rows, monkeypatch):
-    """With RWKV_TIME_MIX_LEAN=1 the launcher's own choice for fp16-state decode steps is time_mix_lean_kernel: its
-    steps give the bits of time_mix_kernel (time_mix_blocks -1: the per-row kernel, which the lean switch leaves
-    alone), logits and every state value, at a small batch and one large enough for the pipelined kernel."""
-    fused = pair[1]
-    monkeypatch.setattr(fused.fused, "time_mix_blocks", -1)
-    want, want_pool = decode_steps(fused, rows, rows + 8, torch.float16, steps=2)
-    monkeypatch.setattr(fused.fused, "time_mix_blocks", 0)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        got, pool = decode_steps(fused, rows, rows + 8, torch.float16, steps=2)
-    assert any("time_mix_lean_kernel" in e.name for e in prof.events())  # the lean kernel ran
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert torch.equal(pool.wkv, want_pool.wkv) and torch.equal(pool.att_shift, want_pool.att_shift)
 
 
 @pytest.mark.parametrize("lens", [[1, 1, 1], [5, 1, 12], [40], [3, 17, 2, 9], [70, 3]])

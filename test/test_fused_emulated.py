@@ -333,10 +333,9 @@ def time_mix_inputs(C: int, T: int, layer: int, gen: torch.Generator) -> dict:
 
 TIME_MIX_KERNELS = {"decode": 0, "prefill": 1, "chunked": 2, "split": 3, "tc": 4}  # TimeMixKernel
 # the kernels the tests run: the split kernel with 4 blocks per (row, head) ("split") or 2 ("split2"); "tc" (the
-# chunked kernel on tensor cores), "pipelined" (time_mix_pipelined_kernel, the launcher's choice for large
-# fp16-state decode batches; here on two blocks per head) and "lean" (time_mix_lean_kernel: fp16 states, rows of one
-# token) exist in the CUDA source only
-TIME_MIX_RUNS = {**TIME_MIX_KERNELS, "split2": TIME_MIX_KERNELS["split"], "pipelined": 5, "lean": 6}
+# chunked kernel on tensor cores) and "pipelined" (time_mix_pipelined_kernel, the launcher's choice for large
+# fp16-state decode batches; here on two blocks per head) exist in the CUDA source only
+TIME_MIX_RUNS = {**TIME_MIX_KERNELS, "split2": TIME_MIX_KERNELS["split"], "pipelined": 5}
 # The tensor-core kernel's fp16 operands (the chunk's starting state, x, v', and the decayed key-axis vectors)
 # put its outputs and states ~1e-3 relative from the fp32 recurrence: measured against the fp32-intermediate
 # math, outputs within TC_OUT_ULPS fp16 ulp of the head's largest output and states within TC_STATE_TOL of the
@@ -420,7 +419,7 @@ def _sub(p: dict, idx: torch.Tensor) -> dict:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("kernel", [k for k in TIME_MIX_RUNS if k != "lean"])  # lean: one-token fp16 rows (below)
+@pytest.mark.parametrize("kernel", list(TIME_MIX_RUNS))
 @pytest.mark.parametrize("C,layer,state_dtype", [(128, 0, torch.float32), (192, 3, torch.float16),
                                                  (192, 0, torch.float16), (128, 1, torch.float32)])
 def test_time_mix(variant, kernel, C, layer, state_dtype, libs):
@@ -534,24 +533,6 @@ def test_pipelined_kernel_equals_decode_kernel_bit_for_bit(layer, state_dtype, l
     for a, b in zip(decode, pipelined):
         assert torch.equal(a, b)
     assert not torch.equal(pipelined[2], pool), "the state must have been updated"
-
-
-@pytest.mark.parametrize("layer", [0, 1])
-def test_lean_kernel_equals_decode_kernel_bit_for_bit(layer, libs):
-    """time_mix_lean_kernel (an fp16 state row held as fp16 in registers, RWKV_TIME_MIX_LEAN=1) gives time_mix_kernel's
-    bits on rows of one token, the only ones the launcher gives it: outputs, v_first and every state value; a row on
-    a slot out of range gets NaN outputs and leaves the state alone, as there."""
-    pool, (decode, lean) = run_kernels_on_rows(libs["fused-cuda"], layer, torch.float16, [1] * 7,
-                                               [4, 0, 9, 5, 1, 3, 6], 41 + layer, ("decode", "lean"))
-    for a, b in zip(decode, lean):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaNs included
-    assert not torch.equal(lean[2], pool), "the state must have been updated"
-    assert torch.isnan(lean[0][2]).all() and torch.equal(lean[2][2], pool[2])  # slot 9 of 7: NaN; slot 2: no row's
-
-
-def test_lean_kernel_takes_fp16_states_only(libs):
-    with pytest.raises(AssertionError):
-        run_kernels_on_rows(libs["fused-cuda"], 1, torch.float32, [1, 1], [0, 1], 5, ("lean",))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

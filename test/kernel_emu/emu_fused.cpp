@@ -40,12 +40,10 @@ EMU_EXPORT int emu_ln_span_for(int64_t T, int64_t B, int64_t C) { return fused::
 
 // kernel: the one to run (TimeMixKernel); the launcher picks it with time_mix_kernel_for (exported below), or
 // kTimeMixPipelined: time_mix_pipelined_kernel (CUDA only) on two blocks per head, each walking several rows (the
-// launcher's grid on a GPU is as many blocks as fit at once), or kTimeMixLean: time_mix_lean_kernel (CUDA only, fp16
-// states, rows of one token; the launcher takes it with RWKV_TIME_MIX_LEAN=1). max_len: the longest row (the split kernel's finishing
+// launcher's grid on a GPU is as many blocks as fit at once). max_len: the longest row (the split kernel's finishing
 // grid covers that many tokens per row). parts: the split kernel's blocks per (row, head), 2 or 4 (the launcher
 // picks it with split_parts, exported below).
 constexpr int kTimeMixPipelined = 5;
-constexpr int kTimeMixLean = 6;
 EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t num_slots, int64_t num_tokens,
                                   void* state, const int64_t* slots, const int64_t* starts, const int64_t* lasts,
                                   const void* const* tensors, const void* const* params, int first_layer,
@@ -78,18 +76,6 @@ EMU_EXPORT int emu_fused_time_mix(int state_dtype, int64_t B, int64_t H, int64_t
         }
 #else
         if (kernel == kTimeMixPipelined) return -1;
-#endif
-#ifdef FUSED_TIME_MIX_LEAN
-        if (kernel == kTimeMixLean) {  // (CUDA only)
-            if constexpr (std::is_same_v<std::remove_pointer_t<decltype(pool)>, __half>) {
-                return emu::run_grid(grid, N, [&] {
-                    time_mix_lean_kernel(h, num_slots, num_tokens, pool, slots, starts, lasts, p);
-                });
-            }
-            return -1;  // fp16 states only
-        }
-#else
-        if (kernel == kTimeMixLean) return -1;
 #endif
 #ifdef FUSED_TIME_MIX_TC
         if (kernel == kTimeMixChunkedTc) {  // (CUDA only)
