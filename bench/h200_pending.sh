@@ -129,9 +129,9 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-algos  # ~4 min, no build: each large-batch decode GEMM as
 #                                                                   # torch runs it against every algorithm cuBLASLt's
 #                                                                   # heuristic offers (7.2B/1.5B, 128-1,024 rows)
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-ab   # ~8 min on a fresh machine: 7.2B decode at 256/512
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-ab   # ~3 min on a fresh machine: 7.2B decode at 256/512
 #                                                                   # rows (fp16 state): the tree, cuBLASLt preferred,
-#                                                                   # residual products as product + add, the tree again
+#                                                                   # the tree again
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-tune  # ~7 min on a fresh machine: GPU tests of the
 #                                                                   # cuBLASLt calls and the tuner, 7.2B decode at 256/512
 #                                                                   # rows with RWKV_BLAS_TUNE=1 / 0 / 1
@@ -768,13 +768,12 @@ blas-algos)  # does cuBLAS's heuristic pick the best kernel it has for the batch
     copy $out
     ;;
 blas-ab)  # the whole 7.2B step at 256/512 rows (fp16 state) as the tree runs it, with cuBLASLt preferred for torch's
-    # GEMMs (its one heuristic choice), with the residual products as a product then an add (beta 0), then the tree
-    # again (the machine's noise)
+    # GEMMs (its one heuristic choice), then the tree again (the machine's noise). (Its first run also timed the
+    # residual products as a product then an add, RWKV_RESIDUAL_ADDMM=0: slower, removed; experiment_blas_ab_residual_h100.json.)
     build_fused
-    blas_decode tree RWKV_RESIDUAL_ADDMM=1
+    blas_decode tree RWKV_BLAS_TUNE=0
     blas_decode lt TORCH_BLAS_PREFER_CUBLASLT=1
-    blas_decode residual RWKV_RESIDUAL_ADDMM=0
-    blas_decode tree2 RWKV_RESIDUAL_ADDMM=1
+    blas_decode tree2 RWKV_BLAS_TUNE=0
     ;;
 blas-tune)  # the dense products on cuBLASLt algorithms chosen by timing (RWKV_BLAS_TUNE=1): the GPU tests of the
     # ctypes calls and of the tuner in the forward, then the 7.2B step at 256/512 rows with and without it, twice

@@ -3,7 +3,6 @@ weights behind its batched matmuls, and what those matmuls compute, against the 
 Runs on the CPU; test_fused_cuda.py runs the whole fused forward on a GPU."""
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -109,10 +108,9 @@ def test_add_product_adds_the_product_in_place():
     y = torch.randn(ROWS, 768, generator=gen).half()
     x = torch.randn(ROWS, 768, generator=gen).half()
     want = x.float() + y.float() @ lin.weight.float().t()
-    for addmm in (True, False):  # one call with beta = 1, or the product then the add (RWKV_RESIDUAL_ADDMM=0)
-        target = x.clone()
-        add_product(target, lin, y, functools.partial(torch_matmul, addmm=addmm))
-        assert float((target.float() - want).abs().max()) <= 1e-2 * float(want.abs().max()), addmm
+    target = x.clone()
+    add_product(target, lin, y, torch_matmul)
+    assert float((target.float() - want).abs().max()) <= 1e-2 * float(want.abs().max())
     assert not torch.equal(target, x)
     q = torch.randint(-127, 128, (768, 768), dtype=torch.int8, generator=gen)
     quant = W8A16Linear(q, torch.full((768,), 1e-3, dtype=torch.float16))
@@ -129,10 +127,9 @@ def test_torch_matmul_forms():
     torch_matmul(w, x, out)
     torch.testing.assert_close(out, x @ w.t())
     base = torch.randn(3, 6, generator=gen)
-    for addmm in (True, False):
-        added = base.clone()
-        torch_matmul(w.t().contiguous(), x, added, "kn", add=True, addmm=addmm)
-        torch.testing.assert_close(added, base + x @ w.t())
+    added = base.clone()
+    torch_matmul(w.t().contiguous(), x, added, "kn", add=True)
+    torch.testing.assert_close(added, base + x @ w.t())
     ws, xs = torch.randn(3, 6, 4, generator=gen), torch.randn(3, 5, 4, generator=gen)
     outs = torch.empty(3, 5, 6)
     torch_matmul(ws, xs, outs)
@@ -187,18 +184,6 @@ def test_products_go_through_the_tuner_when_switched_on(monkeypatch):
     for got, lin, inputs in zip((r, k, v), (blk.receptance, blk.key, blk.value), mixed[:3]):
         want = lin(inputs)
         assert float((got.float() - want.float()).abs().max()) <= 2e-3 * float(want.abs().max()) + 1e-3
-
-
-def test_residual_addmm_switch(monkeypatch):
-    """RWKV_RESIDUAL_ADDMM: on by default (beta = 1), off at 0 (the product, then the add; results as above)."""
-    from types import SimpleNamespace
-
-    from infer.ops.fused import FusedKernels
-    module = SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 4)
-    monkeypatch.delenv("RWKV_RESIDUAL_ADDMM", raising=False)
-    assert FusedKernels(module).residual_addmm
-    monkeypatch.setenv("RWKV_RESIDUAL_ADDMM", "0")
-    assert not FusedKernels(module).residual_addmm
 
 
 def test_a_failed_4bit_self_test_switches_off_only_the_4bit_tasks():

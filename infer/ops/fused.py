@@ -180,20 +180,17 @@ def batch_weights(blk: "Block") -> BatchedWeights | None:
     return BatchedWeights(rkv, lora_down, lora_up)
 
 
-def torch_matmul(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, layout: str = "nk", add: bool = False,
-                 addmm: bool = True) -> None:
+def torch_matmul(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, layout: str = "nk", add: bool = False) -> None:
     """out (+)= x W^T for W [n, k] (layout "nk") or x W for W [k, n] ("kn", K-major), batched when x is 3-D, as one
-    cuBLAS call; with ``add``, one call with the add folded in (beta = 1), or with ``addmm`` False the product and then
-    the add (see FusedKernels.residual_addmm)."""
+    cuBLAS call; with ``add``, the add folded into it (beta = 1: the product then an add of its own was slower,
+    bench/results/experiment_blas_ab_residual_h100.json)."""
     wt = w.transpose(-1, -2) if layout == "nk" else w
     if x.dim() == 3:
         if add:
             raise ValueError("batched products are not added into their output")
         torch.bmm(x, wt, out=out)
-    elif add and addmm:
-        out.addmm_(x, wt)
     elif add:
-        out.add_(torch.mm(x, wt))
+        out.addmm_(x, wt)
     else:
         torch.mm(x, wt, out=out)
 
@@ -315,12 +312,6 @@ class FusedKernels:
         # (bench/results/experiment_lora_streams*_h200.json). RWKV_LORA_STREAM=0/1 for A/B runs.
         self.lora_streams: int = min(max(env_int("RWKV_LORA_STREAM", 2), 0), 2)
         self._side_streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
-        # Above the GEMV's rows, whether dense products that add into the residual (the output projection, the FFN
-        # value) are one cuBLAS call with beta = 1, or (RWKV_RESIDUAL_ADDMM=0, for A/B runs) the product alone and
-        # then the add: at 7.2B and 256 rows cuBLAS runs the output projection's beta-add kernel at ~50 % of the
-        # tensor cores' peak, the other products at 80-90 % (bench/results/profile_b256_fp16_state_pipelined_h200.json;
-        # bench/experiment_blas_algos.py times both forms).
-        self.residual_addmm: bool = env_flag("RWKV_RESIDUAL_ADDMM", True)
         # Above the GEMV's rows, the dense fp16 products (r/k/v, output, FFN key and value, head) at the decode graphs'
         # row counts through a GemmTuner: torch's call or a faster cuBLASLt algorithm for the shape, chosen by timing
         # in the warm-up forward before each graph's capture (infer/ops/blas_lt.py). Opt-in (RWKV_BLAS_TUNE=1) until
@@ -381,13 +372,13 @@ class FusedKernels:
 
     def _matmul(self, w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, layout: str = "nk",
                 add: bool = False) -> None:
-        """:func:`torch_matmul` (with this object's residual_addmm), or the tuner's choice for the shape."""
+        """:func:`torch_matmul`, or the tuner's choice for the shape."""
         if self.tuner is None:
-            torch_matmul(w, x, out, layout, add, self.residual_addmm)
+            torch_matmul(w, x, out, layout, add)
             return
 
         def torch_call(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
-            torch_matmul(w, x, out, layout, add, self.residual_addmm)
+            torch_matmul(w, x, out, layout, add)
         batch = x.shape[0] if x.dim() == 3 else 1
         self.tuner.run(GemmShape(x.shape[-2], out.shape[-1], x.shape[-1], layout, batch, add), torch_call, w, x, out)
 
