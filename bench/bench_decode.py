@@ -209,8 +209,6 @@ def bench_size(name: str, batches: list[int], steps: int, states: list[str], eng
         limit = limits.decode_tok_s(name, B, state, engine)
         row["limit_tok_s"] = round(limit)
         row["graph_pct_of_limit"] = limits.percent(row["graph_tok_s"], limit)
-        if model.fused is not None and model.fused.tuner is not None:  # RWKV_BLAS_TUNE=1: what each GEMM chose
-            row["gemm_tuning"] = model.fused.tuner.describe(B)
         rows.append(row)
         print(row, flush=True)
         del graph, pool

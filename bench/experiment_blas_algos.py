@@ -8,7 +8,7 @@ decode step exactly as the fused forward calls it (the same operands' layouts, b
 
 * torch as the server runs it (cuBLAS), and torch with cuBLASLt preferred (``preferred_blas_library``);
 * every algorithm cuBLASLt's heuristic offers for the problem (up to --algos), each checked against torch's result
-  first, called through ctypes (infer/ops/blas_lt.py, which the server's RWKV_BLAS_TUNE=1 uses; no build).
+  first, called through ctypes (bench/cublaslt.py; no build).
 
 Each candidate is captured as a CUDA graph of calls that cycle through enough copies of the weights to exceed the
 50 MB L2 (a decode step reads each matrix once, from memory), and its median time a call over the replays is kept.
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import limits  # noqa: E402
 from bench.bench_decode import capture_calls  # noqa: E402
-from infer.ops.blas_lt import ALGO_CONFIG, CublasLt, GemmShape, lt_problem, relative_error  # noqa: E402
+from bench.cublaslt import ALGO_CONFIG, CublasLt, GemmShape, lt_problem, relative_error  # noqa: E402
 
 L2_BYTES = 50 << 20
 CALLS_PER_GRAPH = 24

@@ -132,9 +132,6 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-ab   # ~3 min on a fresh machine: 7.2B decode at 256/512
 #                                                                   # rows (fp16 state): the tree, cuBLASLt preferred,
 #                                                                   # the tree again
-#   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-tune  # ~7 min on a fresh machine: GPU tests of the
-#                                                                   # cuBLASLt calls and the tuner, 7.2B decode at 256/512
-#                                                                   # rows with RWKV_BLAS_TUNE=1 / 0 / 1
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -179,12 +176,12 @@ profile_b256_fp16() {
         --state fp16 --out "$1"
 }
 
-# blas_decode RUN VAR=VALUE: the 7.2B decode step at 256 and 512 rows (fp16 state) with that variable, into
-# bench/results/experiment_blas_ab_RUN_h200.json
+# blas_decode RUN [VAR=VALUE]: the 7.2B decode step at 256 and 512 rows (fp16 state), with that variable if given,
+# into bench/results/experiment_blas_ab_RUN_h200.json
 blas_decode() {
     local out=bench/results/experiment_blas_ab_$1_h200.json
-    step 100 "7.2B decode, fp16 state, $1 ($2)" env "$2" python bench/bench_decode.py --sizes 7.2b --batches 256,512 \
-        --states fp16 --steps 20 --wkv cuda --no-checks --out $out
+    step 100 "7.2B decode, fp16 state, $1 (${2:-as the tree runs it})" env ${2:+"$2"} python bench/bench_decode.py \
+        --sizes 7.2b --batches 256,512 --states fp16 --steps 20 --wkv cuda --no-checks --out $out
     copy $out
 }
 
@@ -771,18 +768,9 @@ blas-ab)  # the whole 7.2B step at 256/512 rows (fp16 state) as the tree runs it
     # GEMMs (its one heuristic choice), then the tree again (the machine's noise). (Its first run also timed the
     # residual products as a product then an add, RWKV_RESIDUAL_ADDMM=0: slower, removed; experiment_blas_ab_residual_h100.json.)
     build_fused
-    blas_decode tree RWKV_BLAS_TUNE=0
+    blas_decode tree
     blas_decode lt TORCH_BLAS_PREFER_CUBLASLT=1
-    blas_decode tree2 RWKV_BLAS_TUNE=0
-    ;;
-blas-tune)  # the dense products on cuBLASLt algorithms chosen by timing (RWKV_BLAS_TUNE=1): the GPU tests of the
-    # ctypes calls and of the tuner in the forward, then the 7.2B step at 256/512 rows with and without it, twice
-    build_fused
-    step 200 "GPU tests: cuBLASLt through ctypes, the tuner in the forward" python -m pytest -q -rf --tb=short \
-        -p no:cacheprovider test/test_fused_cuda.py -k "blas"
-    blas_decode tune RWKV_BLAS_TUNE=1
-    blas_decode notune RWKV_BLAS_TUNE=0
-    blas_decode tune2 RWKV_BLAS_TUNE=1
+    blas_decode tree2
     ;;
 gemlite-8bit)  # GemLite 8-bit layers read pre-scaled: the range experiment, GPU tests, engines on the trained model
     tuning_cache

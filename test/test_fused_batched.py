@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.ops.blas_lt import GemmShape
-from infer.ops.fused import BatchedWeights, add_product, batch_weights, batched_projections, torch_matmul
+from infer.ops.fused import BatchedWeights, KMajorLinear, add_product, batch_weights, batched_projections, torch_matmul
 from infer.ops.linear_w8a16 import W8A16Linear
 from infer.model import RWKV7
 from infer.random_model import make_config, random_state_dict
@@ -109,13 +108,19 @@ def test_add_product_adds_the_product_in_place():
     x = torch.randn(ROWS, 768, generator=gen).half()
     want = x.float() + y.float() @ lin.weight.float().t()
     target = x.clone()
-    add_product(target, lin, y, torch_matmul)
+    add_product(target, lin, y)
     assert float((target.float() - want).abs().max()) <= 1e-2 * float(want.abs().max())
     assert not torch.equal(target, x)
+    value = model.blocks[0].ffn_value  # a K-major matrix (the FFN value's sparse-input layout) adds W, not W^T
+    hidden = torch.randn(ROWS, value.in_features, generator=gen).half()
+    want = x.float() + hidden.float() @ value.weight.float().t()
+    target = x.clone()
+    add_product(target, KMajorLinear(value.weight, (None, None)), hidden)
+    assert float((target.float() - want).abs().max()) <= 1e-2 * float(want.abs().max())
     q = torch.randint(-127, 128, (768, 768), dtype=torch.int8, generator=gen)
     quant = W8A16Linear(q, torch.full((768,), 1e-3, dtype=torch.float16))
     target = x.clone()
-    add_product(target, quant, y, lambda *a: pytest.fail("a quantized linear adds its own product"))
+    add_product(target, quant, y)  # a quantized linear adds its own product
     assert torch.equal(target, x + quant(y))
 
 
@@ -136,54 +141,6 @@ def test_torch_matmul_forms():
     torch.testing.assert_close(outs, torch.bmm(xs, ws.transpose(1, 2)))
     with pytest.raises(ValueError):
         torch_matmul(ws, xs, outs, add=True)
-
-
-def test_products_go_through_the_tuner_when_switched_on(monkeypatch):
-    """RWKV_BLAS_TUNE=1: FusedKernels' dense products (the r/k/v batch, the residual adds, FFN key and head through
-    ``product``) reach its GemmTuner with their shapes and torch's call; off (the default) there is no tuner and
-    ``product`` is the linear's own call."""
-    from types import SimpleNamespace
-
-    from infer.ops.blas_lt import GemmTuner
-    from infer.ops.fused import FusedKernels, KMajorLinear
-    module = SimpleNamespace(gemv_max_rows=lambda: 8, sparse_gemv_max_rows=lambda int8=False: 4)
-    monkeypatch.delenv("RWKV_BLAS_TUNE", raising=False)
-    plain = FusedKernels(module)
-    assert plain.tuner is None
-    model = model_fp16()
-    blk = model.blocks[1]
-    gen = torch.Generator().manual_seed(9)
-    kf = torch.randn(ROWS, 768, generator=gen).half()
-    assert torch.equal(plain.product(blk.ffn_key, kf), blk.ffn_key(kf))
-
-    monkeypatch.setenv("RWKV_BLAS_TUNE", "1")
-    kernels = FusedKernels(module)
-    assert isinstance(kernels.tuner, GemmTuner)
-    assert "cuBLASLt" in kernels.name and "cuBLASLt" not in plain.name  # the startup log says so
-    seen = []
-
-    def run(shape, torch_call, w, x, y):
-        seen.append(shape)
-        torch_call(w, x, y)
-    kernels.tuner.run = run
-    hidden = kernels.product(blk.ffn_key, kf)
-    assert seen == [GemmShape(ROWS, 3072, 768)]
-    assert float((hidden.float() - blk.ffn_key(kf).float()).abs().max()) <= 1e-2 * float(hidden.abs().max())
-    x = torch.randn(ROWS, 768, generator=gen).half()
-    target = x.clone()
-    add_product(target, blk.output, kf, kernels._matmul)
-    k_major = KMajorLinear(blk.ffn_value.weight, (None, None))
-    add_product(target, k_major, hidden, kernels._matmul)
-    want = x.float() + kf.float() @ blk.output.weight.float().t() + hidden.float() @ blk.ffn_value.weight.float().t()
-    assert float((target.float() - want).abs().max()) <= 2e-2 * float(want.abs().max())
-    blk.batched = batch_weights(blk)
-    mixed = torch.randn(6, ROWS, 768, generator=gen).half()
-    r, k, v, *_ = batched_projections(blk, mixed, first_layer=False, matmul=kernels._matmul)
-    assert seen[1:] == [GemmShape(ROWS, 768, 768, accumulate=True), GemmShape(ROWS, 768, 3072, "kn", accumulate=True),
-                        GemmShape(ROWS, 768, 768, batch=3)]
-    for got, lin, inputs in zip((r, k, v), (blk.receptance, blk.key, blk.value), mixed[:3]):
-        want = lin(inputs)
-        assert float((got.float() - want.float()).abs().max()) <= 2e-3 * float(want.abs().max()) + 1e-3
 
 
 def test_a_failed_4bit_self_test_switches_off_only_the_4bit_tasks():

@@ -30,13 +30,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from infer.batch import PackedBatch
-from infer.ops.blas_lt import TUNED_ROWS, GemmShape, GemmTuner
 from infer.ops.cuda_ext import BuildOnce, compile_kernels, env_flag, env_int
 from infer.ops.linear import DenseLinear
 from infer.ops.linear_w8a16 import W8A16Linear, uint4_weights
@@ -195,17 +194,13 @@ def torch_matmul(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, layout: st
         torch.mm(x, wt, out=out)
 
 
-Matmul = Callable[..., None]  # torch_matmul's signature: (w, x, out, layout="nk", add=False)
-
-
-def batched_projections(blk: "Block", mixed: torch.Tensor, first_layer: bool, sides: Sequence[torch.cuda.Stream] = (),
-                        matmul: Matmul = torch_matmul) -> tuple[torch.Tensor, ...]:
+def batched_projections(blk: "Block", mixed: torch.Tensor, first_layer: bool,
+                        sides: Sequence[torch.cuda.Stream] = ()) -> tuple[torch.Tensor, ...]:
     """r, k, v, dw, da, dv (None in layer 0), g of ``blk`` (``blk.batched`` set) from ``mixed`` [6, T, C], the mixed
     inputs in the order r, k, v, w, a, g: one batched matmul for r/k/v (with quantized r/k/v, one product each) and
     two LoRA chains: w/a/v (two batched matmuls and tanh) and g (two products and sigmoid). ``sides``: CUDA streams
     on which the LoRA chains run beside the r/k/v product (their small products fill few multiprocessors), one for
-    both chains or one each; the current stream waits for them before returning. The results are the same.
-    ``matmul`` computes the r/k/v product (default :func:`torch_matmul`)."""
+    both chains or one each; the current stream waits for them before returning. The results are the same."""
     weights = blk.batched
     # allocated on the current stream, which reads them afterwards
     ups = mixed.new_empty(len(weights.lora_down), mixed.shape[1], mixed.shape[2])
@@ -223,7 +218,7 @@ def batched_projections(blk: "Block", mixed: torch.Tensor, first_layer: bool, si
         _gate_lora(blk, mixed[5], g)
     if weights.rkv is not None:
         rkv = mixed.new_empty(3, mixed.shape[1], weights.rkv.shape[1])
-        matmul(weights.rkv, mixed[:3], rkv)
+        torch_matmul(weights.rkv, mixed[:3], rkv)
         r, k, v = rkv.unbind(0)
     else:
         r, k, v = blk.receptance(mixed[0]), blk.key(mixed[1]), blk.value(mixed[2])
@@ -246,13 +241,13 @@ def _gate_lora(blk: "Block", xg: torch.Tensor, g: torch.Tensor) -> None:
     torch.mm(torch.sigmoid(torch.mm(xg, blk.g1.weight.t())), blk.g2.weight.t(), out=g)
 
 
-def add_product(x: torch.Tensor, linear, y: torch.Tensor, matmul: Matmul = torch_matmul) -> None:
-    """x += y W^T; dense weights through ``matmul`` (one cuBLAS call with the add folded in by default; a K-major
-    matrix as such), other linears' own product added."""
+def add_product(x: torch.Tensor, linear, y: torch.Tensor) -> None:
+    """x += y W^T; dense weights (a K-major matrix as such) as one cuBLAS call with the add folded in, other linears'
+    own product added."""
     if isinstance(linear, KMajorLinear):
-        matmul(linear.weight_t, y, x, "kn", True)
+        torch_matmul(linear.weight_t, y, x, "kn", True)
     elif isinstance(linear, DenseLinear):
-        matmul(linear.weight, y, x, "nk", True)
+        torch_matmul(linear.weight, y, x, "nk", True)
     else:
         x.add_(linear(y))
 
@@ -260,11 +255,7 @@ def add_product(x: torch.Tensor, linear, y: torch.Tensor, matmul: Matmul = torch
 class FusedKernels:
     """The compiled ops plus the fused forward built on them."""
 
-    @property
-    def name(self) -> str:
-        """What the startup log says of this forward."""
-        tuned = ", large-batch GEMMs timed against cuBLASLt's algorithms (RWKV_BLAS_TUNE)" if self.tuner else ""
-        return f"fused cuda kernels (rwkv7_fused){tuned}"
+    name = "fused cuda kernels (rwkv7_fused)"
 
     def __init__(self, module) -> None:
         self._m = module
@@ -312,12 +303,6 @@ class FusedKernels:
         # (bench/results/experiment_lora_streams*_h200.json). RWKV_LORA_STREAM=0/1 for A/B runs.
         self.lora_streams: int = min(max(env_int("RWKV_LORA_STREAM", 2), 0), 2)
         self._side_streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
-        # Above the GEMV's rows, the dense fp16 products (r/k/v, output, FFN key and value, head) at the decode graphs'
-        # row counts through a GemmTuner: torch's call or a faster cuBLASLt algorithm for the shape, chosen by timing
-        # in the warm-up forward before each graph's capture (infer/ops/blas_lt.py). Opt-in (RWKV_BLAS_TUNE=1) until
-        # a GPU measurement says it pays; the CUDA build only.
-        self.tuner: GemmTuner | None = (GemmTuner(TUNED_ROWS) if env_flag("RWKV_BLAS_TUNE", False)
-                                        and torch.version.hip is None else None)
         self._forward_stream: int | None = None  # the stream handle of the forward running (forward)
         # Steps of one token of one row as one persistent kernel (infer.ops.persistent; RWKV_PERSISTENT=1, set by
         # select_fused), where it covers the model; None: the launches below.
@@ -370,27 +355,6 @@ class FusedKernels:
             self._side_streams[device] = tuple(torch.cuda.Stream(device) for _ in range(self.lora_streams))
         return self._side_streams[device]
 
-    def _matmul(self, w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, layout: str = "nk",
-                add: bool = False) -> None:
-        """:func:`torch_matmul`, or the tuner's choice for the shape."""
-        if self.tuner is None:
-            torch_matmul(w, x, out, layout, add)
-            return
-
-        def torch_call(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
-            torch_matmul(w, x, out, layout, add)
-        batch = x.shape[0] if x.dim() == 3 else 1
-        self.tuner.run(GemmShape(x.shape[-2], out.shape[-1], x.shape[-1], layout, batch, add), torch_call, w, x, out)
-
-    def product(self, linear, x: torch.Tensor) -> torch.Tensor:
-        """x W^T of a linear layer above the GEMV's rows: dense fp16 weights through the tuner when there is one, any
-        other through the layer's own call."""
-        if self.tuner is None or type(linear) is not DenseLinear or linear.weight.dtype != torch.float16:
-            return linear(x)
-        out = x.new_empty(x.shape[0], linear.out_features)
-        self._matmul(linear.weight, x, out)
-        return out
-
     def _stage_counters(self, device: torch.device) -> torch.Tensor:
         """The staged launches' two counters on ``device``: zero, and every staged launch leaves them zero."""
         if device not in self._stage_sync:
@@ -402,7 +366,7 @@ class FusedKernels:
         the kernel takes go through the linear's own product."""
         int8 = isinstance(linear, KMajorW8A16Linear)
         if x.shape[0] > (self.sparse_int8_rows if int8 else self.sparse_rows):
-            add_product(y, linear, x, self._matmul)
+            add_product(y, linear, x)
             return
         partial, arrivals = linear.workspace
         scale = linear.scale if int8 else _empty(x.device)
@@ -499,7 +463,7 @@ class FusedKernels:
                     self.gemv(tasks)
                     self.gemv(second)
             elif isinstance(blk.batched, BatchedWeights):
-                r, k, v, dw, da, dv, g = batched_projections(blk, mixed, first, sides, self._matmul)
+                r, k, v, dw, da, dv, g = batched_projections(blk, mixed, first, sides)
                 dv = _empty(x.device) if dv is None else dv
             else:
                 r, k, v = blk.receptance(xr), blk.key(xk), blk.value(xv)
@@ -528,9 +492,9 @@ class FusedKernels:
                 else:
                     self.gemv([(blk.ffn_value, hidden, x, EPI_NONE, x)])
             else:
-                add_product(x, blk.output, y, self._matmul)
+                add_product(x, blk.output, y)
                 self.ln_shift_mix(x, blk.ln2_w, blk.ln2_b, state.ffn_shift[i], batch, [blk.ffn_x_k], [kf])
-                add_product(x, blk.ffn_value, self.relu_square_(self.product(blk.ffn_key, kf)), self._matmul)
+                add_product(x, blk.ffn_value, self.relu_square_(blk.ffn_key(kf)))
         if not all_logits:
             x = x[batch.last]
         x = F.layer_norm(x, (C,), model.ln_out_w, model.ln_out_b, 1e-5)
@@ -539,7 +503,7 @@ class FusedKernels:
             logits = x.new_empty(rows, model.head.out_features)
             self.gemv([(model.head, x.contiguous(), logits, EPI_NONE, None)])
             return logits.float()
-        return self.product(model.head, x).float()
+        return model.head(x).float()
 
     def gemv_covers(self, model: "RWKV7") -> int:
         """Steps of up to this many tokens run every matrix of ``model`` on the grouped GEMV (0 when some

@@ -1,13 +1,10 @@
-"""cuBLASLt through ctypes, and a per-shape choice among its algorithms for the large-batch GEMMs.
+"""cuBLASLt through ctypes on the library torch loaded (no build), for bench/experiment_blas_algos.py: the algorithms
+cuBLASLt's heuristic offers for a GEMM, each callable on the current stream (and so inside CUDA graphs).
 
-torch asks cuBLAS's heuristic for one kernel per GEMM shape and never times another. At 7.2B and 256 rows that
-choice runs the output projection (its residual added, beta = 1) at ~50 % of the tensor cores' peak where the other
-products reach 80-90 % (bench/results/profile_b256_fp16_state_pipelined_h200.json). :class:`GemmTuner` times, the
-first time a shape runs outside a CUDA graph capture (the warm-up forwards before each graph is captured), torch's
-call against every algorithm cuBLASLt's heuristic offers for the same problem, and keeps the fastest that gives
-torch's result (within fp16 rounding) and the same bits on every run; later calls and the captured graphs use it.
-Opt-in (``RWKV_BLAS_TUNE=1``, read by infer/ops/fused.py) until a GPU measurement says it pays;
-bench/experiment_blas_algos.py times the same candidates per GEMM. The library is the one torch loaded (no build).
+torch asks cuBLAS's heuristic for one kernel per GEMM shape and never times another; the experiment times every
+offered algorithm against that choice for the large-batch decode GEMMs. (A per-shape tuner in the forward built on
+this, RWKV_BLAS_TUNE, found nothing >= 3 % faster at 7.2B 256/512 rows and was removed:
+bench/variants/blas_tune.patch.)
 
 Row-major torch products map to column-major cuBLASLt problems (:func:`lt_problem`): y [rows, n] = x [rows, k] W^T
 is y^T = op(W) x^T, with W [n, k] ("nk", nn.Linear's layout; op = T) or [k, n] ("kn", a K-major matrix; op = N).
@@ -15,23 +12,13 @@ is y^T = op(W) x^T, with W [n, k] ("nk", nn.Linear's layout; op = T) or [k, n] (
 from __future__ import annotations
 
 import ctypes
-import logging
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-log = logging.getLogger(__name__)
-
-# The row counts whose shapes are tuned: the decode graphs' buckets (infer/runner.py GRAPH_BUCKETS) above the fp16
-# GEMV's rows, tuned in the warm-up before their capture; other counts (prompts of most lengths) keep torch's call, so
-# that requests seldom wait for a tuning (a prompt step of exactly 1,024 tokens on a server of fewer rows does, once).
-TUNED_ROWS = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 WORKSPACE_BYTES = 32 << 20
-L2_FLUSH_BYTES = 128 << 20  # more than the 50 MB L2 of an H100/H200: a product's weights come from memory, as in a step
 
 # cuBLAS / cuBLASLt constants (cublas_api.h, cublasLt.h, library_types.h of CUDA 12 and 13)
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
@@ -222,132 +209,3 @@ class LtPlan:
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """The largest difference from the reference relative to its largest value (how a candidate is checked)."""
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
-
-
-Product = Callable[[torch.Tensor], None]  # writes (or adds) one candidate's product into the tensor it is given
-
-
-def cuda_timer(device: torch.device, reps: int) -> Callable[[Product, torch.Tensor], float]:
-    """Median seconds of `reps` calls of a candidate into its output, each after the L2 was flushed."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
-
-    def timed(product: Product, out: torch.Tensor) -> float:
-        times = []
-        for _ in range(reps):
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            product(out)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        return statistics.median(times)
-    return timed
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (then nothing may be timed or synchronised)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-class GemmTuner:
-    """For each GemmShape with a row count in `rows`: torch's call or the fastest cuBLASLt algorithm that gives its
-    result, chosen the first time the shape runs outside a graph capture (see the module's docstring). Shapes of
-    other row counts (prompts of any length) and fp16-incompatible operands always take torch's call.
-
-    `lt`, `timer` and `capture_check` are the GPU's by default (tests pass their own)."""
-
-    def __init__(self, rows: tuple[int, ...], max_algos: int = 32, reps: int = 5, margin: float = 0.03,
-                 lt: Callable[[torch.device], CublasLt] = CublasLt,
-                 timer: Callable[[torch.device, int], Callable[[Product, torch.Tensor], float]] = cuda_timer,
-                 capture_check: Callable[[], bool] = capturing) -> None:
-        self.rows, self.max_algos, self.reps, self.margin = frozenset(rows), max_algos, reps, margin
-        self._make_lt, self._make_timer, self._capturing = lt, timer, capture_check
-        self._lt: CublasLt | None = None
-        # shape -> (plan, algorithm index), or None for torch's call; what each choice measured, for the log
-        self.choices: dict[GemmShape, tuple[LtPlan, int] | None] = {}
-        self.report: dict[GemmShape, dict] = {}
-
-    def describe(self, rows: int | None = None) -> dict[str, dict]:
-        """What each tuned shape (of `rows` rows, or all) measured and chose, keyed "rows x n x k layout [xbatch] [+]"
-        (+: added into the output)."""
-        out = {}
-        for shape, report in self.report.items():
-            if rows is None or shape.rows == rows:
-                batch = f" x{shape.batch}" if shape.batch > 1 else ""
-                key = f"{shape.rows}x{shape.n}x{shape.k} {shape.layout}{batch}" + (" +" if shape.accumulate else "")
-                out[key] = {**report, "chosen": "torch" if self.choices.get(shape) is None else "cublaslt"}
-        return out
-
-    def run(self, shape: GemmShape, torch_call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-            w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y (+)= the product of `shape` (torch_call(w, x, y) computes it torch's way)."""
-        if shape not in self.choices:
-            if shape.rows not in self.rows or not _fits(shape, w, x, y) or self._capturing():
-                torch_call(w, x, y)
-                return
-            self.choices[shape] = self._tune(shape, torch_call, w, x, y)
-        choice = self.choices[shape]
-        if choice is None:
-            torch_call(w, x, y)
-        else:
-            plan, index = choice
-            plan.run(index, w, x, y)
-
-    def _tune(self, shape: GemmShape, torch_call, w: torch.Tensor, x: torch.Tensor,
-              y: torch.Tensor) -> tuple[LtPlan, int] | None:
-        """Every candidate on copies of y (y itself is left for the caller's call); torch's unless an algorithm is
-        `margin` faster, gives torch's result (relative error <= 2e-2) and the same bits twice."""
-        if self._lt is None:
-            try:
-                self._lt = self._make_lt(y.device)
-            except (OSError, AttributeError, RuntimeError) as exc:  # no usable cuBLASLt: torch's calls throughout
-                log.warning("cuBLASLt unavailable (%s): the GEMMs keep torch's calls", exc)
-                self.rows = frozenset()
-                self.report[shape] = {"error": f"cuBLASLt unavailable: {exc}"}
-                return None
-        timer = self._make_timer(y.device, self.reps)
-        want, first, second = y.clone(), torch.empty_like(y), torch.empty_like(y)  # 3 copies of y at most (logits)
-        torch_call(w, x, want)
-        torch_s = timer(lambda out: torch_call(w, x, out), first.copy_(y))
-        report = {"torch_us": round(torch_s * 1e6, 2), "algos": 0, "rejected": 0}
-        try:
-            plan = self._lt.plan(lt_problem(shape), self.max_algos)
-        except RuntimeError as exc:
-            report["error"] = str(exc)
-            self.report[shape] = report
-            return None
-        report["algos"] = len(plan.algos)
-        best: tuple[float, int] | None = None
-        for index in range(len(plan.algos)):
-            try:
-                first.copy_(y)
-                second.copy_(y)
-                plan.run(index, w, x, first)
-                plan.run(index, w, x, second)
-                if relative_error(first, want) > 2e-2 or not torch.equal(first, second):
-                    report["rejected"] += 1
-                    continue
-                seconds = timer(lambda out, i=index: plan.run(i, w, x, out), first)
-            except RuntimeError:  # an algorithm the library offers but cannot run here
-                report["rejected"] += 1
-                continue
-            if best is None or seconds < best[0]:
-                best = (seconds, index)
-        if best is not None:
-            report["best_us"] = round(best[0] * 1e6, 2)
-            report["config"] = self._lt.config(plan.algos[best[1]].algo)
-        self.report[shape] = report
-        if best is not None and best[0] < (1 - self.margin) * torch_s:
-            log.info("GEMM %s: cuBLASLt algorithm %s, %.1f us against torch's %.1f", shape, report["config"],
-                     best[0] * 1e6, torch_s * 1e6)
-            return plan, best[1]
-        return None
-
-
-def _fits(shape: GemmShape, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether the operands are what the shape's cuBLASLt problem reads: fp16 and contiguous, of its sizes."""
-    lead = (shape.batch,) if shape.batch > 1 else ()
-    stored = (shape.n, shape.k) if shape.layout == "nk" else (shape.k, shape.n)
-    return (all(t.dtype == torch.float16 and t.is_contiguous() for t in (w, x, y)) and w.shape == (*lead, *stored)
-            and x.shape == (*lead, shape.rows, shape.k) and y.shape == (*lead, shape.rows, shape.n))
