@@ -132,6 +132,9 @@
 #   . bench/gpu_env.sh && bash bench/h200_pending.sh blas-ab   # ~3 min on a fresh machine: 7.2B decode at 256/512
 #                                                                   # rows (fp16 state): the tree, cuBLASLt preferred,
 #                                                                   # the tree again
+#   . bench/gpu_env.sh && bash bench/h200_pending.sh verify-tree  # ~7 min on a fresh machine: the fused and graph
+#                                                                   # GPU tests, the cuBLASLt calls, decode at batch 1
+#                                                                   # (1.5B/7.2B) and 7.2B 256/512 rows (fp16 state)
 #
 #   CUDA_VISIBLE_DEVICES=1 bash bench/h200_pending.sh tests >/dev/null & p=$!
 #   CUDA_VISIBLE_DEVICES=0 bash bench/h200_pending.sh profile >/dev/null; wait $p
@@ -354,6 +357,18 @@ tests)  # one 300 s step for all of them was cut in the twenty-eighth session (f
     step 240 "sampler, WKV and quantized GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider \
         test/test_sampler_cuda.py test/test_wkv_cuda.py test/test_quant_cuda.py
     step 200 "fla tests" python -m pytest -q -rf --tb=short -p no:cacheprovider test/test_wkv_fla.py
+    ;;
+verify-tree)  # after removing rejected switches: the fused and graph GPU tests, the experiment's cuBLASLt calls, then
+    # the headline decode figures (batch 1 of 1.5B and 7.2B; 7.2B at 256/512 rows with fp16 state)
+    build_fused
+    step 300 "fused and graph GPU tests" python -m pytest -q -rf --tb=short -p no:cacheprovider \
+        test/test_fused_cuda.py test/test_graphs_cuda.py
+    step 60 "cuBLASLt through ctypes (bench/cublaslt.py)" python -m pytest -q -rf --tb=short -p no:cacheprovider \
+        test/test_experiment_blas_algos.py
+    step 100 "decode, batch 1" python bench/bench_decode.py --sizes 1.5b,7.2b --batches 1 --steps 20 --wkv cuda \
+        --no-checks --out bench/results/decode_h200_b1_verify.json
+    copy bench/results/decode_h200_b1_verify.json
+    blas_decode verify
     ;;
 profile)
     step 200 "per-kernel profile" python bench/profile_decode.py --sizes 1.5b,7.2b --batches 1,8,256 \
