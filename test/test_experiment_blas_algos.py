@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from bench import experiment_blas_algos as exp
 from bench import cublaslt
-from infer.ops.fused import torch_matmul
 from infer.random_model import make_config, random_state_dict
 
 LAYERS, WIDTH, VOCAB = 2, 64, 256
@@ -102,15 +101,15 @@ def test_cublaslt_algorithms_compute_torchs_product(shape):
     column-major problem of a row-major product gives torch's result (the layouts as the fused forward stores them:
     nn.Linear's, K-major, r/k/v's strided batch, added into the output)."""
     rows, n, k, layout, batch, add = shape
-    gemm = cublaslt.GemmShape(rows, n, k, layout, batch, add)
+    gemm = exp.Gemm("product", n, k, layout, batch, beta=1.0 if add else 0.0)
     lead = (batch,) if batch > 1 else ()
     gen = torch.Generator().manual_seed(rows)
     w = (torch.randn(*lead, *((n, k) if layout == "nk" else (k, n)), generator=gen) * k ** -0.5).half().cuda()
     x = torch.randn(*lead, rows, k, generator=gen).half().cuda()
     y0 = torch.randn(*lead, rows, n, generator=gen).half().cuda()
     want = y0.clone()
-    torch_matmul(w, x, want, layout, add)
-    plan = cublaslt.CublasLt(w.device).plan(cublaslt.lt_problem(gemm), 8)
+    exp.torch_call(gemm)(w, x, want)
+    plan = cublaslt.CublasLt(w.device).plan(cublaslt.lt_problem(gemm.shape(rows)), 8)
     assert plan.algos, "cuBLASLt offered no algorithm"
     for index in range(len(plan.algos)):
         got = y0.clone()

@@ -3,11 +3,9 @@ weights behind its batched matmuls, and what those matmuls compute, against the 
 Runs on the CPU; test_fused_cuda.py runs the whole fused forward on a GPU."""
 from __future__ import annotations
 
-
-import pytest
 import torch
 
-from infer.ops.fused import BatchedWeights, KMajorLinear, add_product, batch_weights, batched_projections, torch_matmul
+from infer.ops.fused import BatchedWeights, KMajorLinear, add_product, batch_weights, batched_projections
 from infer.ops.linear_w8a16 import W8A16Linear
 from infer.model import RWKV7
 from infer.random_model import make_config, random_state_dict
@@ -111,7 +109,7 @@ def test_add_product_adds_the_product_in_place():
     add_product(target, lin, y)
     assert float((target.float() - want).abs().max()) <= 1e-2 * float(want.abs().max())
     assert not torch.equal(target, x)
-    value = model.blocks[0].ffn_value  # a K-major matrix (the FFN value's sparse-input layout) adds W, not W^T
+    value = model.blocks[0].ffn_value  # a K-major matrix (the FFN value's sparse-input layout): W^T is its storage
     hidden = torch.randn(ROWS, value.in_features, generator=gen).half()
     want = x.float() + hidden.float() @ value.weight.float().t()
     target = x.clone()
@@ -122,25 +120,6 @@ def test_add_product_adds_the_product_in_place():
     target = x.clone()
     add_product(target, quant, y)  # a quantized linear adds its own product
     assert torch.equal(target, x + quant(y))
-
-
-def test_torch_matmul_forms():
-    """torch_matmul: x W^T for nn.Linear's layout, x W for a K-major one, batched for 3-D x, into or added to out."""
-    gen = torch.Generator().manual_seed(8)
-    w, x = torch.randn(6, 4, generator=gen), torch.randn(3, 4, generator=gen)
-    out = torch.empty(3, 6)
-    torch_matmul(w, x, out)
-    torch.testing.assert_close(out, x @ w.t())
-    base = torch.randn(3, 6, generator=gen)
-    added = base.clone()
-    torch_matmul(w.t().contiguous(), x, added, "kn", add=True)
-    torch.testing.assert_close(added, base + x @ w.t())
-    ws, xs = torch.randn(3, 6, 4, generator=gen), torch.randn(3, 5, 4, generator=gen)
-    outs = torch.empty(3, 5, 6)
-    torch_matmul(ws, xs, outs)
-    torch.testing.assert_close(outs, torch.bmm(xs, ws.transpose(1, 2)))
-    with pytest.raises(ValueError):
-        torch_matmul(ws, xs, outs, add=True)
 
 
 def test_a_failed_4bit_self_test_switches_off_only_the_4bit_tasks():

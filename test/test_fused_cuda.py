@@ -121,26 +121,6 @@ def decode_steps(model, rows: int, num_slots: int, wkv_dtype, steps: int = 3):
     return logits, pool
 
 
-def decode_batch(rows: int, num_slots: int) -> PackedBatch:
-    """decode_steps' first step: its tokens, slots counted down from the top."""
-    tokens = [[(7 * i + 3) % 1024] for i in range(rows)]
-    return PackedBatch.from_rows(tokens, list(range(num_slots - 1, num_slots - 1 - rows, -1)), "cuda")
-
-
-def capture_forward(model, batch: PackedBatch, pool):
-    """``batch``'s forward captured as a CUDA graph after a warm-up forward on another stream, as StepGraphs does
-    (the warm-up changes the pool): (graph, its logits)."""
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        model.forward(batch, pool)
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = model.forward(batch, pool)
-    return graph, logits
-
-
 @pytest.mark.parametrize("wkv_dtype", [torch.float32, torch.float16])
 def test_pipelined_time_mix_equals_the_per_row_kernel(pair, wkv_dtype, monkeypatch):
     """time_mix_pipelined_kernel (a fixed grid walking the rows, each next state block prefetched) gives the bits of
@@ -611,8 +591,16 @@ def test_lora_side_stream_changes_no_output(pair, quantized, monkeypatch):
     # one step captured (after a warm-up on another stream, as StepGraphs does), replayed from decode_steps' start
     monkeypatch.setattr(model.fused, "lora_streams", 2)
     pool = model.new_state_pool(slots)
-    batch = decode_batch(rows, slots)  # held while the graph replays: it reads the batch's buffers
-    graph, logits = capture_forward(model, batch, pool)
+    tokens = [[(7 * i + 3) % 1024] for i in range(rows)]
+    batch = PackedBatch.from_rows(tokens, list(range(slots - 1, slots - 1 - rows, -1)), "cuda")
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        model.forward(batch, pool)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = model.forward(batch, pool)
     pool.att_shift.zero_()
     pool.ffn_shift.zero_()
     pool.wkv.copy_(torch.randn(pool.wkv.shape, generator=torch.Generator().manual_seed(rows)).to(pool.wkv) * 0.2)

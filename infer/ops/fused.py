@@ -179,21 +179,6 @@ def batch_weights(blk: "Block") -> BatchedWeights | None:
     return BatchedWeights(rkv, lora_down, lora_up)
 
 
-def torch_matmul(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, layout: str = "nk", add: bool = False) -> None:
-    """out (+)= x W^T for W [n, k] (layout "nk") or x W for W [k, n] ("kn", K-major), batched when x is 3-D, as one
-    cuBLAS call; with ``add``, the add folded into it (beta = 1: the product then an add of its own was slower,
-    bench/results/experiment_blas_ab_residual_h100.json)."""
-    wt = w.transpose(-1, -2) if layout == "nk" else w
-    if x.dim() == 3:
-        if add:
-            raise ValueError("batched products are not added into their output")
-        torch.bmm(x, wt, out=out)
-    elif add:
-        out.addmm_(x, wt)
-    else:
-        torch.mm(x, wt, out=out)
-
-
 def batched_projections(blk: "Block", mixed: torch.Tensor, first_layer: bool,
                         sides: Sequence[torch.cuda.Stream] = ()) -> tuple[torch.Tensor, ...]:
     """r, k, v, dw, da, dv (None in layer 0), g of ``blk`` (``blk.batched`` set) from ``mixed`` [6, T, C], the mixed
@@ -217,9 +202,7 @@ def batched_projections(blk: "Block", mixed: torch.Tensor, first_layer: bool,
         _stacked_loras(blk, mixed, first_layer, ups)
         _gate_lora(blk, mixed[5], g)
     if weights.rkv is not None:
-        rkv = mixed.new_empty(3, mixed.shape[1], weights.rkv.shape[1])
-        torch_matmul(weights.rkv, mixed[:3], rkv)
-        r, k, v = rkv.unbind(0)
+        r, k, v = torch.bmm(mixed[:3], weights.rkv.transpose(1, 2)).unbind(0)
     else:
         r, k, v = blk.receptance(mixed[0]), blk.key(mixed[1]), blk.value(mixed[2])
     for side in sides:
@@ -242,12 +225,10 @@ def _gate_lora(blk: "Block", xg: torch.Tensor, g: torch.Tensor) -> None:
 
 
 def add_product(x: torch.Tensor, linear, y: torch.Tensor) -> None:
-    """x += y W^T; dense weights (a K-major matrix as such) as one cuBLAS call with the add folded in, other linears'
-    own product added."""
-    if isinstance(linear, KMajorLinear):
-        torch_matmul(linear.weight_t, y, x, "kn", True)
-    elif isinstance(linear, DenseLinear):
-        torch_matmul(linear.weight, y, x, "nk", True)
+    """x += y W^T; with dense weights one cuBLAS call with the add folded in (beta = 1: the product and then an add of
+    its own was slower, bench/results/experiment_blas_ab_residual_h100.json). A K-major matrix's W^T is its storage."""
+    if isinstance(linear, DenseLinear):
+        x.addmm_(y, linear.weight.t())
     else:
         x.add_(linear(y))
 
